@@ -1,0 +1,113 @@
+"""The `hotprefix` command and its sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from hotprefix.config import KV_CACHE_DTYPES, MODEL_DTYPES, ConfigError, parse_size
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    g = p.add_argument_group("model and cache")
+    g.add_argument("--model", default=None,
+                   help="HF model folder, .gguf file or hub id (default: the bundled SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    g.add_argument("--revision", default=None, help="hub revision to download")
+    g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
+                   help="compute dtype; auto = float32 on CPU, half precision on CUDA")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV storage dtype; fp8 halves the memory of fp16")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="bytes of KV cache on CPU, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights, activations and KV (CUDA only)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks",
+                   help="fix the number of KV blocks (for testing)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the shared sampler generator")
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running in one step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+
+
+def engine_config_from_args(a: argparse.Namespace):
+    from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device,
+                    max_model_len=a.max_model_len, revision=a.revision, seed=a.seed),
+        CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
+                    kv_cache_memory=None if a.kv_cache_memory is None else parse_size(a.kv_cache_memory),
+                    gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks),
+        SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from hotprefix.engine.llm import LLM
+    from hotprefix.sampling_params import SamplingParams
+
+    params = SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, min_p=a.min_p, seed=a.sampling_seed, stop=tuple(a.stop or ()),
+                            ignore_eos=a.ignore_eos)
+    llm = LLM(config=engine_config_from_args(a))
+    prompts = a.prompt or [sys.stdin.read()]
+    outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if a.chat
+            else llm.generate(prompts, params))
+    for o in outs:
+        for c in o.outputs:
+            if a.json:
+                print(json.dumps({"prompt": o.prompt, "index": c.index, "text": c.text,
+                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                                  "prompt_tokens": len(o.prompt_token_ids),
+                                  "completion_tokens": len(c.token_ids)}))
+            else:
+                print(c.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hotprefix", description="LLM inference built around a shared KV cache")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for prompts on the command line (or stdin)")
+    add_engine_args(g)
+    g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object per output")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from hotprefix.errors import InvalidRequestError
+    from hotprefix.model.arch import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ModelLoadError, ConfigError, InvalidRequestError) as e:
+        print(f"hotprefix: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Frozen configuration, one dataclass per concern.
+
+Values that are only known at start-up (the number of KV blocks, the model's
+shape) live in plans built from these configs, never by mutating them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option and the value."""
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse a memory size such as ``"4GiB"``, ``"512MB"`` or ``1073741824`` into bytes.
+
+    Raises ConfigError on anything that is not a non-negative size.
+    """
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ConfigError(f"memory size must be non-negative, got {text}")
+        return int(text)
+    m = _SIZE_RE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ConfigError(f"cannot parse memory size {text!r} (examples: 4GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and in what precision.
+
+    model: a HF folder, a .gguf file, a hub id, or None for the bundled default.
+    dtype: compute dtype; "auto" means float32 on CPU (bf16 is very slow there)
+    and the checkpoint's dtype on CUDA.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    revision: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool.
+
+    kv_cache_memory: bytes for KV on CPU (None: a default of 1 GiB).
+    gpu_memory_utilization: share of the GPU's memory for weights + activations + KV.
+    num_blocks_override: fix the number of blocks (tests; small pools).
+    """
+
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ConfigError(f"--block-size must be in 1..1024, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many requests and tokens one engine step may take."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, grouped by concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,147 @@
+"""KV blocks, the free queue, and the pool that hands them out.
+
+Eviction order (documented here, where it is implemented): the free queue is a
+doubly linked list threaded through the blocks themselves. Allocation pops from
+the head; a freed block is appended at the tail. A request frees its blocks in
+reverse (tail first), so a request's last blocks are reused before its first
+ones, which are the ones most likely to be shared by later requests. Removing a
+block from the middle (a cache hit on a free block) is O(1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+
+class IntegrityError(AssertionError):
+    """The pool's bookkeeping is inconsistent (a bug, never a user error)."""
+
+
+@dataclass(eq=False)
+class Block:
+    """One KV block: its id (row in the KV tensors), how many holders it has,
+    and its links in the free queue (both None while it is not queued)."""
+
+    block_id: int
+    ref_cnt: int = 0
+    prev_free: Block | None = None
+    next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)  # sentinels: never handed out
+        self._tail = Block(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def popleft(self) -> Block:
+        """Remove and return the first block. Raises IndexError when empty."""
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise IndexError("no free blocks")
+        self.remove(first)
+        return first
+
+    def remove(self, block: Block) -> None:
+        """Unlink a queued block. Raises IntegrityError if it is not queued."""
+        if block.prev_free is None or block.next_free is None:
+            raise IntegrityError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: Block) -> None:
+        """Put a block at the tail (last to be reused)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise IntegrityError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[Block]:
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    """All KV blocks of one engine.
+
+    Allocation is one call that either returns all the blocks asked for or
+    returns None and changes nothing.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        """Share of blocks held by at least one request (0.0 to 1.0)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[Block] | None:
+        """Take n free blocks (ref_cnt becomes 1), or return None and change nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.free_queue.num_free:
+            return None
+        out = [self.free_queue.popleft() for _ in range(n)]
+        for b in out:
+            b.ref_cnt = 1
+        return out
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in the order given; a block whose
+        count reaches zero goes to the tail of the free queue."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise IntegrityError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def check_integrity(self, held: dict[int, int] | None = None) -> None:
+        """Raise IntegrityError unless the pool is consistent.
+
+        held: block_id -> number of references that owners (requests) hold;
+        when given, every block's ref_cnt must equal it exactly.
+        """
+        queued = self.free_queue.block_ids()
+        if len(queued) != self.free_queue.num_free:
+            raise IntegrityError(f"free count {self.free_queue.num_free} != queue length {len(queued)}")
+        if len(set(queued)) != len(queued):
+            raise IntegrityError("a block is queued twice")
+        queued_set = set(queued)
+        for b in self.blocks:
+            if b.ref_cnt < 0:
+                raise IntegrityError(f"{b} has a negative ref count")
+            if (b.ref_cnt == 0) != (b.block_id in queued_set):
+                raise IntegrityError(f"{b}: free-queue membership does not match its ref count")
+            if held is not None and b.ref_cnt != held.get(b.block_id, 0):
+                raise IntegrityError(f"{b}: owners hold {held.get(b.block_id, 0)} references")

@@ -1,0 +1,66 @@
+"""Plain data passed between the scheduler and the model runner (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hotprefix.core.request import RequestStatus
+from hotprefix.sampling_params import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions
+    `start_pos .. start_pos + len(token_ids) - 1`, whose KV goes into the
+    slots given by `block_ids`; sample a token after the last one if `sample`.
+
+    prompt_token_ids / output_token_ids are the request's lists (read-only for
+    the runner; used by penalties)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes. Requests keep the scheduler's order."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for the requests that asked for one (by request id)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """A request's progress after one step: its new token, and its status if it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished_status: RequestStatus | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_status is not None

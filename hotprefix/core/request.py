@@ -1,0 +1,90 @@
+"""A request as the scheduler sees it: token ids and progress, no text, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from hotprefix.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return self.value if self.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate.
+
+    The single scheduling rule: every step, `num_computed_tokens` catches up
+    towards `num_tokens` (prompt plus output so far) within the step's budget.
+    A prefill chunk and a decode token are the same thing to the scheduler.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """After appending an output token: the finished status it causes, if any.
+
+        Sets `stop_reason` to the stop token id when a stop_token_id matched.
+        """
+        sp = self.sampling_params
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and n_out >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

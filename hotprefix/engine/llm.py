@@ -1,0 +1,82 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from hotprefix.engine.llm_engine import LLMEngine, RequestOutput
+from hotprefix.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate for a batch of prompts and return when all are done.
+
+    Keyword arguments are the fields of ModelConfig, CacheConfig and
+    SchedulerConfig (e.g. block_size=16, kv_cache_dtype="fp8", max_num_seqs=8);
+    an unknown keyword raises TypeError.
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is not None:
+            if model is not None or kwargs:
+                raise TypeError("give either config or model/keyword arguments, not both")
+            self.engine = LLMEngine(config)
+            self._ids = itertools.count()
+            return
+        groups = {}
+        for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+            names = cls.__dataclass_fields__.keys()
+            groups[cls] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names},
+                              **({"model": model} if cls is ModelConfig else {}))
+        if kwargs:
+            raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(kwargs))}")
+        self.engine = LLMEngine(EngineConfig(groups[ModelConfig], groups[CacheConfig], groups[SchedulerConfig]))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 add_special_tokens: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is text or token ids.
+        Raises InvalidRequestError before anything runs if any prompt is invalid."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        rids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, p, sp in zip(rids, prompts, plist):
+                self.engine.add_request(rid, p, sp, add_special_tokens=add_special_tokens)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in rids]
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (a list of messages) or
+        several, then generate. The template's own special tokens are kept as is."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template)
+                   for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, add_special_tokens=False)

@@ -1,0 +1,233 @@
+"""The engine: requests in, RequestOutputs out, one `step()` at a time.
+
+Read in the order of a request's life: add_request (validate, tokenize, fan
+out n samples) -> step (schedule, run the model, update) -> _process (detokenize,
+stop strings, outputs) -> finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hotprefix.config import EngineConfig
+from hotprefix.core.kv_cache_manager import KVCacheManager
+from hotprefix.core.outputs import EngineCoreOutput
+from hotprefix.core.request import Request, RequestStatus
+from hotprefix.core.scheduler import Scheduler
+from hotprefix.engine.detokenizer import IncrementalDetokenizer
+from hotprefix.errors import InvalidRequestError, PromptTooLongError
+from hotprefix.model.loader import LoadedModel, load_model
+from hotprefix.model.runner import ModelRunner
+from hotprefix.sampling_params import SamplingParams, TokenLogprobs
+from hotprefix.sizing import blocks_for_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n samples of a request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of a request after a step. `outputs[i].text` is the whole text
+    so far; `deltas[i]` the text added by this step (for streaming)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    deltas: list[str]
+    finished: bool
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+@dataclass
+class _Child:
+    request: Request
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+
+
+@dataclass
+class _State:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    arrival_time: float
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.out.finished for c in self.children)
+
+
+class LLMEngine:
+    """Owns the scheduler and the model runner. Not thread-safe: one caller drives `step()`."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        mc = self.config.model
+        t0 = time.monotonic()
+        loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler)
+        self.arch = self.runner.arch
+        eos = set(self.arch.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.runner.eos_token_ids = tuple(sorted(eos))
+        self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
+        plan = self.runner.plan
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self._states: dict[str, _State] = {}
+        self._child_to_parent: dict[str, str] = {}
+        log.info("loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool: %d blocks x %d tokens = %d tokens "
+                 "(%s, %.1f MiB)", loaded.name, self.arch.family, self.arch.num_layers, self.runner.device,
+                 str(self.runner.dtype).removeprefix("torch."), time.monotonic() - t0, plan.num_blocks,
+                 plan.block_size, plan.num_tokens, plan.dtype_name,
+                 plan.num_blocks * plan.bytes_per_block / 2**20)
+
+    # -- admission ----------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None) -> str:
+        """The prompt text for a conversation. Raises InvalidRequestError when the
+        tokenizer has no template or the template rejects the messages."""
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; give one with --chat-template")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template)
+        except Exception as e:  # jinja2 errors, template raise_exception(), bad message shapes
+            raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, add_special_tokens: bool = True) -> list[int]:
+        """Validate and queue a request (n children for n samples). Returns the
+        prompt token ids. Raises InvalidRequestError / PromptTooLongError."""
+        if request_id in self._states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            ids = (self.tokenize(prompt) if add_special_tokens
+                   else list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+            text: str | None = prompt
+        else:
+            ids, text = list(prompt), None
+        self._validate(ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        children = []
+        for i in range(params.n):
+            cp = replace(params.for_child(i) if params.n > 1 else params, max_tokens=max_tokens)
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                          priority=priority)
+            children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, cp), CompletionOutput(i)))
+        self._states[request_id] = _State(request_id, text, ids, children, time.monotonic())
+        for c in children:
+            self._child_to_parent[c.request.request_id] = request_id
+            self.scheduler.add_request(c.request)
+        return ids
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {vocab}", "prompt")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(self.max_model_len, len(ids))
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(self.max_model_len, len(ids), params.max_tokens)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(f"logprobs must be <= vocabulary size {vocab}", "logprobs")
+        longest = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
+        if blocks_for_tokens(min(longest, self.max_model_len), self.kv.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the request may need {min(longest, self.max_model_len)} tokens of KV cache, but the pool holds "
+                f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or enlarge the KV cache")
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request in any state; its blocks return to the pool. Unknown ids are ignored."""
+        st = self._states.pop(request_id, None)
+        if st is None:
+            return
+        ids = [c.request.request_id for c in st.children]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for cid in ids:
+            self._child_to_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # -- one step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, and return the requests that progressed."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        core_outputs = self.scheduler.update(sched, result)
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        touched: dict[str, _State] = {}
+        now = time.monotonic()
+        for co in core_outputs:
+            parent = self._child_to_parent.get(co.request_id)
+            st = self._states.get(parent) if parent else None
+            if st is None:
+                continue
+            child = next(c for c in st.children if c.request.request_id == co.request_id)
+            st.first_token_time = st.first_token_time or now
+            out = child.out
+            for tok in co.new_token_ids:
+                out.token_ids.append(tok)
+                stop = child.detok.append(tok)
+                if co.logprobs:
+                    out.logprobs = (out.logprobs or []) + co.logprobs
+                if stop is not None and not co.finished:
+                    self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
+                    out.finish_reason, out.stop_reason = "stop", stop
+                    break
+            if co.finished and out.finish_reason is None:
+                out.finish_reason = co.finished_status.finish_reason
+                out.stop_reason = co.stop_reason
+            out.text = child.detok.text
+            touched[st.request_id] = st
+        results = []
+        for st in touched.values():
+            deltas = [c.detok.delta(c.out.finished) for c in st.children]
+            results.append(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids,
+                                         [c.out for c in st.children], deltas, st.finished,
+                                         arrival_time=st.arrival_time, first_token_time=st.first_token_time))
+            if st.finished:
+                self._states.pop(st.request_id, None)
+                for c in st.children:
+                    self._child_to_parent.pop(c.request.request_id, None)
+        return results

@@ -1,0 +1,26 @@
+"""Errors raised for bad requests; the server maps them to HTTP statuses."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given (HTTP 400). The message says why."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus requested output) does not fit the model's context."""
+
+    def __init__(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
+        msg = (f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+               f"{num_prompt_tokens} input tokens")
+        if max_tokens is not None:
+            msg = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+                   f"{max_tokens} in the completion)")
+        super().__init__(msg + ". Please reduce the length of the input.", param="messages")
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = num_prompt_tokens

@@ -1,0 +1,107 @@
+"""The model's shape, read from a HF config.json or a GGUF file's metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hotprefix.sizing import KVShape
+
+# HF `architectures` entry -> our family name.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# GGUF `general.architecture` -> our family name.
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded; the message is one line naming what was wrong."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Everything about the model's shape that the modules need."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_shape(self) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def validate(self) -> None:
+        """Raise ModelLoadError for shapes or options the modules do not implement."""
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                                 f"num_key_value_heads {self.num_kv_heads}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelLoadError(f"unsupported rope scaling type {self.rope_type!r} "
+                                 f"(supported: {', '.join(ROPE_TYPES)})")
+
+
+def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
+    """Build a ModelArch from a parsed config.json. Raises ModelLoadError."""
+    archs = cfg.get("architectures") or []
+    family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if family is None:
+        family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+            cfg.get("model_type", ""))
+    if family is None:
+        raise ModelLoadError(f"unsupported architecture {archs or cfg.get('model_type')!r} "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    try:
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
+        eos = cfg.get("eos_token_id")
+        arch = ModelArch(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
+    arch.validate()
+    return arch

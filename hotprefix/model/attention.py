@@ -1,0 +1,81 @@
+"""Paged attention over a flat batch that mixes prefill chunks and decode tokens.
+
+The batch is T tokens from B sequences laid end to end. Sequence b owns
+queries [q_start_b, q_start_b + q_len_b) and, after this step's tokens are
+written, has ctx_len_b tokens of KV in its blocks. Its queries sit at the last
+q_len_b positions of that context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hotprefix.model.kv_cache import LayerKV
+
+
+@dataclass
+class SeqAttn:
+    """One sequence's share of the batch.
+
+    kv_slots: [ctx_len] slots holding its keys/values, position order.
+    mask: [q_len, ctx_len] bool (True = may attend), or None when plain
+    causal (q_len == ctx_len) or a single query sees everything.
+    """
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    seqs: list[SeqAttn]
+
+
+def build_seq_attn(q_start: int, q_len: int, ctx_len: int, block_ids: list[int], block_size: int,
+                   sliding_window: int | None, device: torch.device) -> SeqAttn:
+    """Slots and mask for one sequence. Block ids must cover ctx_len tokens."""
+    n_blocks = -(-ctx_len // block_size)
+    blocks = torch.tensor(block_ids[:n_blocks], dtype=torch.long, device=device)
+    offs = torch.arange(block_size, device=device)
+    slots = (blocks[:, None] * block_size + offs[None, :]).reshape(-1)[:ctx_len]
+    mask = None
+    is_causal = False
+    windowed = sliding_window is not None and ctx_len > sliding_window
+    if q_len > 1 or windowed:
+        if q_len == ctx_len and not windowed:
+            is_causal = True
+        else:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]  # [q_len, 1]
+            k_pos = torch.arange(ctx_len, device=device)[None, :]  # [1, ctx_len]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask = mask & (q_pos - k_pos < sliding_window)
+    return SeqAttn(q_start, q_len, ctx_len, slots, mask, is_causal)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend each sequence to its context.
+
+    q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D].
+    """
+    kv.write(meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
+        ks, vs = kv.read(s.kv_slots, q.dtype)  # [ctx, KVH, D]
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(0, 1), vs.transpose(0, 1),  # [KVH, ctx, D]
+            attn_mask=s.mask, is_causal=s.is_causal, scale=scale, enable_gqa=True)
+        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,142 @@
+"""GGUF files: shape from metadata, tensors dequantized through the `gguf` package."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hotprefix.model.arch import GGUF_ARCHITECTURES, ModelArch, ModelLoadError
+
+# Tensor types we dequantize (gguf.quants implements each of these in numpy).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                   "Q8_K", "Q2_K", "Q3_K")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises several types for a bad file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf_arch(path: Path) -> tuple[ModelArch, Any]:
+    """The model's shape from GGUF metadata, and the open reader. Raises ModelLoadError."""
+    reader = _reader(path)
+    garch = _field(reader, "general.architecture")
+    family = GGUF_ARCHITECTURES.get(garch)
+    if family is None:
+        raise ModelLoadError(f"{path.name}: unsupported GGUF architecture {garch!r} "
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    name = str(_field(reader, "general.name", "") or "").lower()
+    if family == "llama" and "mistral" in name:
+        family = "mistral"
+
+    def a(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{garch}.{key}", default)
+
+    heads = a("attention.head_count")
+    hidden = a("embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = a("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    names = {t.name for t in reader.tensors}
+    scaling: dict[str, Any] = {}
+    stype = a("rope.scaling.type")
+    if stype == "linear":
+        scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    try:
+        arch = ModelArch(
+            family=family, vocab_size=int(vocab), hidden_size=int(hidden),
+            intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
+            num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv") or heads),
+            head_dim=int(a("attention.key_length") or hidden // heads),
+            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_position_embeddings=int(a("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in names, qk_norm=family == "qwen3",
+            sliding_window=None, torch_dtype="float32",
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),))
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path.name}: incomplete GGUF metadata ({e})") from None
+    arch.validate()
+    return arch, reader
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope) back to HF's layout."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def load_gguf_weights(path: Path, arch: ModelArch, reader: Any) -> dict[str, torch.Tensor]:
+    """All tensors, dequantized to float32 and renamed to HF's names.
+
+    Raises ModelLoadError for a tensor type we cannot dequantize.
+    """
+    from gguf import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        ttype = t.tensor_type.name
+        if ttype not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} has unsupported type {ttype} "
+                                 f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        if t.name == "rope_freqs.weight":
+            out["rope_freqs"] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            continue
+        m = _BLK.match(t.name)
+        if m:
+            layer, short, kind = m.groups()
+            if short not in _LAYER_NAMES:
+                raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
+            name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}"
+        else:
+            base, _, kind = t.name.rpartition(".")
+            if base not in _TOP_NAMES:
+                raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
+            name = f"{_TOP_NAMES[base]}.{kind}"
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.size == int(np.prod(t.shape)) else w
+        if arch.family in ("llama", "mistral"):
+            if short_of(name) == "q_proj":
+                w = _unpermute(w, arch.num_heads)
+            elif short_of(name) == "k_proj":
+                w = _unpermute(w, arch.num_kv_heads)
+        out[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else np.array(w, order="C"))
+    return out
+
+
+def short_of(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'q_proj'."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else name

@@ -1,0 +1,88 @@
+"""The KV tensors: per layer, K and V for every slot of every block.
+
+Slot s = block_id * block_size + offset. fp8 caches store value / scale with
+one scale per layer for K and one for V (1.0 unless given), so a block takes
+exactly half the bytes of fp16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_PLAIN = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype for a --kv-cache-dtype name ("auto" = the model's dtype)."""
+    if name == "auto":
+        return model_dtype
+    if name in _FP8:
+        return _FP8[name]
+    return _PLAIN[name]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The sizing.py name of a storage dtype."""
+    for table in (_PLAIN, _FP8):
+        for k, v in table.items():
+            if v == dtype:
+                return k
+    raise ValueError(f"not a KV dtype: {dtype}")
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache. k, v: [num_slots, kv_heads, head_dim] in storage dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([T, kv_heads, head_dim]) at slots ([T])."""
+        if self.is_fp8:
+            k = k / self.k_scale
+            v = v / self.v_scale
+        self.k.index_copy_(0, slots, k.to(self.k.dtype))
+        self.v.index_copy_(0, slots, v.to(self.v.dtype))
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at slots, as [len(slots), kv_heads, head_dim] in the compute dtype."""
+        k = self.k.index_select(0, slots).to(dtype)
+        v = self.v.index_select(0, slots).to(dtype)
+        if self.is_fp8:
+            k = k * self.k_scale
+            v = v * self.v_scale
+        return k, v
+
+
+class KVCache:
+    """All layers' KV tensors for a pool of num_blocks blocks."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 scales: tuple[float, float] = (1.0, 1.0)) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        slots = num_blocks * block_size
+        self.layers = [
+            LayerKV(torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+                    torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+                    *scales)
+            for _ in range(num_layers)
+        ]
+
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V of one block over all layers, as stored."""
+        layer = self.layers[0]
+        per_slot = layer.k[0].numel() * layer.k.element_size() * 2
+        return per_slot * self.block_size * len(self.layers)

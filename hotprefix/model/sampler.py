@@ -1,0 +1,109 @@
+"""Turn each row of logits into one token according to its SamplingParams.
+
+Order of operations (vLLM's): raw logprobs are taken first; then min_tokens
+suppression, penalties, temperature, top-k, top-p, min-p; greedy rows take the
+argmax of the penalised logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hotprefix.sampling_params import Logprob, SamplingParams, TokenLogprobs
+
+
+@dataclass
+class SampleRow:
+    """One row to sample: its params, its token history, and its generator (None: the shared one)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids_for_min_tokens: tuple[int, ...]
+    generator: torch.Generator | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """In place: repetition penalty over prompt+output tokens, presence and
+    frequency penalties over output tokens. logits: [B, V] float32."""
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
+                                dtype=torch.long, device=logits.device)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                              vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] after temperature, top-k, top-p and min-p (renormalised).
+    Excluded tokens get probability exactly 0. logits: [V] float32."""
+    x = logits / p.temperature
+    k = p.effective_top_k
+    if 0 < k < x.shape[0]:
+        kth = torch.topk(x, k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly before each token
+        drop_sorted = before >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The sampled token's logprob and rank, and the k most likely tokens. raw_logprobs: [V]."""
+    lp = float(raw_logprobs[token])
+    rank = int((raw_logprobs > raw_logprobs[token]).sum()) + 1
+    top: list[Logprob] = []
+    if k > 0:
+        vals, ids = torch.topk(raw_logprobs, k)
+        top = [Logprob(int(t), float(v), j + 1) for j, (v, t) in enumerate(zip(vals, ids))]
+    return TokenLogprobs(Logprob(token, lp, rank), top)
+
+
+class Sampler:
+    """Stateless apart from the shared generator used by unseeded rows."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [B, V] float32 (modified in place). Returns a token and
+        optional logprobs per row."""
+        raw = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw = torch.log_softmax(logits, dim=-1)
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids_for_min_tokens:
+                logits[i, list(r.stop_ids_for_min_tokens)] = float("-inf")
+        apply_penalties(logits, rows)
+        tokens: list[int] = []
+        for i, r in enumerate(rows):
+            if r.params.greedy:
+                tokens.append(int(torch.argmax(logits[i])))
+                continue
+            probs = filter_probs(logits[i], r.params)
+            gen = r.generator or self.generator
+            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+        lps: list[TokenLogprobs | None] = [
+            top_logprobs(raw[i], tokens[i], r.params.logprobs) if raw is not None and r.params.logprobs is not None
+            else None
+            for i, r in enumerate(rows)]
+        return tokens, lps

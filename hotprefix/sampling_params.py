@@ -1,0 +1,109 @@
+"""Sampling parameters: plain, validated data (no torch).
+
+Every field is honoured by the sampler or the engine; `validate()` raises
+ValueError naming the offending field, so the server can turn it into a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose the next tokens and when to stop.
+
+    temperature 0 means greedy. top_k 0 or -1 means no top-k cut. Penalties
+    follow vLLM: repetition over prompt and output tokens (divide positive
+    logits, multiply negative ones), presence and frequency over output tokens
+    only (OpenAI's definition). `logprobs` asks for the sampled token's log
+    probability and that many alternatives (from the raw model distribution).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs so that the dataclass stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "must be -1, 0 (disabled) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "must be non-negative token ids")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 when top-k is disabled (0 or -1)."""
+        return max(self.top_k, 0)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The parameters of the index-th of n samples: n=1, and a distinct derived seed."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")
+
+
+@dataclass
+class Logprob:
+    """One token's log probability and its rank among all tokens (1 = most likely)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    decoded: str = ""
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob plus the top alternatives at one position."""
+
+    sampled: Logprob
+    top: list[Logprob] = field(default_factory=list)
