@@ -48,20 +48,22 @@ class LayerKV:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) at slots ([T])."""
-        if self.is_fp8:
-            k = k / self.k_scale
-            v = v / self.v_scale
+        if self.is_fp8:  # CPU has no fp8 index_copy: move the bytes through uint8 views
+            k8 = (k / self.k_scale).to(self.k.dtype).view(torch.uint8)
+            v8 = (v / self.v_scale).to(self.v.dtype).view(torch.uint8)
+            self.k.view(torch.uint8).index_copy_(0, slots, k8)
+            self.v.view(torch.uint8).index_copy_(0, slots, v8)
+            return
         self.k.index_copy_(0, slots, k.to(self.k.dtype))
         self.v.index_copy_(0, slots, v.to(self.v.dtype))
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at slots, as [len(slots), kv_heads, head_dim] in the compute dtype."""
-        k = self.k.index_select(0, slots).to(dtype)
-        v = self.v.index_select(0, slots).to(dtype)
         if self.is_fp8:
-            k = k * self.k_scale
-            v = v * self.v_scale
-        return k, v
+            k = self.k.view(torch.uint8).index_select(0, slots).view(self.k.dtype).to(dtype) * self.k_scale
+            v = self.v.view(torch.uint8).index_select(0, slots).view(self.v.dtype).to(dtype) * self.v_scale
+            return k, v
+        return self.k.index_select(0, slots).to(dtype), self.v.index_select(0, slots).to(dtype)
 
 
 class KVCache:

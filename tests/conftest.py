@@ -1,0 +1,87 @@
+"""Test builders: tiny random Llama-family models saved as HF folders, with a
+small byte-level BPE tokenizer, so that model tests run in seconds and need no
+network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Caching keys and values saves compute. "
+    "Prefix caching reuses the blocks of a shared system prompt. Ünïcödé text: café, naïve, 東京, 😀. "
+    "def f(x): return x * 2\n" * 3
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on CORPUS, saved into folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            initializer_range=0.2, bos_token_id=1, eos_token_id=0)
+
+
+def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3) with
+    its tokenizer into folder; return the transformers model (fp32, eager)."""
+    import torch
+    import transformers
+
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    kw = dict(TINY)
+    if family == "qwen3":
+        kw["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 models
+    kw.update(overrides)
+    shard = kw.pop("max_shard_size", None)
+    cfg = cls_cfg(**kw)
+    torch.manual_seed(seed)
+    model = cls_model(cfg).float().eval()
+    if family in ("qwen2",):  # give the qkv biases non-zero values
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), **({"max_shard_size": shard} if shard else {}))
+    build_tokenizer(folder)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(folder, HF model) of a tiny random Llama."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    return d, build_tiny_model(d, "llama")
+
+
+def read_json(p: Path) -> dict:
+    return json.loads(p.read_text())

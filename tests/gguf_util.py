@@ -1,0 +1,114 @@
+"""Write a tiny HF model as a GGUF file, as llama.cpp's converter would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+HF_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+# Bytes per 256-value block and where the f16 scales sit, for the K-quants
+# gguf-py can only decode: we write random quants with small finite scales.
+K_LAYOUT = {"Q4_K": (144, [0, 2]), "Q6_K": (210, [208])}
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (HF halves -> interleaved pairs)."""
+    shape = w.shape
+    return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _gguf_name(hf: str) -> str | None:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")
+    layer, rest, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{kind}"
+
+
+def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    nbytes, scale_offsets = K_LAYOUT[qtype]
+    rows, cols = shape
+    nblk = cols // 256
+    raw = rng.integers(0, 256, size=(rows, nblk, nbytes), dtype=np.uint8)
+    for off in scale_offsets:
+        scale = rng.uniform(0.001, 0.01, size=(rows, nblk)).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(rows, nblk, 2)
+    return raw.reshape(rows, nblk * nbytes)
+
+
+def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
+               seed: int = 0) -> Path:
+    """Write hf_model's weights (2-D ones as weight_type, norms as F32) and
+    tokenizer into a GGUF file at path."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    cfg = hf_model.config
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    w.add_value_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(0)
+
+    vocab = tokenizer.backend_tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"[PAD{i}]" for i in range(cfg.vocab_size - len(tokens))]
+    special = set(tokenizer.all_special_tokens)
+    model_json = tokenizer.backend_tokenizer.to_str()
+    import json
+
+    merges = json.loads(model_json)["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tokenizer.chat_template)
+
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    for name, t in hf_model.state_dict().items():
+        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        a = t.detach().float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            a = _permute(a, nh)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            a = _permute(a, nkv)
+        gname = _gguf_name(name)
+        if a.ndim != 2 or weight_type == "F32":
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+        elif weight_type in K_LAYOUT:
+            raw = random_k_blocks(weight_type, a.shape, rng)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q[weight_type])
+        else:
+            q = gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), Q[weight_type])
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=Q[weight_type])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,85 @@
+"""The bundled default model (SmolLM2-135M-Instruct, GGUF Q4_1): greedy
+continuations token-for-token identical to transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.model.loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nWhat is a KV cache?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(block_size=16, kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Plain greedy decoding with transformers' KV cache and no EOS handling
+    (ignore_eos keeps going past EOS; it does not suppress it as HF's min_new_tokens does)."""
+    out = model(ids, use_cache=True)
+    past, toks = out.past_key_values, []
+    for _ in range(n):
+        nxt = out.logits[0, -1].argmax()
+        toks.append(int(nxt))
+        out = model(nxt.view(1, 1), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return torch.tensor(toks)
+
+
+def test_greedy_32_tokens_identical_to_transformers(llm, hf_model):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)  # all three in one batch
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf_greedy(hf_model, ids, 32)
+        assert out.outputs[0].token_ids == ref.tolist(), prompt
+
+
+def test_chat_applies_the_gguf_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=12))[0]
+    text = llm.tokenizer.decode(out.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert "4" in out.outputs[0].text
+
+
+def test_fp8_kv_on_the_default_model(llm):
+    """Stated tolerance for fp8 (e4m3, scale 1) KV on a trained model: mean
+    |error| <= 5% of mean |logit| and >= 80% of next-token argmaxes unchanged
+    (measured: 3.4% and 88%; fp16 KV: 0.02% and 100%)."""
+    from hotprefix.config import CacheConfig, EngineConfig
+    from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+    from hotprefix.engine.llm_engine import LLMEngine
+    from hotprefix.model.loader import load_model
+
+    text = ("The history of caching in computer systems begins with early mainframes, where a small fast memory "
+            "held copies of frequently used data. Today, large language model servers cache attention keys and "
+            "values so that repeated prompts are cheaper.")
+    loaded = load_model(None)
+    ids = loaded.tokenizer(text)["input_ids"]
+    logits = {}
+    for dt in ("auto", "fp8"):
+        eng = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_dtype=dt, num_blocks_override=8)), loaded=loaded)
+        so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(8)), True, SamplingParams(), ids, [])])
+        logits[dt] = eng.runner.all_logits(so)
+    ref, fp8 = logits["auto"], logits["fp8"]
+    assert float((fp8 - ref).abs().mean() / ref.abs().mean()) <= 0.05
+    assert float((fp8.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8

@@ -1,0 +1,112 @@
+"""GGUF loading: every supported tensor type, llama's Q/K un-permutation,
+tokenizer and chat template from metadata, and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
+from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+from hotprefix.model.arch import ModelLoadError
+from hotprefix.model.loader import load_model
+from hotprefix.model.runner import ModelRunner
+from hotprefix.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model
+from tests.gguf_util import write_gguf
+
+# Dimensions divisible by 256 so that K-quant blocks fit every 2-D tensor.
+GGUF_TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf-src")
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(d, "llama", seed=5, **GGUF_TINY)
+    return d, model, AutoTokenizer.from_pretrained(str(d))
+
+
+def ours_logits(path, ids):
+    runner = ModelRunner(load_model(str(path)), ModelConfig(), CacheConfig(block_size=8, num_blocks_override=16),
+                         SchedulerConfig())
+    so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
+    return runner.all_logits(so)
+
+
+def hf_gguf_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_types_match_transformers_on_same_file(tmp_path, hf_pair, qtype):
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, tok, qtype)
+    ids = torch.randint(3, 320, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours, ref = ours_logits(path, ids), hf_gguf_logits(path, ids)
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    assert err <= 1e-4, f"{qtype}: relative error {err:.2e}"
+
+
+def test_f32_gguf_equals_the_hf_folder(tmp_path, hf_pair):
+    """F32 GGUF (Q/K permuted by the writer) must give the HF folder's logits:
+    this checks the un-permutation independently of transformers' GGUF code."""
+    folder, model, tok = hf_pair
+    path = write_gguf(tmp_path / "tiny.gguf", model, tok, "F32")
+    ids = list(range(5, 40))
+    err = float((ours_logits(path, ids) - ours_logits(folder, ids)).abs().max())
+    assert err < 1e-5
+
+
+def test_k_quant_weights_are_dequantized_by_gguf(tmp_path, hf_pair):
+    import gguf
+
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / "q6k.gguf", model, tok, "Q6_K")
+    loaded = load_model(str(path))
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+    expect = gguf.quants.dequantize(t.data, t.tensor_type).reshape(256, 512)
+    assert np.array_equal(loaded.weights["model.layers.0.mlp.down_proj.weight"].numpy(), expect)
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path, hf_pair, monkeypatch):
+    monkeypatch.setenv("HOTPREFIX_CACHE", str(tmp_path / "cache"))
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / "tok.gguf", model, tok, "F32")
+    loaded = load_model(str(path))
+    text = "Prefix caching reuses the blocks: café 東京"
+    assert loaded.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded.tokenizer.chat_template == tok.chat_template
+    assert loaded.arch.eos_token_ids == (tok.eos_token_id,)
+    # The converted tokenizer is cached and reused on the next load.
+    assert list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
+    again = load_model(str(path))
+    assert again.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_unsupported_tensor_type_is_a_one_line_error(tmp_path, hf_pair):
+    import gguf
+
+    _, model, tok = hf_pair
+    path = tmp_path / "iq.gguf"
+    write_gguf(path, model, tok, "F32")
+    # Re-write one tensor's type in its tensor-info record (name, n_dims, dims, type)
+    # to an i-quant we do not support.
+    t = gguf.GGUFReader(str(path)).tensors[0]
+    data = bytearray(path.read_bytes())
+    name = t.name.encode()
+    at = data.find(name) + len(name)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == int(t.tensor_type)
+    data[type_at:type_at + 4] = int(gguf.GGMLQuantizationType.IQ2_XXS).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    assert "unsupported type IQ2_XXS" in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,128 @@
+"""The sampler on hand-made logits: exclusions, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hotprefix.model.sampler import Sampler, SampleRow, apply_penalties, filter_probs
+from hotprefix.sampling_params import SamplingParams
+
+V = 10
+
+
+def row(params: SamplingParams, prompt=(), output=(), stop_ids=(), gen=None) -> SampleRow:
+    return SampleRow(params, list(prompt), list(output), tuple(stop_ids), gen)
+
+
+def logits_of(*vals: float) -> torch.Tensor:
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def test_greedy_takes_argmax():
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, -1.0, 4.9]])
+    toks, _ = sampler(logits, [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=0))])
+    assert toks == [1, 0]
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    probs = filter_probs(logits_of(1, 5, 3, 4, 2), SamplingParams(top_k=2))
+    assert (probs > 0).nonzero().flatten().tolist() == [1, 3]
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    # softmax of log-probs gives these probabilities exactly.
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = filter_probs(p.log(), SamplingParams(top_p=0.8))
+    assert (probs > 0).tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    probs = filter_probs(p.log(), SamplingParams(top_p=0.81))
+    assert (probs > 0).tolist() == [True, True, True, False]
+    probs = filter_probs(p.log(), SamplingParams(top_p=0.1))
+    assert (probs > 0).tolist() == [True, False, False, False]  # the top token is always kept
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = filter_probs(p.log(), SamplingParams(min_p=0.35))  # threshold 0.175
+    assert (probs > 0).tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("params,allowed", [
+    (SamplingParams(top_k=3, temperature=2.0), {7, 8, 9}),
+    (SamplingParams(top_p=0.6, temperature=1.0), {9, 8}),  # p9 = 0.55, p8 = 0.25
+    (SamplingParams(min_p=0.2, temperature=1.0), {9, 8, 7}),
+])
+def test_sampling_never_emits_an_excluded_token(params, allowed):
+    base = torch.arange(V, dtype=torch.float32) * 0.8  # increasing logits: 9 is the most likely
+    sampler = Sampler(seed=123)
+    # The allowed set is computed from the definitions independently of the sampler.
+    probs = torch.softmax(base / params.temperature, 0)
+    assert set((filter_probs(base, params) > 0).nonzero().flatten().tolist()) == allowed, probs
+    seen = set()
+    for _ in range(400):
+        toks, _ = sampler(base.clone()[None], [row(params)])
+        seen.add(toks[0])
+    assert seen <= allowed
+    assert len(seen) > 1  # it does sample, not just take the argmax
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    base = torch.zeros(1, 1000)
+
+    def draw(seed):
+        g = torch.Generator().manual_seed(seed)
+        s = Sampler(seed=999)
+        return [s(base.clone(), [row(SamplingParams(seed=seed), gen=g)])[0][0] for _ in range(20)]
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative():
+    logits = logits_of(2.0, -2.0, 2.0, -2.0)[None].clone()
+    apply_penalties(logits, [row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])])
+    assert logits[0].tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_presence_and_frequency_penalties_over_output_only():
+    logits = torch.zeros(1, 4)
+    apply_penalties(logits, [row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                                 prompt=[3, 3], output=[1, 1, 1, 2])])
+    # token 1: 3 * 0.25 + 0.5; token 2: 0.25 + 0.5; prompt-only token 3 untouched.
+    assert logits[0].tolist() == [0.0, -1.25, -0.75, 0.0]
+
+
+def test_min_tokens_suppresses_stop_ids():
+    sampler = Sampler()
+    logits = logits_of(0, 0, 9, 0)[None].clone()
+    toks, _ = sampler(logits, [row(SamplingParams(temperature=0, min_tokens=2), output=[1], stop_ids=[2])])
+    assert toks[0] != 2
+    logits = logits_of(0, 0, 9, 0)[None].clone()
+    toks, _ = sampler(logits, [row(SamplingParams(temperature=0, min_tokens=2), output=[1, 1], stop_ids=[2])])
+    assert toks[0] == 2
+
+
+def test_logprobs_are_raw_log_softmax_with_rank():
+    logits = logits_of(1.0, 3.0, 2.0, 0.0)
+    sampler = Sampler()
+    toks, lps = sampler(logits[None].clone(), [row(SamplingParams(temperature=0, logprobs=2))])
+    ref = torch.log_softmax(logits, 0)
+    lp = lps[0]
+    assert toks == [1] and lp.sampled.token_id == 1 and lp.sampled.rank == 1
+    assert math.isclose(lp.sampled.logprob, float(ref[1]), rel_tol=1e-6)
+    assert [t.token_id for t in lp.top] == [1, 2]
+    assert [t.rank for t in lp.top] == [1, 2]
+
+
+def test_invalid_params_name_the_field():
+    for kwargs, name in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+                         ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"presence_penalty": 3}, "presence"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 21}, "logprobs"),
+                         ({"stop": [""]}, "stop")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
