@@ -52,11 +52,15 @@ def engine_config_from_args(a: argparse.Namespace):
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from hotprefix.engine.llm import LLM
+    from hotprefix.errors import InvalidRequestError
     from hotprefix.sampling_params import SamplingParams
 
-    params = SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, min_p=a.min_p, seed=a.sampling_seed, stop=tuple(a.stop or ()),
-                            ignore_eos=a.ignore_eos)
+    try:
+        params = SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k, min_p=a.min_p, seed=a.sampling_seed, stop=tuple(a.stop or ()),
+                                ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
     llm = LLM(config=engine_config_from_args(a))
     prompts = a.prompt or [sys.stdin.read()]
     outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if a.chat

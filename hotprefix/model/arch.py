@@ -74,6 +74,9 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     if family is None:
         raise ModelLoadError(f"unsupported architecture {archs or cfg.get('model_type')!r} "
                              f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family uses silu)")
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
