@@ -72,6 +72,8 @@ class CacheConfig:
     kv_cache_memory: bytes for KV on CPU (None: a default of 1 GiB).
     gpu_memory_utilization: share of the GPU's memory for weights + activations + KV.
     num_blocks_override: fix the number of blocks (tests; small pools).
+    enable_prefix_caching: share full blocks between requests by chained hash.
+    max_pinned_fraction: the most of the pool that pinned prefixes may hold.
     """
 
     block_size: int = 16
@@ -80,8 +82,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    max_pinned_fraction: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
+            raise ConfigError(f"--prefix-caching-hash-algo must be sha256 or xxhash, "
+                              f"got {self.prefix_caching_hash_algo!r}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ConfigError(f"--max-pinned-fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ConfigError(f"--block-size must be in 1..1024, got {self.block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,17 +1,25 @@
-"""KV blocks, the free queue, and the pool that hands them out.
+"""KV blocks, the free queue, the hash -> block map, and the pool that hands them out.
 
 Eviction order (documented here, where it is implemented): the free queue is a
-doubly linked list threaded through the blocks themselves. Allocation pops from
-the head; a freed block is appended at the tail. A request frees its blocks in
-reverse (tail first), so a request's last blocks are reused before its first
-ones, which are the ones most likely to be shared by later requests. Removing a
-block from the middle (a cache hit on a free block) is O(1).
+doubly linked list threaded through the blocks themselves, holding every block
+with no holder. A block whose holders all let go is appended at the tail, and
+keeps its hash: it stays a cache hit until its slot is needed. Allocation pops
+from the head, so the least recently released block is evicted first (LRU); only
+then does it lose its hash. A request releases its blocks in reverse (tail
+first), so its last blocks are evicted before its first ones, which are the
+ones most likely to be shared by later requests. A hit on a queued block
+removes it from the middle of the queue in O(1).
+
+Pinned blocks hold an extra reference from their pin, so they never enter the
+free queue and are never evicted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from hotprefix.core.hashing import BlockHash
 
 
 class IntegrityError(AssertionError):
@@ -20,16 +28,19 @@ class IntegrityError(AssertionError):
 
 @dataclass(eq=False)
 class Block:
-    """One KV block: its id (row in the KV tensors), how many holders it has,
-    and its links in the free queue (both None while it is not queued)."""
+    """One KV block: its id (row in the KV tensors), how many holders it has
+    (requests and pins), its hash while it is cached (None otherwise), how many
+    pins hold it, and its links in the free queue (None while not queued)."""
 
     block_id: int
     ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    pin_cnt: int = 0
     prev_free: Block | None = None
     next_free: Block | None = None
 
     def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_cnt})"
+        return f"Block({self.block_id}, ref={self.ref_cnt}{', cached' if self.block_hash else ''})"
 
 
 class FreeBlockQueue:
@@ -84,7 +95,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks of one engine.
+    """All KV blocks of one engine, and the map from block hash to cached block.
 
     Allocation is one call that either returns all the blocks asked for or
     returns None and changes nothing.
@@ -96,6 +107,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, Block] = {}
+        self.num_evicted = 0  # cached blocks whose slot was reused (monotonic)
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,8 +126,51 @@ class BlockPool:
             return None
         out = [self.free_queue.popleft() for _ in range(n)]
         for b in out:
+            self._evict(b)
             b.ref_cnt = 1
         return out
+
+    def _evict(self, b: Block) -> None:
+        if b.block_hash is not None:
+            if self.cached.get(b.block_hash) is b:
+                del self.cached[b.block_hash]
+            b.block_hash = None
+            self.num_evicted += 1
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        """The cached block with this hash, if its KV is still in the pool."""
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on cached blocks (a hit); a queued one leaves the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
+        """Record that a held block holds the KV of block_hash. If another block
+        already caches that hash (two requests computed the same block at once),
+        the first stays the cached one and this block stays uncached."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_cache(self) -> int:
+        """Forget every unreferenced cached block (referenced ones stay cached).
+        Returns how many were dropped."""
+        n = 0
+        for b in self.free_queue:
+            if b.block_hash is not None:
+                del self.cached[b.block_hash]
+                b.block_hash = None
+                n += 1
+        return n
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block, in the order given; a block whose
@@ -145,3 +201,10 @@ class BlockPool:
                 raise IntegrityError(f"{b}: free-queue membership does not match its ref count")
             if held is not None and b.ref_cnt != held.get(b.block_id, 0):
                 raise IntegrityError(f"{b}: owners hold {held.get(b.block_id, 0)} references")
+            if b.pin_cnt > b.ref_cnt:
+                raise IntegrityError(f"{b}: {b.pin_cnt} pins but {b.ref_cnt} references")
+            if b.block_hash is not None and self.cached.get(b.block_hash) is not b:
+                raise IntegrityError(f"{b}: has a hash but is not the cached block for it")
+        for h, b in self.cached.items():
+            if b.block_hash != h:
+                raise IntegrityError(f"the map entry for {h.hex()[:8]} points to {b}, which has another hash")

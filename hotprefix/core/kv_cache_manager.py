@@ -1,24 +1,69 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
+
+A new (or resumed) request first looks up the longest run of its full blocks
+whose hashes are cached, capped so that its last token is always computed (its
+logits give the next token). It shares those blocks (reference counted), and
+gets fresh blocks for the rest. A block is entered in the cache as soon as the
+tokens that fill it are scheduled, so a request scheduled later in the same step
+already hits it: each layer writes the whole batch's new KV before any sequence
+attends.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
+from hotprefix.core.hashing import BlockHash, BlockHasher
 from hotprefix.core.request import Request
 from hotprefix.sizing import blocks_for_tokens
 
 
-class KVCacheManager:
-    """Maps each request to the blocks that hold its KV.
+class PinError(ValueError):
+    """A pin cannot be taken: the prefix is not cached, or the pin limit would be exceeded."""
 
-    Mutates the pool: `allocate_slots` takes blocks, `free` returns them.
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since the last read (queries and hits count tokens) and gauges now."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    evicted_blocks: int = 0
+    cached_blocks: int = 0
+    pinned_blocks: int = 0
+    usage: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Maps each request to the blocks that hold its KV; finds and records cached prefixes; pins.
+
+    Mutates the pool: `allocate_slots` takes blocks (shared hits and new ones),
+    `free` returns them, `pin`/`unpin` hold and release extra references.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_algo: str = "sha256",
+                 max_pinned_fraction: float = 0.2) -> None:
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"--max-pinned-fraction must be in [0, 1], got {max_pinned_fraction}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        self.hasher = BlockHasher(block_size, hash_algo)
         self.req_to_blocks: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}  # per request: leading blocks already entered in the cache
+        self.pins: dict[BlockHash, list[Block]] = {}
+        self.num_pinned_blocks = 0
+        self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
+        self._stats = PrefixCacheStats()
+        self._evicted_seen = 0
 
     @property
     def num_blocks(self) -> int:
@@ -27,39 +72,168 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    # -- hashes and lookup ---------------------------------------------------
+    def update_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes over every full block of its known tokens."""
+        if self.enable_caching:
+            self.hasher.extend(request.block_hashes, request.token_at, request.num_tokens,
+                               request.cache_salt, request.cache_salt_offset)
+
+    def get_computed_blocks(self, request: Request) -> list[Block]:
+        """The longest cached run of the request's leading full blocks, leaving at
+        least its last token to compute. Changes nothing (see allocate_slots)."""
+        if not self.enable_caching:
+            return []
+        self.update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for h in request.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's first lookup in the stats."""
+        self._stats.requests += 1
+        self._stats.queries += num_query_tokens
+        self._stats.hits += num_hit_tokens
+
+    # -- allocation ------------------------------------------------------------
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """New blocks the request needs to hold num_new_tokens more computed tokens."""
         have = len(self.req_to_blocks.get(request.request_id, ()))
         total = blocks_for_tokens(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - have)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[Block] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[Block] = ()) -> list[Block] | None:
         """Make room for num_new_tokens after the request's computed tokens.
 
-        Returns the newly allocated blocks (possibly none), or None when the
-        pool has too few free blocks, in which case nothing changed.
+        computed_blocks (from get_computed_blocks, for a request holding no
+        blocks yet) are shared and count as computed: the caller then sets
+        num_computed_tokens to len(computed_blocks) * block_size. Returns the
+        newly allocated blocks, or None when the pool is too small, in which
+        case nothing changed. Newly full blocks are entered in the cache.
         """
-        new = self.pool.allocate(self.blocks_needed(request, num_new_tokens))
-        if new is None:
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid, [])
+        if computed_blocks and held:
+            raise ValueError(f"request {rid} already holds blocks; cache hits apply only to a fresh start")
+        computed = (len(computed_blocks) * self.block_size if computed_blocks
+                    else request.num_computed_tokens)
+        total = computed + num_new_tokens
+        need = max(0, blocks_for_tokens(total, self.block_size) - len(held) - len(computed_blocks))
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # hits that leave the free queue
+        if need + reclaimed > self.pool.num_free_blocks:
             return None
-        self.req_to_blocks.setdefault(request.request_id, []).extend(new)
+        self.pool.touch(computed_blocks)
+        new = self.pool.allocate(need)
+        assert new is not None
+        blocks = self.req_to_blocks.setdefault(rid, held)
+        blocks.extend(computed_blocks)
+        blocks.extend(new)
+        if computed_blocks:
+            self._num_cached[rid] = len(computed_blocks)
+        self._cache_full_blocks(request, blocks, total)
         return new
 
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        self.update_hashes(request)
+        rid = request.request_id
+        full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(self._num_cached.get(rid, 0), full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached[rid] = max(full, self._num_cached.get(rid, 0))
+
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks, tail first (see block_pool's eviction order).
-        A request without blocks is a no-op."""
+        """Return all of the request's blocks, tail first (see block_pool's
+        eviction order). A request without blocks is a no-op."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    # -- pins ------------------------------------------------------------------
+    def pin(self, hashes: Sequence[BlockHash]) -> int:
+        """Pin the cached blocks of a prefix (given by its block hashes) so they
+        are never evicted. Idempotent for the same prefix. Returns the number of
+        blocks newly pinned. Raises PinError if a block is not cached or the pins
+        would exceed max_pinned_fraction of the pool."""
+        if not hashes:
+            raise PinError("nothing to pin: the prefix is shorter than one block")
+        key = hashes[-1]
+        if key in self.pins:
+            return 0
+        blocks = []
+        for i, h in enumerate(hashes):
+            b = self.pool.lookup(h)
+            if b is None:
+                raise PinError(f"block {i} of the prefix is not in the cache; run the prefix first")
+            blocks.append(b)
+        new = sum(1 for b in blocks if b.pin_cnt == 0)
+        if self.num_pinned_blocks + new > self.max_pinned_blocks:
+            raise PinError(f"pinning {new} more blocks would exceed the limit of {self.max_pinned_blocks} "
+                           f"pinned blocks (--max-pinned-fraction of {self.num_blocks}); "
+                           f"{self.num_pinned_blocks} are pinned")
+        self.pool.touch(blocks)
+        for b in blocks:
+            b.pin_cnt += 1
+        self.num_pinned_blocks += new
+        self.pins[key] = blocks
+        return new
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> int:
+        """Release the pin of the prefix ending in hashes[-1]. Returns the number
+        of blocks no longer pinned by anything (0 for an unknown prefix)."""
+        blocks = self.pins.pop(hashes[-1], None) if hashes else None
+        if blocks is None:
+            return 0
+        released = 0
+        for b in blocks:
+            b.pin_cnt -= 1
+            released += b.pin_cnt == 0
+        self.num_pinned_blocks -= released
+        self.pool.free(reversed(blocks))
+        return released
+
+    # -- control and stats -------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached block. Returns how many were dropped."""
+        return self.pool.reset_cache()
+
+    def make_stats(self) -> PrefixCacheStats:
+        """Counters since the last call (then reset) and current gauges."""
+        s = self._stats
+        s.evicted_blocks = self.pool.num_evicted - self._evicted_seen
+        self._evicted_seen = self.pool.num_evicted
+        s.cached_blocks = self.pool.num_cached_blocks
+        s.pinned_blocks = self.num_pinned_blocks
+        s.usage = self.usage()
+        self._stats = PrefixCacheStats()
+        return s
+
     def check_integrity(self) -> None:
-        """Raise IntegrityError if ref counts differ from what requests hold."""
+        """Raise IntegrityError if ref counts differ from what requests and pins
+        hold, or the hash map, pins and free queue disagree."""
         held: Counter[int] = Counter()
         for rid, blocks in self.req_to_blocks.items():
             ids = [b.block_id for b in blocks]
             if len(set(ids)) != len(ids):
                 raise IntegrityError(f"request {rid} holds a block twice")
             held.update(ids)
+        pin_counts: Counter[int] = Counter()
+        for blocks in self.pins.values():
+            pin_counts.update(b.block_id for b in blocks)
+        held.update(pin_counts)
         self.pool.check_integrity(dict(held))
+        for b in self.pool.blocks:
+            if b.pin_cnt != pin_counts.get(b.block_id, 0):
+                raise IntegrityError(f"{b}: pin count {b.pin_cnt}, pins hold {pin_counts.get(b.block_id, 0)}")
+        if self.num_pinned_blocks != len(pin_counts):
+            raise IntegrityError(f"{self.num_pinned_blocks} pinned blocks counted, {len(pin_counts)} held")

@@ -4,18 +4,25 @@ One rule: every step, each chosen request's `num_computed_tokens` catches up
 towards `num_tokens` within the step's token budget (chunked prefill). Running
 requests are served before waiting ones. When the pool runs out of blocks, the
 running request admitted last is preempted (its blocks are freed and it is
-recomputed later from its prompt and the output it already has).
+recomputed later from its prompt and the output it already has, looking the
+prefix cache up again).
+
+A waiting request starts from its longest cached prefix (see kv_cache_manager):
+only the uncached tokens are scheduled.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 
 from hotprefix.config import SchedulerConfig
-from hotprefix.core.kv_cache_manager import KVCacheManager
+from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -86,13 +93,19 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            hits = self.kv.get_computed_blocks(req)  # a fresh or preempted request holds no blocks
+            hit_tokens = len(hits) * self.kv.block_size
+            n = req.num_tokens - hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(req, n) is None:
+            if self.kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.popleft()
+            req.num_computed_tokens = hit_tokens
+            if req.num_cached_tokens is None:  # stats count a request's first lookup only
+                req.num_cached_tokens = hit_tokens
+                self.kv.record_query(req.num_tokens, hit_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(self._scheduled(req, n))
@@ -116,6 +129,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
@@ -126,6 +140,8 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or not sr.sample:
                 continue
+            if req.pin_prefix and not req.pinned:
+                self._pin_prompt(req)
             token = result.sampled_token_ids[sr.request_id]
             req.output_token_ids.append(token)
             status = req.check_token_stop()
@@ -135,6 +151,15 @@ class Scheduler:
             if status is not None:
                 self.finish_requests([req.request_id], status)
         return outputs
+
+    def _pin_prompt(self, req: Request) -> None:
+        """Pin the full blocks of a request's prompt once it is computed. A pin
+        refused here (the limit was reached after admission) is logged, not fatal."""
+        req.pinned = True
+        try:
+            self.kv.pin(req.block_hashes[:req.num_prompt_tokens // self.kv.block_size])
+        except PinError as e:
+            log.warning("request %s: prefix not pinned: %s", req.request_id, e)
 
     def check_integrity(self) -> None:
         """Every running request holds exactly the blocks its computed tokens need."""

@@ -71,6 +71,24 @@ class LLM:
                     final[out.request_id] = out
         return [final[r] for r in rids]
 
+    def pin(self, prompt: Prompt, cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
+        """Compute a prompt's KV (if not cached) and pin its full blocks against
+        eviction. Returns the blocks newly pinned; raises PinError at the limit."""
+        ids = prompt if isinstance(prompt, list) else self.engine.tokenize(prompt)
+        rid = f"offline-{next(self._ids)}"
+        self.engine.add_request(rid, ids, SamplingParams(max_tokens=1), cache_salt=cache_salt,
+                                cache_salt_offset=cache_salt_offset)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return self.engine.pin(ids, cache_salt, cache_salt_offset)
+
+    def unpin(self, prompt: Prompt, cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
+        ids = prompt if isinstance(prompt, list) else self.engine.tokenize(prompt)
+        return self.engine.unpin(ids, cache_salt, cache_salt_offset)
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None) -> list[RequestOutput]:

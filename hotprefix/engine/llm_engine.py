@@ -99,7 +99,9 @@ class LLMEngine:
         self.runner.eos_token_ids = tuple(sorted(eos))
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         plan = self.runner.plan
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size)
+        cc = self.config.cache
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
+                                 cc.prefix_caching_hash_algo, cc.max_pinned_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self._states: dict[str, _State] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -129,9 +131,14 @@ class LLMEngine:
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, add_special_tokens: bool = True) -> list[int]:
+                    priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
+                    cache_salt_offset: int = 0, pin_prefix: bool = False) -> list[int]:
         """Validate and queue a request (n children for n samples). Returns the
-        prompt token ids. Raises InvalidRequestError / PromptTooLongError."""
+        prompt token ids. Raises InvalidRequestError / PromptTooLongError.
+
+        cache_salt: requests with different salts never share KV blocks; it
+        applies from token cache_salt_offset (rounded down to a block) on.
+        pin_prefix: once computed, pin the prompt's full blocks against eviction."""
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -141,13 +148,18 @@ class LLMEngine:
         else:
             ids, text = list(prompt), None
         self._validate(ids, params)
+        if cache_salt_offset < 0:
+            raise InvalidRequestError("cache_salt_offset must be >= 0", "cache_salt_offset")
+        if pin_prefix:
+            self._check_pin_room(ids, cache_salt, cache_salt_offset)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         children = []
         for i in range(params.n):
             cp = replace(params.for_child(i) if params.n > 1 else params, max_tokens=max_tokens)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                          priority=priority)
+                          priority=priority, cache_salt=cache_salt, cache_salt_offset=cache_salt_offset,
+                          pin_prefix=pin_prefix and i == 0)
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, cp), CompletionOutput(i)))
         self._states[request_id] = _State(request_id, text, ids, children, time.monotonic())
         for c in children:
@@ -173,6 +185,37 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the request may need {min(longest, self.max_model_len)} tokens of KV cache, but the pool holds "
                 f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or enlarge the KV cache")
+
+    # -- prefix cache control -------------------------------------------------
+    def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
+        """The block hashes a request with this prompt would get (full blocks only)."""
+        return self.kv.hasher.hashes_of(ids, cache_salt, cache_salt_offset)
+
+    def _check_pin_room(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> None:
+        hashes = self.prefix_hashes(ids, cache_salt, cache_salt_offset)
+        if not hashes:
+            raise InvalidRequestError("pin_prefix needs a prompt of at least one full block "
+                                      f"({self.kv.block_size} tokens)", "pin_prefix")
+        pinned = sum(1 for h in hashes if (b := self.kv.pool.lookup(h)) is not None and b.pin_cnt > 0)
+        new = len(hashes) - pinned
+        if self.kv.num_pinned_blocks + new > self.kv.max_pinned_blocks:
+            raise InvalidRequestError(
+                f"pinning this prompt needs {new} more blocks, but only "
+                f"{self.kv.max_pinned_blocks - self.kv.num_pinned_blocks} of the {self.kv.max_pinned_blocks} "
+                "allowed by --max-pinned-fraction are free", "pin_prefix")
+
+    def pin(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
+        """Pin the cached full blocks of a prompt. Returns blocks newly pinned.
+        Raises PinError if the prefix is not cached or the pin limit is reached."""
+        return self.kv.pin(self.prefix_hashes(ids, cache_salt, cache_salt_offset))
+
+    def unpin(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
+        """Release the pin of a prompt. Returns the blocks no longer pinned (0 if it was not pinned)."""
+        return self.kv.unpin(self.prefix_hashes(ids, cache_salt, cache_salt_offset))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached block; returns how many."""
+        return self.kv.reset_prefix_cache()
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state; its blocks return to the pool. Unknown ids are ignored."""
@@ -225,6 +268,7 @@ class LLMEngine:
             deltas = [c.detok.delta(c.out.finished) for c in st.children]
             results.append(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids,
                                          [c.out for c in st.children], deltas, st.finished,
+                                         num_cached_tokens=st.children[0].request.num_cached_tokens or 0,
                                          arrival_time=st.arrival_time, first_token_time=st.first_token_time))
             if st.finished:
                 self._states.pop(st.request_id, None)

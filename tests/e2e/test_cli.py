@@ -38,7 +38,8 @@ def test_generate_reads_stdin_and_applies_chat(tiny_llama):
 
 @pytest.mark.parametrize("args,msg", [
     (["--model", "/no/such/model"], "hotprefix: error: model path does not exist: /no/such/model"),
-    (["--kv-cache-memory", "lots"], "hotprefix: error: cannot parse memory size 'lots' (examples: 4GiB, 512MB, 1000000)"),
+    (["--kv-cache-memory", "lots"],
+     "hotprefix: error: cannot parse memory size 'lots' (examples: 4GiB, 512MB, 1000000)"),
     (["--block-size", "0"], "hotprefix: error: --block-size must be in 1..1024, got 0"),
     (["--temperature", "-1"], "hotprefix: error: temperature must be >= 0, got -1.0"),
 ])

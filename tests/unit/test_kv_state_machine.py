@@ -1,0 +1,124 @@
+"""A Hypothesis state machine over the KV cache manager: allocate (with hits),
+append, free, abort, preempt, pin, unpin, reset; integrity after every step,
+and a model-based check that a shared block always holds exactly the tokens
+the sharing request expects."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
+from tests.unit.builders import make_request
+
+BS = 2
+NUM_BLOCKS = 12
+# Prompts over a 3-token alphabet share prefixes often.
+prompts = st.lists(st.integers(0, 2), min_size=1, max_size=9)
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, max_pinned_fraction=0.5)
+        self.running: dict[str, object] = {}
+        self.n = 0
+        # Ground truth: (salt, tokens) whose KV each block holds, by block id.
+        self.contents: dict[int, tuple[int, ...]] = {}
+        self.pinned_prefixes: list[list] = []
+
+    def _record(self, req) -> None:
+        blocks = self.kv.req_to_blocks.get(req.request_id, [])
+        toks = req.all_token_ids
+        for i, b in enumerate(blocks):
+            lo = i * BS
+            hi = min(lo + BS, req.num_computed_tokens)
+            if hi > lo:
+                self.contents[b.block_id] = (req.cache_salt, tuple(toks[lo:hi]))
+
+    @rule(prompt=prompts, salt=st.sampled_from([None, "x"]))
+    def allocate(self, prompt, salt):
+        self.n += 1
+        req = make_request(f"r{self.n}", 0, prompt=prompt, cache_salt=salt, max_tokens=50)
+        hits = self.kv.get_computed_blocks(req)
+        for i, b in enumerate(hits):  # a hit must hold exactly this request's tokens
+            assert self.contents[b.block_id] == (salt, tuple(prompt[i * BS:(i + 1) * BS]))
+        n = req.num_tokens - len(hits) * BS
+        if self.kv.allocate_slots(req, n, hits) is None:
+            return
+        req.num_computed_tokens = req.num_tokens
+        self.running[req.request_id] = req
+        self._record(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        req.output_token_ids.append(token)
+        if self.kv.allocate_slots(req, 1) is None:
+            req.output_token_ids.pop()
+            return
+        req.num_computed_tokens += 1
+        self._record(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data):  # finish or abort: the same for the manager
+        req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        self.kv.free(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt_and_resume(self, data):
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        hits = self.kv.get_computed_blocks(req)
+        for i, b in enumerate(hits):
+            assert self.contents[b.block_id] == (req.cache_salt, tuple(req.all_token_ids[i * BS:(i + 1) * BS]))
+        if self.kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits) is None:
+            del self.running[req.request_id]
+            return
+        req.num_computed_tokens = req.num_tokens
+        self._record(req)
+
+    @rule(prompt=prompts)
+    def pin(self, prompt):
+        hashes = self.kv.hasher.hashes_of(prompt)
+        if not hashes:
+            return
+        try:
+            self.kv.pin(hashes)
+        except PinError:
+            return
+        self.pinned_prefixes.append(hashes)
+
+    @precondition(lambda self: self.pinned_prefixes)
+    @rule(data=st.data())
+    def unpin(self, data):
+        hashes = self.pinned_prefixes.pop(data.draw(st.integers(0, len(self.pinned_prefixes) - 1)))
+        self.kv.unpin(hashes)
+
+    @rule()
+    def reset(self):
+        self.kv.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_integrity()
+        assert self.kv.num_pinned_blocks <= self.kv.max_pinned_blocks
+        for blocks in self.kv.pins.values():  # pinned blocks are never evicted
+            assert all(b.block_hash is not None for b in blocks)
+
+    def teardown(self):
+        for req in list(self.running.values()):
+            self.kv.free(req)
+        for hashes in self.pinned_prefixes:
+            self.kv.unpin(hashes)
+        self.kv.check_integrity()
+        assert self.kv.pool.num_free_blocks == NUM_BLOCKS
+
+
+KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVMachine = KVMachine.TestCase
