@@ -1,0 +1,111 @@
+"""Prefix caching with a real (tiny) model: identical outputs with caching on
+and off, and a hit computes only the uncached tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hotprefix import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def workload(seed: int = 0, n: int = 24) -> list[list[int]]:
+    """Prompts built from 3 shared 'system prompts' of various lengths, some
+    repeated whole, plus unique tails."""
+    rng = random.Random(seed)
+    systems = [[rng.randint(3, 319) for _ in range(k)] for k in (13, 21, 8)]
+    out = []
+    for _ in range(n):
+        sys_p = rng.choice(systems)
+        tail = [rng.randint(3, 319) for _ in range(rng.randint(1, 9))]
+        out.append(sys_p + tail if rng.random() < 0.8 else list(sys_p))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=256, enable_prefix_caching=False)
+    return {tuple(p): llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in workload()}
+
+
+@pytest.mark.parametrize("kw", [
+    {"num_blocks_override": 256},                                  # plenty of room: many hits
+    {"num_blocks_override": 24, "max_num_seqs": 3},                # eviction pressure
+    {"num_blocks_override": 12, "max_num_batched_tokens": 16},     # preemption and chunks
+    {"num_blocks_override": 256, "max_num_batched_tokens": 5},     # tiny chunks over cached prefixes
+])
+def test_outputs_identical_with_caching_on_and_off(tiny_llama, reference, kw):
+    llm = LLM(model=str(tiny_llama[0]), block_size=4, **kw)
+    prompts = workload()
+    # Submit in waves so later waves find earlier waves' blocks cached.
+    for i in range(0, len(prompts), 6):
+        outs = llm.generate(prompts[i:i + 6], GREEDY)
+        for p, o in zip(prompts[i:i + 6], outs):
+            assert o.outputs[0].token_ids == reference[tuple(p)]
+    stats = llm.engine.kv.make_stats()
+    assert stats.hits > 0
+    if kw["num_blocks_override"] <= 24:
+        assert stats.evicted_blocks > 0
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_hit_computes_only_the_uncached_tokens(tiny_llama):
+    llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64)
+    runner = llm.engine.runner
+    shared = list(range(10, 30))  # 20 tokens: 5 full blocks
+    before = runner.num_computed_tokens_total
+    a = llm.generate([shared + [40, 41, 42]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert runner.num_computed_tokens_total - before == 23 and a.num_cached_tokens == 0
+    before = runner.num_computed_tokens_total
+    b = llm.generate([shared + [50, 51]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert b.num_cached_tokens == 20
+    assert runner.num_computed_tokens_total - before == 2  # only the two new tokens ran
+
+
+def test_salted_requests_do_not_share(tiny_llama):
+    llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64)
+    p = list(range(10, 30)) + [7]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.engine.add_request("a", p, one, cache_salt="A")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    for salt, cached in (("B", 0), ("A", 20), (None, 0)):
+        rid = f"x-{salt}"
+        llm.engine.add_request(rid, p, one, cache_salt=salt)
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += llm.engine.step()
+        assert outs[-1].num_cached_tokens == cached, salt
+
+
+def test_two_engines_compute_the_same_hashes(tiny_llama):
+    a = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=16).engine
+    b = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=16).engine
+    ids = list(range(3, 40))
+    assert a.prefix_hashes(ids, "t", 8) == b.prefix_hashes(ids, "t", 8)
+    assert len(a.prefix_hashes(ids)) == 9
+
+
+def test_pin_and_reset_through_the_offline_api(tiny_llama):
+    llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=20, max_pinned_fraction=0.5)
+    sys_p = list(range(100, 124))  # 6 blocks
+    assert llm.pin(sys_p) == 6
+    # Churn through the pool with unrelated prompts: the pinned prefix survives.
+    llm.generate([list(range(200 + 20 * i, 213 + 20 * i)) for i in range(6)], GREEDY)
+    out = llm.generate([sys_p + [5]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.num_cached_tokens == 24
+    assert llm.reset_prefix_cache() > 0
+    out = llm.generate([sys_p + [6]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.num_cached_tokens == 24  # pinned blocks are referenced: reset keeps them
+    assert llm.unpin(sys_p) == 6
+    llm.reset_prefix_cache()
+    out = llm.generate([sys_p + [7]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.num_cached_tokens == 0
+    from hotprefix.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="allowed by --max-pinned-fraction"):
+        llm.engine.add_request("big", list(range(250, 294)), GREEDY, pin_prefix=True)
