@@ -1,0 +1,76 @@
+"""Cold vs warm time to first token on a long shared prefix, in-process.
+
+A 1,000-token prefix plus a 30-token question: one cold request, then warm
+requests with new questions (BENCHMARKS.md's `ttft` shape). TTFT here is the
+time from add_request to the first sampled token, through the engine's step loop.
+
+    .venv/bin/python benchmarks/prefix_ttft.py [--warm 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import time
+
+from hotprefix import LLM, SamplingParams
+
+
+def ttft(llm: LLM, rid: str, ids: list[int]) -> float:
+    eng = llm.engine
+    t0 = time.perf_counter()
+    eng.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=1))
+    first = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--question-tokens", type=int, default=30)
+    ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    llm = LLM(kv_cache_memory=512 << 20)
+    rng = random.Random(a.seed)
+    vocab = llm.engine.arch.vocab_size
+    prefix = [rng.randrange(100, vocab) for _ in range(a.prefix_tokens)]
+
+    def question() -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(a.question_tokens)]
+
+    ttft(llm, "warmup", [rng.randrange(100, vocab) for _ in range(64)])  # first-call overheads
+    cold = [ttft(llm, "cold", prefix + question())]
+    warm = [ttft(llm, f"warm{i}", prefix + question()) for i in range(a.warm)]
+    stats = llm.engine.kv.make_stats()
+    result = {
+        "prompt_tokens": a.prefix_tokens + a.question_tokens,
+        "cold_ttft_s": cold[0],
+        "warm_ttft_s_median": statistics.median(warm),
+        "warm_ttft_s": warm,
+        "warm_over_cold": statistics.median(warm) / cold[0],
+        "prefix_cache_hit_rate": stats.hit_rate,
+        "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()}"
+                   " cores",
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps(result, indent=2))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
