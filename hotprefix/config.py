@@ -74,6 +74,7 @@ class CacheConfig:
     num_blocks_override: fix the number of blocks (tests; small pools).
     enable_prefix_caching: share full blocks between requests by chained hash.
     max_pinned_fraction: the most of the pool that pinned prefixes may hold.
+    swap_space: bytes of host memory for swap-mode preemption (allocated only in that mode).
     """
 
     block_size: int = 16
@@ -84,8 +85,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     max_pinned_fraction: float = 0.2
+    swap_space: int = 4 << 30
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space must be >= 0, got {self.swap_space}")
         if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
             raise ConfigError(f"--prefix-caching-hash-algo must be sha256 or xxhash, "
                               f"got {self.prefix_caching_hash_algo!r}")
@@ -104,14 +108,30 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How many requests and tokens one engine step may take."""
+    """How many requests and tokens one engine step may take, in what order,
+    and what happens when KV blocks run out.
+
+    long_prefill_token_threshold: if > 0, no request computes more than this
+    many tokens in one step (long prompts cannot crowd out decodes).
+    preemption_mode: recompute (free and recompute) or swap (copy to host memory).
+    max_num_queued_requests: refuse new requests beyond this many waiting (None: no limit).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "recompute"
+    max_num_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
+            raise ConfigError(f"--max-num-queued-requests must be >= 1, got {self.max_num_queued_requests}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -29,10 +29,21 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What one engine step computes. Requests keep the scheduler's order."""
+    """What one engine step computes. Requests keep the scheduler's order.
+
+    Before the forward pass the runner copies swap_out (device block, host
+    block) pairs out, then swap_in (host block, device block) pairs in."""
 
     requests: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def num_prefill_decode_tokens(self) -> tuple[int, int]:
+        """(prefill, decode) tokens: a decode is one new token after the prompt;
+        everything else (prompt chunks, recomputation after preemption) is prefill."""
+        decode = sum(1 for r in self.requests if len(r.token_ids) == 1 and r.start_pos >= len(r.prompt_token_ids))
+        return self.num_scheduled_tokens - decode, decode
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -40,7 +51,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.swap_out and not self.swap_in
 
 
 @dataclass

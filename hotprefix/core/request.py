@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -58,6 +59,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first scheduling
     num_preemptions: int = 0
     pinned: bool = False
+    host_block_ids: list[int] = field(default_factory=list)  # KV swapped out to host memory
 
     @property
     def num_prompt_tokens(self) -> int:

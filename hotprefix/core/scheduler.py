@@ -1,57 +1,114 @@
 """The scheduler: which requests run each step and how many tokens each computes.
 
 One rule: every step, each chosen request's `num_computed_tokens` catches up
-towards `num_tokens` within the step's token budget (chunked prefill). Running
-requests are served before waiting ones. When the pool runs out of blocks, the
-running request admitted last is preempted (its blocks are freed and it is
-recomputed later from its prompt and the output it already has, looking the
-prefix cache up again).
+towards `num_tokens` within the step's token budget (chunked prefill). A prefill
+chunk and a decode token are the same thing here.
 
-A waiting request starts from its longest cached prefix (see kv_cache_manager):
-only the uncached tokens are scheduled.
+Order within a step: running requests first (in admission order), then swapped
+ones coming back, then waiting ones (fcfs: arrival order; priority: lowest
+`priority` value first, ties by arrival). A waiting request starts from its
+longest cached prefix (see kv_cache_manager): only the uncached tokens run.
+
+Out of blocks while serving a running request: a victim is preempted (fcfs:
+the last admitted; priority: the lowest priority, latest arrival). In recompute
+mode its blocks are freed and it is recomputed later (looking the cache up
+again); in swap mode its blocks are copied to host memory and back.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections import deque
 from collections.abc import Iterable
 
 from hotprefix.config import SchedulerConfig
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
+from hotprefix.core.stats import SchedulerStats
+from hotprefix.core.swap import SwapSpace
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
-    """Owns the waiting queue, the running list and the KV cache manager.
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-num-queued-requests (the server answers 503)."""
 
-    `schedule()` mutates requests' `num_computed_tokens` and status and takes
-    blocks; `update()` appends sampled tokens and frees finished requests.
+
+class WaitingQueue:
+    """Requests not yet admitted, in the policy's order."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._items: list[tuple[tuple, Request]] = []
+        self._seq = itertools.count()
+
+    def _key(self, req: Request, front: bool) -> tuple:
+        if self.policy == "priority":
+            return (req.priority, req.arrival_time, next(self._seq))
+        return (-next(self._seq),) if front else (0, next(self._seq))
+
+    def push(self, req: Request, front: bool = False) -> None:
+        """Queue a request; front=True (fcfs) puts a preempted one before everyone."""
+        item = (self._key(req, front), req)
+        bisect.insort(self._items, item, key=lambda it: it[0])
+
+    def peek(self) -> Request:
+        return self._items[0][1]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[1]
+
+    def remove(self, req: Request) -> None:
+        self._items = [it for it in self._items if it[1] is not req]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return (r for _, r in self._items)
+
+
+class Scheduler:
+    """Owns the waiting, running and swapped queues, the KV cache manager and
+    the swap space.
+
+    `schedule()` mutates requests' progress and status, takes blocks and may
+    preempt; `update()` appends sampled tokens and finishes requests;
+    `finish_requests()` ends requests in any state and returns every block.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_host_blocks: int = 0) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.swap = SwapSpace(num_host_blocks)
         self._finished_ids: set[str] = set()
+        self._host_to_free: list[int] = []
         self.num_preemptions = 0
+        self._step_preemptions = 0
+        self._last_tokens = (0, 0)
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError for a duplicate id."""
+        """Queue a request. Raises ValueError for a duplicate id and
+        QueueFullError at --max-num-queued-requests."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_num_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"the server has {len(self.waiting)} queued requests, the limit "
+                                 "(--max-num-queued-requests); try again later")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Finish (or abort) requests in any state, returning all their blocks.
-        Unknown or already finished ids are ignored."""
+        """Finish (or abort) requests in any state, returning all their blocks,
+        host blocks included. Unknown or already finished ids are ignored."""
         assert status.finished
         for rid in request_ids:
             req = self.requests.pop(rid, None)
@@ -59,6 +116,10 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                self._host_to_free.extend(req.host_block_ids)
+                req.host_block_ids = []
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -69,40 +130,74 @@ class Scheduler:
         return bool(self.requests)
 
     # -- one step -----------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        t = self.config.long_prefill_token_threshold
+        if 0 < t < n:
+            n = t
+        return min(n, budget)
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        """Choose this step's work. Mutates queues, requests and the pools."""
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
+        self._step_preemptions = 0
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_swapped(out, budget)
+        self._schedule_waiting(out, budget)
+        # Host blocks read by this step's swap-ins (or released by aborts) are
+        # reused only from the next step on: the runner copies out before in.
+        self.swap.free(self._host_to_free)
+        self._host_to_free = []
+        self._last_tokens = out.num_prefill_decode_tokens()
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:  # nothing to compute (cannot happen after update())
-                i += 1
-                continue
+            n = self._chunk(req, budget)
             while self.kv.allocate_slots(req, n) is None:
-                victim = self.running[-1]
-                self._preempt(victim)
+                victim = self._victim()
+                self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 out.requests.append(self._scheduled(req, n))
                 budget -= n
                 i += 1
+        return budget
 
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            n = self._chunk(req, budget)
+            held = len(req.host_block_ids)
+            new = self.kv.allocate_slots(req, n)
+            if new is None:
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(zip(req.host_block_ids, self.kv.block_ids(req.request_id)[:held]))
+            self._host_to_free.extend(req.host_block_ids)
+            req.host_block_ids = []
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(self._scheduled(req, n))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)  # a fresh or preempted request holds no blocks
+            req = self.waiting.peek()
+            hits = self.kv.get_computed_blocks(req)  # a waiting request holds no blocks
             hit_tokens = len(hits) * self.kv.block_size
-            n = req.num_tokens - hit_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
-                break
-            self.waiting.popleft()
             req.num_computed_tokens = hit_tokens
+            n = self._chunk(req, budget)
+            fits = n == req.num_tokens - hit_tokens or self.config.enable_chunked_prefill
+            if not fits or self.kv.allocate_slots(req, n, hits) is None:
+                req.num_computed_tokens = 0
+                break
+            self.waiting.pop()
             if req.num_cached_tokens is None:  # stats count a request's first lookup only
                 req.num_cached_tokens = hit_tokens
                 self.kv.record_query(req.num_tokens, hit_tokens)
@@ -110,7 +205,6 @@ class Scheduler:
             self.running.append(req)
             out.requests.append(self._scheduled(req, n))
             budget -= n
-        return out
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -123,15 +217,30 @@ class Scheduler:
             sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute-mode preemption: free the blocks, requeue at the front."""
+    def _victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap the request's KV out to host memory (swap mode, if it fits),
+        else free it for recomputation."""
         self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._step_preemptions += 1
+        device = self.kv.block_ids(req.request_id)
+        host = self.swap.allocate(len(device)) if self.config.preemption_mode == "swap" else None
         self.kv.free(req)
+        if host is not None:
+            out.swap_out.extend(zip(device, host))
+            req.host_block_ids = host
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            return
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        self.waiting.push(req, front=True)
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that hit a stop condition."""
@@ -161,12 +270,26 @@ class Scheduler:
         except PinError as e:
             log.warning("request %s: prefix not pinned: %s", req.request_id, e)
 
+    def make_stats(self) -> SchedulerStats:
+        """The state now and what the last schedule() did; prefix-cache counters reset on read."""
+        prefill, decode = self._last_tokens
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_preemptions=self._step_preemptions, num_preemptions_total=self.num_preemptions,
+            num_prefill_tokens=prefill, num_decode_tokens=decode, kv_cache_usage=self.kv.usage(),
+            swap_usage=self.swap.usage(), prefix_cache=self.kv.make_stats())
+
     def check_integrity(self) -> None:
-        """Every running request holds exactly the blocks its computed tokens need."""
+        """Every running request holds exactly the blocks its computed tokens
+        need; waiting and swapped ones hold no device blocks; host blocks add up."""
         self.kv.check_integrity()
         for req in self.running:
             have = len(self.kv.req_to_blocks.get(req.request_id, ()))
             need = -(-req.num_computed_tokens // self.kv.block_size)
             assert have == need, f"{req.request_id}: {have} blocks for {req.num_computed_tokens} tokens"
-        for req in self.waiting:
-            assert req.request_id not in self.kv.req_to_blocks, f"waiting {req.request_id} holds blocks"
+        for req in list(self.waiting) + self.swapped:
+            assert req.request_id not in self.kv.req_to_blocks, f"{req.request_id} holds blocks while queued"
+        host = [h for r in self.swapped for h in r.host_block_ids] + self._host_to_free
+        assert len(set(host)) == len(host), "a host block is held twice"
+        assert len(host) + self.swap.num_free == self.swap.num_blocks, "host blocks leaked"
+        assert len(self.requests) == len(self.running) + len(self.waiting) + len(self.swapped)

@@ -83,6 +83,36 @@ class KVCache:
             for _ in range(num_layers)
         ]
 
+    def make_host_copy(self, num_host_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host (CPU) tensors with room for num_host_blocks blocks per layer, for swapping."""
+        pin = self.layers[0].k.is_cuda
+        return [(torch.zeros((num_host_blocks * self.block_size, *layer.k.shape[1:]), dtype=layer.k.dtype,
+                             pin_memory=pin),
+                 torch.zeros((num_host_blocks * self.block_size, *layer.v.shape[1:]), dtype=layer.v.dtype,
+                             pin_memory=pin))
+                for layer in self.layers]
+
+    def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
+        b = torch.tensor(blocks, dtype=torch.long, device=device)
+        return (b[:, None] * self.block_size + torch.arange(self.block_size, device=device)).reshape(-1)
+
+    def swap(self, host: list[tuple[torch.Tensor, torch.Tensor]], swap_out: list[tuple[int, int]],
+             swap_in: list[tuple[int, int]]) -> None:
+        """Copy (device block -> host block) pairs out, then (host -> device) pairs in."""
+        dev = self.layers[0].k.device
+        if swap_out:
+            src = self._slots([d for d, _ in swap_out], dev)
+            dst = self._slots([h for _, h in swap_out], torch.device("cpu"))
+            for layer, (hk, hv) in zip(self.layers, host):
+                hk.view(torch.uint8).index_copy_(0, dst, layer.k.view(torch.uint8).index_select(0, src).cpu())
+                hv.view(torch.uint8).index_copy_(0, dst, layer.v.view(torch.uint8).index_select(0, src).cpu())
+        if swap_in:
+            src = self._slots([h for h, _ in swap_in], torch.device("cpu"))
+            dst = self._slots([d for _, d in swap_in], dev)
+            for layer, (hk, hv) in zip(self.layers, host):
+                layer.k.view(torch.uint8).index_copy_(0, dst, hk.view(torch.uint8).index_select(0, src).to(dev))
+                layer.v.view(torch.uint8).index_copy_(0, dst, hv.view(torch.uint8).index_select(0, src).to(dev))
+
     def bytes_per_block(self) -> int:
         """Bytes of K and V of one block over all layers, as stored."""
         layer = self.layers[0]

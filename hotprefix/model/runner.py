@@ -97,10 +97,16 @@ class ModelRunner:
         self.block_size = cache_cfg.block_size
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device)
+        self.num_host_blocks = 0
+        self.host_kv: list = []
+        if sched_cfg.preemption_mode == "swap":
+            self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block
+            self.host_kv = self.kv_cache.make_host_copy(self.num_host_blocks)
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = ()
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
+        self.num_swapped_blocks_total = 0  # blocks copied out to host memory
 
     # -- batch preparation ------------------------------------------------
     def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -150,7 +156,10 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
         out = ModelRunnerOutput()
-        if sched.is_empty:
+        if sched.swap_out or sched.swap_in:
+            self.kv_cache.swap(self.host_kv, sched.swap_out, sched.swap_in)
+            self.num_swapped_blocks_total += len(sched.swap_out)
+        if not sched.requests:
             return out
         hidden = self.forward(sched)
         ends, rows, rids = [], [], []

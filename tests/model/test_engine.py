@@ -46,7 +46,12 @@ def alone(folder):
     {},                                                   # one batch
     {"max_num_batched_tokens": 7},                        # chunked prefill, small chunks
     {"max_num_batched_tokens": 16, "max_num_seqs": 2},    # chunks + queueing
-    {"num_blocks_override": 14, "max_num_batched_tokens": 32},  # few blocks: preemption
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32},  # few blocks: preemption (recompute)
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 1 << 20},
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 1 << 20,
+     "scheduling_policy": "priority", "enable_prefix_caching": False},
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 4096},
+    {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 3},
 ])
 def test_batched_outputs_equal_running_alone(folder, alone, kw):
     llm = make_llm(folder, **kw)
@@ -57,6 +62,9 @@ def test_batched_outputs_equal_running_alone(folder, alone, kw):
         assert o.outputs[0].finish_reason == "length"
     if "num_blocks_override" in kw:
         assert llm.engine.scheduler.num_preemptions > 0
+    if kw.get("preemption_mode") == "swap":
+        assert llm.engine.runner.num_host_blocks == kw["swap_space"] // llm.engine.runner.plan.bytes_per_block
+        assert llm.engine.runner.num_swapped_blocks_total > 0
     assert_pool_empty(llm)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,13 +13,15 @@ from hotprefix.config import SchedulerConfig
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.outputs import ModelRunnerOutput, SchedulerOutput
 from hotprefix.core.request import RequestStatus
-from hotprefix.core.scheduler import Scheduler
+from hotprefix.core.scheduler import QueueFullError, Scheduler
 from tests.unit.builders import make_request
 
 
-def make_scheduler(num_blocks=32, block_size=4, max_tokens=16, max_seqs=8, chunked=True) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, enable_chunked_prefill=chunked)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+def make_scheduler(num_blocks=32, block_size=4, max_tokens=16, max_seqs=8, chunked=True, host_blocks=0,
+                   **cfg_kw) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, enable_chunked_prefill=chunked,
+                          **cfg_kw)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size), host_blocks)
 
 
 def fake_run(sched: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
@@ -129,17 +132,21 @@ def test_eos_and_stop_tokens_finish():
                    "i": (None, None)}
 
 
-def run_blast(seed: int, num_blocks: int, block_size: int, budget: int, max_seqs: int, n_requests: int) -> None:
+def run_blast(seed: int, num_blocks: int, block_size: int, budget: int, max_seqs: int, n_requests: int,
+              policy: str = "fcfs", mode: str = "recompute", host_blocks: int = 0, threshold: int = 0) -> None:
     rng = random.Random(seed)
-    s = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_tokens=budget, max_seqs=max_seqs)
+    s = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_tokens=budget, max_seqs=max_seqs,
+                       host_blocks=host_blocks, scheduling_policy=policy, preemption_mode=mode,
+                       long_prefill_token_threshold=threshold)
     cap = num_blocks * block_size
     pending = []
     for i in range(n_requests):
         p = rng.randint(1, max(1, cap // 2))
-        pending.append(make_request(f"r{i}", p, max_tokens=rng.randint(1, max(1, cap - p))))
+        pending.append(make_request(f"r{i}", p, max_tokens=rng.randint(1, max(1, cap - p)),
+                                    priority=rng.randint(0, 3)))
     finished: set[str] = set()
     aborted: set[str] = set()
-    steps_waiting: dict[str, int] = {}
+    steps_alive: dict[str, int] = {}
     for _ in range(20000):
         if pending and rng.random() < 0.5:
             s.add_request(pending.pop(0))
@@ -150,6 +157,8 @@ def run_blast(seed: int, num_blocks: int, block_size: int, budget: int, max_seqs
         out = s.schedule()
         assert out.num_scheduled_tokens <= budget
         assert len(out.requests) <= max_seqs
+        if threshold:
+            assert all(len(r.token_ids) <= threshold for r in out.requests)
         for r in out.requests:
             assert len(r.block_ids) * block_size >= r.start_pos + len(r.token_ids)
         for o in s.update(out, fake_run(out, rng.randint(0, 50))):
@@ -157,22 +166,128 @@ def run_blast(seed: int, num_blocks: int, block_size: int, budget: int, max_seqs
                 finished.add(o.request_id)
         s.check_integrity()
         for rid in s.requests:
-            steps_waiting[rid] = steps_waiting.get(rid, 0) + 1
-            assert steps_waiting[rid] < 5000, f"{rid} starves"
+            steps_alive[rid] = steps_alive.get(rid, 0) + 1
+            assert steps_alive[rid] < 5000, f"{rid} starves"
         if not pending and not s.requests:
             break
     assert not s.requests and not pending
     assert finished | aborted == {f"r{i}" for i in range(n_requests)}
-    assert s.kv.pool.num_free_blocks == num_blocks
+    s.schedule()  # releases host blocks deferred from the last step
+    assert s.kv.pool.num_free_blocks == num_blocks and s.swap.num_free == host_blocks
 
 
-def test_seeded_random_blast():
+@pytest.mark.parametrize("policy,mode", [("fcfs", "recompute"), ("priority", "recompute"), ("fcfs", "swap"),
+                                         ("priority", "swap")])
+def test_seeded_random_blast(policy, mode):
     for seed in range(5):
-        run_blast(seed, num_blocks=12, block_size=4, budget=16, max_seqs=4, n_requests=40)
+        run_blast(seed, num_blocks=12, block_size=4, budget=16, max_seqs=4, n_requests=40, policy=policy,
+                  mode=mode, host_blocks=6 if mode == "swap" else 0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(2, 20), block_size=st.sampled_from([1, 2, 4, 16]),
-       budget=st.integers(1, 40), max_seqs=st.integers(1, 6), n=st.integers(1, 15))
-def test_hypothesis_blast(seed, num_blocks, block_size, budget, max_seqs, n):
-    run_blast(seed, num_blocks, block_size, budget, max_seqs, n)
+       budget=st.integers(1, 40), max_seqs=st.integers(1, 6), n=st.integers(1, 15),
+       policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
+       host_blocks=st.integers(0, 10), threshold=st.sampled_from([0, 0, 3, 7]))
+def test_hypothesis_blast(seed, num_blocks, block_size, budget, max_seqs, n, policy, mode, host_blocks, threshold):
+    run_blast(seed, num_blocks, block_size, budget, max_seqs, n, policy, mode, host_blocks, threshold)
+
+
+def test_priority_policy_admits_lowest_value_first_ties_by_arrival():
+    s = make_scheduler(max_seqs=1, scheduling_policy="priority")
+    for rid, prio in (("low", 5), ("high", 0), ("mid", 2), ("high2", 0)):
+        s.add_request(make_request(rid, 2, max_tokens=1, priority=prio))
+    order = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        order += [r.request_id for r in out.requests]
+    assert order == ["high", "high2", "mid", "low"]
+
+
+def test_priority_policy_preempts_the_lowest_priority():
+    s = make_scheduler(num_blocks=6, block_size=4, max_tokens=64, scheduling_policy="priority")
+    s.add_request(make_request("p0", 7, max_tokens=8, priority=0))
+    s.add_request(make_request("p9", 7, max_tokens=8, priority=9))
+    s.add_request(make_request("p1", 7, max_tokens=8, priority=1))
+    step(s)  # all three admitted: 2 blocks each
+    step(s)  # decode into the second block: no new blocks
+    out, _ = step(s)  # each needs a 3rd block: p9 (lowest priority) goes, though admitted second
+    assert s.requests["p9"].status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in out.requests] == ["p0", "p1"]
+
+
+def test_swap_mode_copies_blocks_out_and_back_with_exact_mappings():
+    s = make_scheduler(num_blocks=4, block_size=4, max_tokens=32, host_blocks=4, preemption_mode="swap")
+    s.add_request(make_request("a", 7, max_tokens=6))
+    s.add_request(make_request("b", 7, max_tokens=6))
+    step(s)
+    step(s)
+    out, _ = step(s)  # a needs a third block: b (blocks 2, 3) swaps out to host blocks 0, 1
+    assert out.swap_out == [(2, 0), (3, 1)] and plan(out) == [("a", 8, 1)]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 8 and b.host_block_ids == [0, 1]
+    assert s.swap.num_free == 2
+    while "a" in s.requests:
+        out, _ = step(s)
+    out, _ = step(s)  # b comes back: host 0, 1 -> fresh device blocks, then decodes one token
+    assert [h for h, _ in out.swap_in] == [0, 1]
+    assert [d for _, d in out.swap_in] == out.requests[0].block_ids[:2]
+    assert plan(out)[0][:3] == ("b", 8, 1)  # no recomputation
+    assert s.swap.num_free == 4  # released at the end of the step that read them
+
+
+def test_swap_falls_back_to_recompute_without_host_room():
+    s = make_scheduler(num_blocks=4, block_size=4, max_tokens=32, host_blocks=1, preemption_mode="swap")
+    s.add_request(make_request("a", 7, max_tokens=6))
+    s.add_request(make_request("b", 7, max_tokens=6))
+    step(s)
+    step(s)
+    out, _ = step(s)
+    assert out.swap_out == [] and s.requests["b"].status == RequestStatus.PREEMPTED
+
+
+def test_abort_of_a_swapped_request_returns_its_host_blocks():
+    s = make_scheduler(num_blocks=4, block_size=4, max_tokens=32, host_blocks=4, preemption_mode="swap")
+    s.add_request(make_request("a", 7, max_tokens=6))
+    s.add_request(make_request("b", 7, max_tokens=6))
+    for _ in range(3):
+        step(s)
+    assert s.requests["b"].status == RequestStatus.SWAPPED
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    s.check_integrity()
+    s.schedule()
+    assert s.swap.num_free == 4
+
+
+def test_long_prefill_threshold_caps_each_request_per_step():
+    s = make_scheduler(max_tokens=64, long_prefill_token_threshold=5)
+    s.add_request(make_request("long", 12, max_tokens=1))
+    s.add_request(make_request("short", 3, max_tokens=2))
+    out, _ = step(s)
+    assert plan(out) == [("long", 0, 5), ("short", 0, 3)]
+    out, _ = step(s)
+    assert plan(out) == [("long", 5, 5), ("short", 3, 1)]
+
+
+def test_queue_limit_refuses_with_a_typed_error():
+    s = make_scheduler(max_num_queued_requests=2)
+    s.add_request(make_request("a", 2))
+    s.add_request(make_request("b", 2))
+    with pytest.raises(QueueFullError, match="2 queued requests"):
+        s.add_request(make_request("c", 2))
+    step(s)  # both admitted: the queue has room again
+    s.add_request(make_request("c", 2))
+
+
+def test_step_stats():
+    s = make_scheduler(max_tokens=10, max_seqs=2)
+    s.add_request(make_request("a", 6, max_tokens=3))
+    s.add_request(make_request("b", 6, max_tokens=3))
+    s.add_request(make_request("c", 6, max_tokens=3))
+    step(s)
+    st = s.make_stats()
+    assert (st.num_running, st.num_waiting, st.num_prefill_tokens, st.num_decode_tokens) == (2, 1, 10, 0)
+    step(s)
+    st = s.make_stats()
+    assert (st.num_prefill_tokens, st.num_decode_tokens) == (2, 1)  # b's last prompt chunk, a's decode
+    assert st.kv_cache_usage == 4 / 32 and st.prefix_cache.requests == 0
