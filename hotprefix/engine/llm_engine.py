@@ -8,6 +8,7 @@ stop strings, outputs) -> finished.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,8 +46,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of a request after a step. `outputs[i].text` is the whole text
-    so far; `deltas[i]` the text added by this step (for streaming)."""
+    """The state of a request after a step. `deltas[i]` and `new_token_ids[i]`
+    are what this step added to sample i (for streaming). `outputs` is a
+    snapshot once finished; before that it is the engine's live state (read it
+    on the engine's thread only)."""
 
     request_id: str
     prompt: str | None
@@ -54,9 +57,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     deltas: list[str]
     finished: bool
+    new_token_ids: list[list[int]] = field(default_factory=list)
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass
@@ -73,6 +79,7 @@ class _State:
     prompt_token_ids: list[int]
     children: list[_Child]
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     @property
@@ -90,6 +97,10 @@ class LLMEngine:
         loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        # HF tokenizers are not safe to call from two threads at once (the
+        # server tokenizes on the event loop while the engine thread decodes).
+        self.tokenizer_lock = threading.Lock()
+        self._locked_tokenizer = _LockedTokenizer(self.tokenizer, self.tokenizer_lock)
         self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler)
         self.arch = self.runner.arch
         eos = set(self.arch.eos_token_ids)
@@ -112,8 +123,13 @@ class LLMEngine:
                  plan.num_blocks * plan.bytes_per_block / 2**20)
 
     # -- admission ----------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        with self.tokenizer_lock:
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None) -> str:
@@ -124,9 +140,10 @@ class LLMEngine:
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template)
+            with self.tokenizer_lock:
+                return self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, chat_template=chat_template)
         except Exception as e:  # jinja2 errors, template raise_exception(), bad message shapes
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
 
@@ -134,16 +151,24 @@ class LLMEngine:
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
                     cache_salt_offset: int = 0, pin_prefix: bool = False) -> list[int]:
         """Validate and queue a request (n children for n samples). Returns the
-        prompt token ids. Raises InvalidRequestError / PromptTooLongError.
+        prompt token ids. Raises InvalidRequestError / PromptTooLongError, or
+        QueueFullError at --max-num-queued-requests; nothing is queued then.
 
         cache_salt: requests with different salts never share KV blocks; it
         applies from token cache_salt_offset (rounded down to a block) on.
         pin_prefix: once computed, pin the prompt's full blocks against eviction."""
-        if request_id in self._states:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prepared = self.prepare_request(request_id, prompt, params, priority, add_special_tokens, cache_salt,
+                                        cache_salt_offset, pin_prefix)
+        self.enqueue(prepared)
+        return prepared.prompt_token_ids
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                        priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
+                        cache_salt_offset: int = 0, pin_prefix: bool = False) -> _State:
+        """Tokenize and validate without touching the queues (safe to call from
+        another thread than the one stepping the engine). Raises InvalidRequestError."""
         if isinstance(prompt, str):
-            ids = (self.tokenize(prompt) if add_special_tokens
-                   else list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+            ids = self.tokenize(prompt, add_special_tokens)
             text: str | None = prompt
         else:
             ids, text = list(prompt), None
@@ -160,12 +185,27 @@ class LLMEngine:
             req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                           priority=priority, cache_salt=cache_salt, cache_salt_offset=cache_salt_offset,
                           pin_prefix=pin_prefix and i == 0)
-            children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, cp), CompletionOutput(i)))
-        self._states[request_id] = _State(request_id, text, ids, children, time.monotonic())
-        for c in children:
-            self._child_to_parent[c.request.request_id] = request_id
-            self.scheduler.add_request(c.request)
-        return ids
+            detok = IncrementalDetokenizer(self._locked_tokenizer, ids, cp)
+            children.append(_Child(req, detok, CompletionOutput(i)))
+        return _State(request_id, text, ids, children, time.monotonic())
+
+    def enqueue(self, state: _State) -> None:
+        """Queue a prepared request. Raises InvalidRequestError for an id in use
+        and QueueFullError at the queue limit; nothing is queued then."""
+        rid = state.request_id
+        if rid in self._states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        added = []
+        try:
+            for c in state.children:
+                self.scheduler.add_request(c.request)
+                added.append(c.request.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self._states[rid] = state
+        for c in state.children:
+            self._child_to_parent[c.request.request_id] = rid
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -234,12 +274,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, and return the requests that progressed."""
         sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for sr in sched.requests:
+            st = self._states.get(self._child_to_parent.get(sr.request_id, ""))
+            if st is not None and st.first_scheduled_time is None:
+                st.first_scheduled_time = now
         result = self.runner.execute(sched)
         core_outputs = self.scheduler.update(sched, result)
         return self._process(core_outputs)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         touched: dict[str, _State] = {}
+        new_ids: dict[str, list[int]] = {}
         now = time.monotonic()
         for co in core_outputs:
             parent = self._child_to_parent.get(co.request_id)
@@ -249,8 +295,10 @@ class LLMEngine:
             child = next(c for c in st.children if c.request.request_id == co.request_id)
             st.first_token_time = st.first_token_time or now
             out = child.out
+            added = new_ids.setdefault(co.request_id, [])
             for tok in co.new_token_ids:
                 out.token_ids.append(tok)
+                added.append(tok)
                 stop = child.detok.append(tok)
                 if co.logprobs:
                     out.logprobs = (out.logprobs or []) + co.logprobs
@@ -263,15 +311,32 @@ class LLMEngine:
                 out.stop_reason = co.stop_reason
             out.text = child.detok.text
             touched[st.request_id] = st
-        results = []
-        for st in touched.values():
-            deltas = [c.detok.delta(c.out.finished) for c in st.children]
-            results.append(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids,
-                                         [c.out for c in st.children], deltas, st.finished,
-                                         num_cached_tokens=st.children[0].request.num_cached_tokens or 0,
-                                         arrival_time=st.arrival_time, first_token_time=st.first_token_time))
-            if st.finished:
-                self._states.pop(st.request_id, None)
-                for c in st.children:
-                    self._child_to_parent.pop(c.request.request_id, None)
-        return results
+        return [self._output(st, new_ids, now) for st in touched.values()]
+
+    def _output(self, st: _State, new_ids: dict[str, list[int]], now: float) -> RequestOutput:
+        finished = st.finished
+        deltas = [c.detok.delta(c.out.finished) for c in st.children]
+        outs = [c.out for c in st.children]
+        if finished:  # a snapshot: safe to hand to another thread
+            outs = [replace(o, token_ids=list(o.token_ids),
+                            logprobs=None if o.logprobs is None else list(o.logprobs)) for o in outs]
+            self._states.pop(st.request_id, None)
+            for c in st.children:
+                self._child_to_parent.pop(c.request.request_id, None)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, deltas, finished,
+                             new_token_ids=[new_ids.get(c.request.request_id, []) for c in st.children],
+                             num_cached_tokens=st.children[0].request.num_cached_tokens or 0,
+                             arrival_time=st.arrival_time, first_scheduled_time=st.first_scheduled_time,
+                             first_token_time=st.first_token_time, finished_time=now if finished else None)
+
+
+class _LockedTokenizer:
+    """The tokenizer's decode under the engine's tokenizer lock (for the detokenizer)."""
+
+    def __init__(self, tokenizer: Any, lock: threading.Lock) -> None:
+        self._tok = tokenizer
+        self._lock = lock
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        with self._lock:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,152 @@
+"""The async engine: streaming, early errors, aborts, and 1,000 requests with random aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.core.scheduler import QueueFullError
+from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.errors import InvalidRequestError, PromptTooLongError
+
+
+def make_engine(folder, **kw) -> AsyncEngine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks_override", 64)
+    max_queued = kw.pop("max_queued", None)
+    return AsyncEngine(LLM(model=str(folder), **kw).engine, max_queued_requests=max_queued)
+
+
+async def idle(engine: AsyncEngine) -> None:
+    """Wait until the engine thread has no request left, then check the pool."""
+    for _ in range(500):
+        if not await engine.call(lambda e: e.has_unfinished_requests()):
+            break
+        await asyncio.sleep(0.01)
+    kv = engine.engine.kv
+
+    def check(e):
+        e.scheduler.check_integrity()
+        return kv.pool.num_free_blocks
+
+    assert await engine.call(check) == kv.num_blocks
+
+
+def test_stream_matches_offline_and_deltas_add_up(tiny_llama):
+    folder = tiny_llama[0]
+    prompt = list(range(20, 37))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = LLM(model=str(folder), num_blocks_override=64).generate([prompt], sp)[0].outputs[0]
+
+    async def main():
+        eng = make_engine(folder)
+        eng.start()
+        outs = [o async for o in eng.generate("r", prompt, sp)]
+        await idle(eng)
+        await eng.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert [t for o in outs for t in o.new_token_ids[0]] == ref.token_ids
+    assert "".join(o.deltas[0] for o in outs) == ref.text == outs[-1].outputs[0].text
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert outs[-1].first_token_time >= outs[-1].first_scheduled_time >= outs[-1].arrival_time
+
+
+def test_bad_requests_fail_before_anything_is_queued(tiny_llama):
+    async def main():
+        eng = make_engine(tiny_llama[0], max_model_len=16, max_queued=2)
+        eng.start()
+        with pytest.raises(PromptTooLongError):
+            eng.add_request("long", list(range(3, 30)), SamplingParams(max_tokens=1))
+        with pytest.raises(InvalidRequestError):
+            eng.add_request("empty", [], SamplingParams())
+        a = eng.add_request("a", [5, 6], SamplingParams(max_tokens=3))
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            eng.add_request("a", [5, 6], SamplingParams(max_tokens=3))
+        b = eng.add_request("b", [5, 7], SamplingParams(max_tokens=3))
+        with pytest.raises(QueueFullError):
+            eng.add_request("c", [5, 8], SamplingParams(max_tokens=3))
+        assert [o async for o in a][-1].finished and [o async for o in b][-1].finished
+        eng.add_request("c", [5, 8], SamplingParams(max_tokens=3)).close()  # room again
+        await idle(eng)
+        await eng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_aborts_the_request(tiny_llama):
+    async def main():
+        eng = make_engine(tiny_llama[0])
+        eng.start()
+        stream = eng.add_request("r", list(range(5, 25)), SamplingParams(max_tokens=200, ignore_eos=True))
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 3:
+                break
+        await idle(eng)
+        assert eng.num_unfinished == 0
+        await eng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_thousand_requests_with_random_aborts(tiny_llama):
+    folder = tiny_llama[0]
+    rng = random.Random(1234)
+    specs = []
+    for i in range(1000):
+        prompt = [rng.randint(3, 319) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.3:  # shared prefixes exercise the cache under churn
+            prompt = [7, 8, 9, 10, 11, 12, 13, 14] + prompt
+        specs.append((f"r{i}", prompt, rng.randint(1, 12), rng.choice(["none", "none", "break", "cancel"]),
+                      rng.randint(0, 5)))
+    checked = {}
+
+    async def one(eng: AsyncEngine, sem: asyncio.Semaphore, spec) -> str:
+        rid, prompt, max_tokens, abort, after = spec
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        async with sem:
+            n = 0
+            async for out in eng.generate(rid, prompt, sp):
+                n += 1
+                if abort == "break" and n > after:
+                    return "aborted"
+                if out.finished:
+                    o = out.outputs[0]
+                    assert o.finish_reason == "length" and len(o.token_ids) == max_tokens
+                    checked[rid] = o.token_ids
+                    return "finished"
+            raise AssertionError(f"{rid}: stream ended without a finished output")
+
+    async def main():
+        eng = make_engine(folder, num_blocks_override=48, max_num_seqs=16, max_num_batched_tokens=64)
+        eng.start()
+        sem = asyncio.Semaphore(64)
+        tasks = [asyncio.create_task(one(eng, sem, s)) for s in specs]
+        for t, s in zip(tasks, specs):
+            if s[3] == "cancel":
+                asyncio.get_running_loop().call_later(rng.random() * 0.5, t.cancel)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            assert r in ("finished", "aborted") or isinstance(r, asyncio.CancelledError), repr(r)
+        await idle(eng)
+        assert eng.num_unfinished == 0 and eng.counters.step_errors == 0 and eng.dead is None
+        await eng.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert results.count("finished") > 400
+    assert results.count("aborted") > 50  # consumers that stopped reading
+    assert sum(isinstance(r, asyncio.CancelledError) for r in results) > 50  # cancelled tasks
+    # Spot-check finished outputs against the offline engine (greedy is deterministic).
+    llm = LLM(model=str(folder), num_blocks_override=64, block_size=4)
+    sample = sorted(checked)[:20]
+    refs = llm.generate([next(s[1] for s in specs if s[0] == rid) for rid in sample],
+                        [SamplingParams(temperature=0, max_tokens=len(checked[rid]), ignore_eos=True)
+                         for rid in sample])
+    assert [r.outputs[0].token_ids for r in refs] == [checked[rid] for rid in sample]
