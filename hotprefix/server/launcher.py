@@ -1,0 +1,36 @@
+"""`hotprefix serve`: load the model, size the pool, start uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import uvicorn
+
+from hotprefix.config import EngineConfig, ServerConfig
+from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.engine.llm_engine import LLMEngine
+from hotprefix.server.app import build_app
+
+log = logging.getLogger(__name__)
+
+
+def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
+    """Load the engine and build the uvicorn server (not started). Raises
+    ModelLoadError / ConfigError with a one-line message."""
+    t0 = time.monotonic()
+    log.info("loading %s ...", engine_cfg.model.model or "the default model (SmolLM2-135M-Instruct)")
+    engine = LLMEngine(engine_cfg)
+    if cfg.chat_template is not None:
+        engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
+    app = build_app(AsyncEngine(engine, cfg.max_num_queued_requests), cfg)
+    log.info("ready to serve after %.1fs", time.monotonic() - t0)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False)
+    return uvicorn.Server(config)
+
+
+def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
+    """Run until SIGINT/SIGTERM: then stop accepting, let running requests
+    finish for up to cfg.shutdown_timeout seconds, and exit."""
+    make_server(engine_cfg, cfg).run()

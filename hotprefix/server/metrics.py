@@ -1,0 +1,115 @@
+"""Prometheus metrics under `hotprefix:`, with vLLM V1's names and meanings.
+
+Engine-side numbers (running/waiting, KV usage, prefix-cache queries and hits
+in tokens, preemptions) are read from the async engine's counters at scrape
+time; per-request numbers (tokens, latencies, finish reasons) are observed by
+the handlers when a request ends. Every metric carries `model_name`. One
+registry per app: no module-level state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.engine.llm_engine import RequestOutput
+
+P = "hotprefix:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine, model_name: str, cache_info: dict[str, str]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.cache_info = cache_info
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.engine.counters
+        last = c.last
+        yield self._gauge("num_requests_running", "Requests in the running batch.", last.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", last.num_waiting)
+        yield self._gauge("num_requests_swapped", "Requests swapped out to host memory.", last.num_swapped)
+        yield self._gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", last.kv_cache_usage)
+        yield self._counter("num_preemptions", "Cumulative preemptions.", last.num_preemptions_total)
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            c.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
+        yield self._counter("prefix_cache_evicted_blocks", "Cached blocks whose slot was reused.", c.evicted_blocks)
+        info = GaugeMetricFamily(P + "cache_config_info", "Information of the KV cache configuration.",
+                                 labels=["model_name", *self.cache_info])
+        info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
+        yield info
+
+
+class ServerMetrics:
+    """The app's registry and its per-request metrics."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, cache_info: dict[str, str]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name, cache_info))
+        r, lbl = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", lbl, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", lbl, registry=r)
+        self.cached_tokens = Counter(P + "prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+                                     lbl, registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", lbl,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", lbl,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.", lbl,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time spent waiting before first scheduled.",
+                                    lbl, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_len = Histogram(P + "request_prompt_tokens", "Prompt tokens per request.", lbl,
+                                    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
+                                    registry=r)
+        self.gen_len = Histogram(P + "request_generation_tokens", "Generated tokens per request.", lbl,
+                                 buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
+                                 registry=r)
+
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record a finished (or aborted, with finish_reason 'abort') request."""
+        m = self.model_name
+        completion = sum(len(o.token_ids) for o in out.outputs)
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(completion)
+        self.cached_tokens.labels(m).inc(out.num_cached_tokens)
+        for o in out.outputs:
+            self.request_success.labels(m, o.finish_reason or "abort").inc()
+        self.prompt_len.labels(m).observe(len(out.prompt_token_ids))
+        self.gen_len.labels(m).observe(completion)
+        if out.first_token_time is not None:
+            self.ttft.labels(m).observe(out.first_token_time - out.arrival_time)
+        if out.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(out.first_scheduled_time - out.arrival_time)
+        if out.finished_time is not None:
+            self.e2e.labels(m).observe(out.finished_time - out.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,348 @@
+"""Handlers for /v1/completions and /v1/chat/completions.
+
+Both go the same way: check the request, build sampling params, submit one
+engine request per prompt (each with n samples), then either stream SSE chunks
+or collect the final outputs while watching for a client disconnect. Any way
+a request ends (finished, failed, client gone) is logged and counted, and an
+unfinished request is aborted so its blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hotprefix.engine.async_engine import AsyncEngine, RequestStream
+from hotprefix.engine.llm_engine import RequestOutput
+from hotprefix.errors import InvalidRequestError
+from hotprefix.sampling_params import TokenLogprobs
+from hotprefix.server.metrics import ServerMetrics
+from hotprefix.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    error_body,
+    now,
+    random_id,
+)
+
+log = logging.getLogger("hotprefix.requests")
+
+
+class RequestLog:
+    """One line per finished request, to the log and optionally as JSON lines to a file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the app
+
+    def write(self, row: dict[str, Any]) -> None:
+        log.info("request %(request_id)s %(status)s: prompt=%(prompt_tokens)d cached=%(cached_tokens)d "
+                 "completion=%(completion_tokens)d ttft=%(ttft_s)s latency=%(latency_s).3fs finish=%(finish_reason)s",
+                 row)
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+@dataclass
+class Tracker:
+    """What one HTTP request has seen of its engine requests (for usage, metrics and the log)."""
+
+    request_id: str
+    endpoint: str
+    user: str | None
+    start: float = field(default_factory=time.monotonic)
+    last: dict[str, RequestOutput] = field(default_factory=dict)
+    last_token_at: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Serving:
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    request_log: RequestLog
+    chat_template: str | None = None
+    scheduling_policy: str = "fcfs"
+
+    # -- shared -------------------------------------------------------------------
+    def _submit(self, body: SamplingFields, prompts: list[str | list[int]], max_tokens: int | None,
+                logprobs: int | None, add_special_tokens: bool, base_id: str) -> list[RequestStream]:
+        """Validate and submit one engine request per prompt. Raises before
+        anything is left queued (already submitted ones are aborted)."""
+        if body.priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
+        params = body.sampling_params(max_tokens, logprobs)
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(self.engine.add_request(
+                    f"{base_id}-{i}", p, params, priority=body.priority, add_special_tokens=add_special_tokens,
+                    cache_salt=body.cache_salt, cache_salt_offset=body.cache_salt_offset,
+                    pin_prefix=body.pin_prefix))
+        except Exception:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    def _observe(self, t: Tracker, out: RequestOutput) -> None:
+        stamp = time.monotonic()
+        prev = t.last_token_at.get(out.request_id)
+        if prev is not None and any(out.new_token_ids):
+            self.metrics.observe_token_gap(stamp - prev)
+        if any(out.new_token_ids):
+            t.last_token_at[out.request_id] = stamp
+        t.last[out.request_id] = out
+        if out.finished:
+            self.metrics.observe_finished(out)
+
+    def _finish(self, t: Tracker, streams: list[RequestStream], status: str) -> None:
+        """Abort what is unfinished, count aborted ones, write the log line."""
+        for s in streams:
+            if not s.finished:
+                s.close()
+                last = t.last.get(s.request_id)
+                if last is not None:
+                    for o in last.outputs:
+                        o.finish_reason = o.finish_reason or "abort"
+                    self.metrics.observe_finished(last)
+        outs = list(t.last.values())
+        first = [o.first_token_time for o in outs if o.first_token_time is not None]
+        reasons = sorted({o.finish_reason or "abort" for out in outs for o in out.outputs})
+        self.request_log.write({
+            "time": time.time(), "request_id": t.request_id, "endpoint": t.endpoint, "model": self.model_name,
+            "user": t.user, "status": status,
+            "prompt_tokens": sum(len(s.prompt_token_ids) for s in streams),
+            "cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "completion_tokens": sum(len(o.token_ids) for out in outs for o in out.outputs),
+            "ttft_s": round(min(first) - min(o.arrival_time for o in outs), 4) if first else None,
+            "latency_s": time.monotonic() - t.start,
+            "finish_reason": ",".join(reasons) if reasons else None,
+        })
+
+    def usage(self, streams: list[RequestStream], t: Tracker) -> dict[str, Any]:
+        prompt = sum(len(s.prompt_token_ids) for s in streams)
+        completion = sum(len(o.token_ids) for out in t.last.values() for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in t.last.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _collect(self, streams: list[RequestStream], t: Tracker, raw: Request) -> list[RequestOutput]:
+        """Final outputs of every stream; aborts them all if the client goes away."""
+        async def consume(s: RequestStream) -> RequestOutput:
+            final = None
+            async for out in s:
+                self._observe(t, out)
+                final = out
+            assert final is not None and final.finished
+            return final
+
+        async def disconnected() -> None:
+            while not await raw.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():
+            work.cancel()
+            self._finish(t, streams, "client_disconnected")
+            raise asyncio.CancelledError("client disconnected")
+        try:
+            finals = work.result()
+        except Exception:
+            self._finish(t, streams, "error")
+            raise
+        self._finish(t, streams, "ok")
+        return finals
+
+    async def _merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all streams as they come, tagged with the stream's index."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    await q.put((i, out))
+            except Exception as e:
+                await q.put((i, e))
+            await q.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            open_ = len(streams)
+            while open_:
+                i, item = await q.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _sse(self, streams: list[RequestStream], t: Tracker, body: SamplingFields, obj_type: str,
+             chunk: Callable[[int, RequestOutput, int], list[dict[str, Any]]],
+             head: Callable[[], list[dict[str, Any]]] | None = None) -> StreamingResponse:
+        """Stream chunks as server-sent events: head() gives the first chunk's
+        choices (if any), chunk(stream index, output, n) those of one step;
+        then a usage chunk if asked; then [DONE]."""
+        opts = body.stream_options
+        base = {"id": t.request_id, "object": obj_type, "created": now(), "model": self.model_name}
+
+        def event(obj: dict[str, Any]) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        async def gen() -> AsyncIterator[str]:
+            status = "client_disconnected"
+            try:
+                for choices in ([head()] if head else []):
+                    yield event({**base, "choices": choices})
+                async for i, out in self._merge(streams):
+                    self._observe(t, out)
+                    choices = chunk(i, out, body.n)
+                    if not choices:
+                        continue
+                    obj = {**base, "choices": choices}
+                    if opts and opts.include_usage:
+                        obj["usage"] = self.usage(streams, t) if opts.continuous_usage_stats else None
+                    yield event(obj)
+                if opts and opts.include_usage:
+                    yield event({**base, "choices": [], "usage": self.usage(streams, t)})
+                yield "data: [DONE]\n\n"
+                status = "ok"
+            except Exception as e:  # an engine failure after the response started: report it in-band
+                status = "error"
+                log.exception("stream %s failed", t.request_id)
+                yield event(error_body(str(e), "InternalServerError", 500))
+                yield "data: [DONE]\n\n"
+            finally:
+                self._finish(t, streams, status)
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def _logprobs_of(self, lps: list[TokenLogprobs] | None) -> tuple[list[str], list[TokenLogprobs]]:
+        lps = lps or []
+        return [self.engine.engine.detokenize([lp.sampled.token_id]) for lp in lps], lps
+
+    def completion_logprobs(self, lps: list[TokenLogprobs] | None, k: int, offset: int) -> dict[str, Any]:
+        toks, lps = self._logprobs_of(lps)
+        offsets, pos = [], offset
+        for s in toks:
+            offsets.append(pos)
+            pos += len(s)
+        dt = self.engine.engine.detokenize
+        return {"tokens": toks, "token_logprobs": [lp.sampled.logprob for lp in lps],
+                "top_logprobs": [{dt([a.token_id]): a.logprob for a in lp.top[:k]} for lp in lps],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, lps: list[TokenLogprobs] | None, k: int) -> dict[str, Any]:
+        toks, lps = self._logprobs_of(lps)
+        dt = self.engine.engine.detokenize
+
+        def entry(tok: str, lp: float) -> dict[str, Any]:
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+        return {"content": [{**entry(s, lp.sampled.logprob),
+                             "top_logprobs": [entry(dt([a.token_id]), a.logprob) for a in lp.top[:k]]}
+                            for s, lp in zip(toks, lps)]}
+
+    # -- /v1/completions -------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        body.check()
+        rid = body.request_id or random_id("cmpl")
+        prompts = body.prompts()
+        streams = self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid)
+        t = Tracker(rid, "completions", body.user)
+        k = body.logprobs or 0
+        if body.stream:
+            emitted: dict[tuple[int, int], int] = {}
+
+            def chunk(i: int, out: RequestOutput, n: int) -> list[dict[str, Any]]:
+                choices = []
+                for j, o in enumerate(out.outputs):
+                    new = out.new_token_ids[j]
+                    if not new and not (out.finished and o.finished) and not out.deltas[j]:
+                        continue
+                    c: dict[str, Any] = {"index": i * n + j, "text": out.deltas[j],
+                                         "logprobs": None, "finish_reason": None, "stop_reason": None}
+                    if body.logprobs is not None and new:
+                        lps = (o.logprobs or [])[-len(new):]
+                        c["logprobs"] = self.completion_logprobs(lps, k, emitted.get((i, j), 0))
+                    emitted[(i, j)] = emitted.get((i, j), 0) + len(out.deltas[j])
+                    if out.finished:
+                        c["finish_reason"], c["stop_reason"] = o.finish_reason, o.stop_reason
+                    choices.append(c)
+                return choices
+
+            return self._sse(streams, t, body, "text_completion", chunk)
+        finals = await self._collect(streams, t, raw)
+        choices = []
+        for i, (p, out) in enumerate(zip(prompts, finals)):
+            prefix = (p if isinstance(p, str) else self.engine.engine.detokenize(p)) if body.echo else ""
+            for o in out.outputs:
+                choices.append({
+                    "index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                    "logprobs": self.completion_logprobs(o.logprobs, k, len(prefix))
+                    if body.logprobs is not None else None})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": self.usage(streams, t)})
+
+    # -- /v1/chat/completions ------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        body.check()
+        rid = body.request_id or random_id("chatcmpl")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        prompt = self.engine.engine.apply_chat_template(
+            messages, body.add_generation_prompt, body.continue_final_message,
+            body.chat_template or self.chat_template)
+        k = body.top_logprobs or 0
+        logprobs = k if body.logprobs else None
+        streams = self._submit(body, [prompt], body.limit(), logprobs, False, rid)
+        t = Tracker(rid, "chat.completions", body.user)
+        if body.stream:
+            def head() -> list[dict[str, Any]]:
+                return [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None} for j in range(body.n)]
+
+            def chunk(i: int, out: RequestOutput, n: int) -> list[dict[str, Any]]:
+                choices = []
+                for j, o in enumerate(out.outputs):
+                    new = out.new_token_ids[j]
+                    if not new and not out.deltas[j] and not (out.finished and o.finished):
+                        continue
+                    c: dict[str, Any] = {"index": j, "delta": {"content": out.deltas[j]}, "logprobs": None,
+                                         "finish_reason": None, "stop_reason": None}
+                    if body.logprobs and new:
+                        c["logprobs"] = self.chat_logprobs((o.logprobs or [])[-len(new):], k)
+                    if out.finished:
+                        c["finish_reason"], c["stop_reason"] = o.finish_reason, o.stop_reason
+                    choices.append(c)
+                return choices
+
+            return self._sse(streams, t, body, "chat.completion.chunk", chunk, head)
+        (final,) = await self._collect(streams, t, raw)
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self.chat_logprobs(o.logprobs, k) if body.logprobs else None,
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": self.usage(streams, t)})

@@ -1,0 +1,87 @@
+"""A real hotprefix server on a loopback port (uvicorn in a thread) over the tiny model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.engine.llm_engine import LLMEngine
+from hotprefix.server.app import build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: LLMEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def metric(self, name: str) -> float:
+        """The value of a hotprefix: metric (summed over label sets) from /metrics."""
+        text = httpx.get(self.url + "/metrics").text
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(f"hotprefix:{name}{{") or line.startswith(f"hotprefix:{name} "):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        assert found, f"no metric {name}"
+        return total
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.metric("num_requests_running") == 0 and self.metric("num_requests_waiting") == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the server did not become idle")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
+    cache = {k: engine_kw.pop(k) for k in list(engine_kw) if k in CacheConfig.__dataclass_fields__}
+    sched = {k: engine_kw.pop(k) for k in list(engine_kw) if k in SchedulerConfig.__dataclass_fields__}
+    cache.setdefault("num_blocks_override", 256)
+    cfg = EngineConfig(ModelConfig(model=str(folder), **engine_kw), CacheConfig(**cache), SchedulerConfig(**sched))
+    engine = LLMEngine(cfg)
+    port = free_port()
+    scfg = ServerConfig(port=port, served_model_name="tiny", **(server_kw or {}))
+    app = build_app(AsyncEngine(engine, scfg.max_num_queued_requests), scfg)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    assert server.started, "server did not start"
+    return LiveServer(url, engine, server, thread)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama) -> Iterator[LiveServer]:
+    s = start_server(tiny_llama[0], max_model_len=128)
+    yield s
+    s.stop()
