@@ -6,6 +6,7 @@ ValueError naming the offending field, so the server can turn it into a 400.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -55,6 +56,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check(math.isfinite(getattr(self, name)), name, getattr(self, name), "must be a finite number")
+        _check(all(math.isfinite(b) for _, b in self.logit_bias), "logit_bias", self.logit_bias,
+               "must hold finite biases")
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")

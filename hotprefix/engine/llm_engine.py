@@ -47,9 +47,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The state of a request after a step. `deltas[i]` and `new_token_ids[i]`
-    are what this step added to sample i (for streaming). `outputs` is a
-    snapshot once finished; before that it is the engine's live state (read it
-    on the engine's thread only)."""
+    are what this step added to sample i (for streaming). `outputs` are copies
+    (their token lists are still the engine's own until the request finishes:
+    read, never modify, them)."""
 
     request_id: str
     prompt: str | None
@@ -320,8 +320,10 @@ class LLMEngine:
     def _output(self, st: _State, new_ids: dict[str, list[int]], now: float) -> RequestOutput:
         finished = st.finished
         deltas = [c.detok.delta(c.out.finished) for c in st.children]
-        outs = [c.out for c in st.children]
-        if finished:  # a snapshot: safe to hand to another thread
+        # Copies: consumers on other threads may read (and annotate) them while
+        # the engine goes on. Finished outputs copy their lists too.
+        outs = [replace(c.out) for c in st.children]
+        if finished:
             outs = [replace(o, token_ids=list(o.token_ids),
                             logprobs=None if o.logprobs is None else list(o.logprobs)) for o in outs]
             self._states.pop(st.request_id, None)

@@ -45,12 +45,14 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self.engine.counters
-        last = c.last
-        yield self._gauge("num_requests_running", "Requests in the running batch.", last.num_running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", last.num_waiting)
-        yield self._gauge("num_requests_swapped", "Requests swapped out to host memory.", last.num_swapped)
-        yield self._gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", last.kv_cache_usage)
-        yield self._counter("num_preemptions", "Cumulative preemptions.", last.num_preemptions_total)
+        # Gauges are read live (lengths and counters are safe to read across
+        # threads): after an abort no step may follow to refresh step stats.
+        sched = self.engine.engine.scheduler
+        yield self._gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
+        yield self._gauge("num_requests_swapped", "Requests swapped out to host memory.", len(sched.swapped))
+        yield self._gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", sched.kv.usage())
+        yield self._counter("num_preemptions", "Cumulative preemptions.", sched.num_preemptions)
         yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             c.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
