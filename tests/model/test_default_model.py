@@ -83,3 +83,22 @@ def test_fp8_kv_on_the_default_model(llm):
     ref, fp8 = logits["auto"], logits["fp8"]
     assert float((fp8 - ref).abs().mean() / ref.abs().mean()) <= 0.05
     assert float((fp8.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+
+
+def test_stop_string_spanning_two_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["The capital of France is"], params)[0].outputs[0]
+    pieces = [llm.tokenizer.decode([t]) for t in full.token_ids]
+    assert "".join(pieces) == full.text
+
+
+    def spans(i: int) -> bool:  # the stop's first occurrence straddles the end of token i
+        stop = pieces[i][-1] + pieces[i + 1][0]
+        return full.text.find(stop) == len("".join(pieces[:i + 1])) - 1
+
+    i = next(i for i in range(len(pieces) - 1) if pieces[i] and pieces[i + 1] and spans(i))
+    stop = pieces[i][-1] + pieces[i + 1][0]  # last character of token i + first of token i + 1
+    k = full.text.find(stop)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=24,
+                                                                    ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == full.text[:k] and (out.finish_reason, out.stop_reason) == ("stop", stop)

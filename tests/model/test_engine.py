@@ -251,18 +251,3 @@ def test_fp8_kv_is_close_to_fp32_and_half_the_bytes_of_fp16(folder, tiny_llama):
     assert mean_rel("fp8") < mean_rel("fp8_e5m2")
     assert not torch.equal(logits["fp8"], logits["float32"])  # the fp8 path really quantises
 
-
-def test_stop_string_spanning_two_tokens(folder):
-    llm = make_llm(folder)
-    tok = llm.tokenizer
-    prompt = prompts_of([6], seed=12)[0]
-    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
-    # Find a boundary where both neighbouring tokens decode to printable text on their own.
-    pieces = [tok.decode([t]) for t in full.token_ids]
-    i = next(i for i in range(2, len(pieces) - 1)
-             if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1])
-    stop = pieces[i][-1] + pieces[i + 1][0]  # last char of token i + first char of token i + 1
-    k = full.text.find(stop)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                stop=[stop]))[0].outputs[0]
-    assert out.text == full.text[:k] and out.finish_reason == "stop"
