@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
     sv.set_defaults(func=cmd_serve)
+
+    from hotprefix.tools import size
+
+    size.add_parser(sub)
     return p
 
 

@@ -68,3 +68,108 @@ def activation_bytes_estimate(max_num_batched_tokens: int, hidden_size: int, int
     per_token = (2 * intermediate_size + 6 * hidden_size) * dtype_size
     logits = max_num_seqs * vocab_size * 4 * 2
     return max_num_batched_tokens * per_token + logits
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape: enough for KV size and a weight-size estimate."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+
+    @property
+    def kv(self) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def num_params(self) -> int:
+        """Parameters of a Llama-style decoder (attention without bias, SwiGLU MLP, RMSNorms)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o; k, v
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+
+def shape_from_hf_config(cfg: dict) -> ModelShape:
+    """Read a HF config.json (any Llama-like decoder; `text_config` of multimodal
+    configs too). head_dim from the config when present, else hidden / heads.
+    Raises ValueError naming a missing key."""
+    cfg = cfg.get("text_config", cfg)
+    try:
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        return ModelShape(
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads, hidden_size=hidden,
+            intermediate_size=cfg.get("intermediate_size", 4 * hidden), vocab_size=cfg.get("vocab_size", 0),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings"))
+    except KeyError as e:
+        raise ValueError(f"config lacks {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """The answers of `hotprefix size` for one dtype. Byte counts are exact integers."""
+
+    dtype: str
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    prompt_tokens: int
+    blocks_per_prompt: int
+    bytes_per_prompt: int
+    num_prompts: int
+    pool_blocks: int
+    pool_bytes: int
+    budget_bytes: int | None
+    blocks_in_budget: int | None
+    max_model_len: int
+    concurrency: int
+    private_blocks_per_request: int
+    blocks_needed: int
+    fits_without_eviction: bool | None
+    max_concurrency: int | None
+    max_concurrency_unshared: int | None
+
+
+def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_tokens: int = 0, num_prompts: int = 1,
+                concurrency: int = 1, max_model_len: int | None = None, budget_bytes: int | None = None
+                ) -> SizeReport:
+    """KV sizes for a pool of num_prompts distinct prompts of prompt_tokens each
+    (kept cached, shared by every request that starts with them), with
+    `concurrency` requests of up to max_model_len tokens running at once.
+
+    Each running request needs its own blocks for what follows its prompt's
+    full blocks; `fits_without_eviction` is whether the prompt pool plus that
+    working set fit the budget. `max_concurrency` is how many requests of
+    max_model_len fit beside the pool; `max_concurrency_unshared` with no sharing.
+    """
+    max_len = max_model_len or shape.max_position_embeddings or prompt_tokens
+    bpt = shape.kv.bytes_per_token(dtype)
+    bpb = bpt * block_size
+    per_prompt_blocks = blocks_for_tokens(prompt_tokens, block_size)
+    shared_full = prompt_tokens // block_size
+    private = blocks_for_tokens(max_len, block_size) - shared_full
+    pool = per_prompt_blocks * num_prompts
+    need = pool + concurrency * private
+    in_budget = None if budget_bytes is None else max(0, budget_bytes) // bpb
+    return SizeReport(
+        dtype=dtype, block_size=block_size, bytes_per_token=bpt, bytes_per_block=bpb,
+        prompt_tokens=prompt_tokens, blocks_per_prompt=per_prompt_blocks, bytes_per_prompt=per_prompt_blocks * bpb,
+        num_prompts=num_prompts, pool_blocks=pool, pool_bytes=pool * bpb, budget_bytes=budget_bytes,
+        blocks_in_budget=in_budget, max_model_len=max_len, concurrency=concurrency,
+        private_blocks_per_request=private, blocks_needed=need,
+        fits_without_eviction=None if in_budget is None else need <= in_budget,
+        max_concurrency=None if in_budget is None else max(0, (in_budget - pool) // max(private, 1)),
+        max_concurrency_unshared=None if in_budget is None
+        else in_budget // max(blocks_for_tokens(max_len, block_size), 1))

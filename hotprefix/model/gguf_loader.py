@@ -1,4 +1,4 @@
-"""GGUF files: shape from metadata, tensors dequantized through the `gguf` package."""
+"""GGUF files: shape from metadata (no torch needed), tensors dequantized through the `gguf` package."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from hotprefix.model.arch import GGUF_ARCHITECTURES, ModelArch, ModelLoadError
 
@@ -98,11 +97,12 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf_weights(path: Path, arch: ModelArch, reader: Any) -> dict[str, torch.Tensor]:
+def load_gguf_weights(path: Path, arch: ModelArch, reader: Any) -> dict[str, Any]:
     """All tensors, dequantized to float32 and renamed to HF's names.
 
     Raises ModelLoadError for a tensor type we cannot dequantize.
     """
+    import torch
     from gguf import dequantize
 
     out: dict[str, torch.Tensor] = {}

@@ -1,0 +1,144 @@
+"""`hotprefix size`: KV-cache memory for a model, a prompt pool and a concurrency.
+
+Shares sizing.py with the engine: the numbers here are the ones the engine uses
+to size its pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from hotprefix.config import ConfigError, parse_size
+from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, shape_from_hf_config, size_report
+
+# Published configs (the fields that matter for sizing).
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072),
+    "llama-3.1-70b": dict(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, hidden_size=8192,
+                          intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072),
+    "mistral-7b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                       intermediate_size=14336, vocab_size=32768, max_position_embeddings=32768),
+    "qwen2.5-7b": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584,
+                       intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768),
+    "qwen3-32b": dict(num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                      hidden_size=5120, intermediate_size=25600, vocab_size=151936, max_position_embeddings=40960),
+    "smollm2-135m": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                         tie_word_embeddings=True),
+}
+DTYPES = ("fp32", "fp16", "bf16", "fp8")
+
+
+def load_shape(source: str | None) -> tuple[str, ModelShape]:
+    """A model's shape from a preset name, a config.json, a HF folder, a GGUF
+    file, a hub id (config.json only is downloaded), or None for the default
+    model. Raises ConfigError with a one-line message."""
+    if source is None:
+        return "smollm2-135m", shape_from_hf_config(PRESETS["smollm2-135m"])
+    if source.lower() in PRESETS:
+        return source.lower(), shape_from_hf_config(PRESETS[source.lower()])
+    p = Path(source).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if p.suffix == ".gguf" and p.is_file():
+        from hotprefix.model.gguf_loader import read_gguf_arch
+
+        a, _ = read_gguf_arch(p)
+        return p.stem, ModelShape(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
+                                  a.intermediate_size, a.vocab_size, a.tie_word_embeddings, a.max_position_embeddings)
+    if p.is_file():
+        try:
+            return p.parent.name or p.name, shape_from_hf_config(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: invalid JSON ({e})") from None
+        except ValueError as e:
+            raise ConfigError(f"{p}: {e}") from None
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import hf_hub_download
+
+            cfg = hf_hub_download(source, "config.json")
+        except Exception as e:  # network, 404, auth
+            raise ConfigError(f"cannot download the config of {source!r}: {type(e).__name__}") from None
+        return source, shape_from_hf_config(json.loads(Path(cfg).read_text()))
+    raise ConfigError(f"not a preset ({', '.join(PRESETS)}), file, folder or hub id: {source}")
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight_bytes: int) -> str:
+    rows = [
+        ("bytes per token", lambda r: f"{r.bytes_per_token:,} ({_human(r.bytes_per_token)})"),
+        (f"bytes per block ({reports[0].block_size} tokens)", lambda r: f"{r.bytes_per_block:,}"),
+        (f"bytes per prompt ({reports[0].prompt_tokens} tokens)", lambda r: _human(r.bytes_per_prompt)),
+        (f"prompt pool ({reports[0].num_prompts} prompts)",
+         lambda r: f"{_human(r.pool_bytes)} ({r.pool_blocks} blocks)"),
+        ("KV budget", lambda r: _human(r.budget_bytes)),
+        ("blocks in budget", lambda r: "-" if r.blocks_in_budget is None else f"{r.blocks_in_budget:,}"),
+        (f"blocks needed (pool + {reports[0].concurrency} x {reports[0].max_model_len}-token requests)",
+         lambda r: f"{r.blocks_needed:,}"),
+        ("fits with zero eviction", lambda r: "-" if r.fits_without_eviction is None
+         else ("yes" if r.fits_without_eviction else "NO")),
+        (f"max concurrency at {reports[0].max_model_len} tokens (pool shared)",
+         lambda r: "-" if r.max_concurrency is None else str(r.max_concurrency)),
+        ("max concurrency, nothing shared", lambda r: "-" if r.max_concurrency_unshared is None
+         else str(r.max_concurrency_unshared)),
+    ]
+    head = (f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim} dims "
+            f"({shape.num_heads} query heads); ~{shape.num_params() / 1e9:.2f} B parameters, "
+            f"weights {_human(weight_bytes)}")
+    w = max(len(label) for label, _ in rows)
+    cols = [r.dtype for r in reports]
+    cells = [[fn(r) for r in reports] for _, fn in rows]
+    cw = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = [head, "", " " * w + "  " + "  ".join(c.rjust(cw[i]) for i, c in enumerate(cols))]
+    for (label, _), row in zip(rows, cells):
+        lines.append(label.ljust(w) + "  " + "  ".join(v.rjust(cw[i]) for i, v in enumerate(row)))
+    return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("size", help="KV-cache memory for a model, a prompt pool and a concurrency",
+                       description="How much KV memory prompts and requests take, and what fits.")
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"preset ({', '.join(PRESETS)}), config.json, HF folder, .gguf file or hub id "
+                        "(default: the bundled SmolLM2-135M)")
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="KV dtype (repeatable; default: all)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="tokens of each distinct (shared) prompt")
+    p.add_argument("--num-prompts", type=int, default=1, help="distinct prompts to keep cached")
+    p.add_argument("--concurrency", type=int, default=1, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (default: the model's)")
+    p.add_argument("--memory", default=None, help="total memory, e.g. 80GiB (GPU) or the CPU share for KV")
+    p.add_argument("--utilization", type=float, default=0.9, help="share of --memory the server may use")
+    p.add_argument("--weights", default=None,
+                   help="weight bytes to subtract (default: parameters x --weight-dtype bytes)")
+    p.add_argument("--weight-dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    name, shape = load_shape(a.model)
+    weights = parse_size(a.weights) if a.weights else shape.num_params() * DTYPE_BYTES[a.weight_dtype]
+    budget = None if a.memory is None else int(parse_size(a.memory) * a.utilization) - weights
+    reports = [size_report(shape, dt, a.block_size, a.prompt_tokens, a.num_prompts, a.concurrency,
+                           a.max_model_len, budget) for dt in (a.dtype or DTYPES)]
+    if a.json:
+        print(json.dumps({"model": name, "shape": asdict(shape), "weight_bytes": weights,
+                          "reports": [asdict(r) for r in reports]}, indent=2))
+    else:
+        print(render_table(name, shape, reports, weights))
+    return 0

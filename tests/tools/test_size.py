@@ -1,0 +1,101 @@
+"""`hotprefix size` against numbers worked out by hand from published configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hotprefix.sizing import shape_from_hf_config, size_report
+from hotprefix.tools.size import load_shape
+
+# The published config.json contents (the fields that decide the KV size, verbatim).
+CONFIGS = {
+    "Llama-3.1-8B": {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                     "vocab_size": 128256, "max_position_embeddings": 131072},
+    "Llama-3.1-70B": {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+                      "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8,
+                      "vocab_size": 128256, "max_position_embeddings": 131072},
+    "Mistral-7B-v0.3": {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                        "vocab_size": 32768, "max_position_embeddings": 32768, "head_dim": None},
+    "Qwen2.5-7B": {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+                   "vocab_size": 152064, "max_position_embeddings": 131072},
+    "Qwen3-32B": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600,
+                  "num_attention_heads": 64, "num_hidden_layers": 64, "num_key_value_heads": 8, "head_dim": 128,
+                  "vocab_size": 151936, "max_position_embeddings": 40960},
+}
+# By hand: 2 (K and V) x layers x KV heads x head_dim x bytes per element.
+FP16_BYTES_PER_TOKEN = {
+    "Llama-3.1-8B": 2 * 32 * 8 * 128 * 2,     # 131,072
+    "Llama-3.1-70B": 2 * 80 * 8 * 128 * 2,    # 327,680
+    "Mistral-7B-v0.3": 2 * 32 * 8 * 128 * 2,  # 131,072
+    "Qwen2.5-7B": 2 * 28 * 4 * 128 * 2,       # 57,344 (head_dim = 3584 / 28 = 128)
+    "Qwen3-32B": 2 * 64 * 8 * 128 * 2,        # 262,144 (head_dim 128 from the config, not 5120 / 64 = 80)
+}
+WRITTEN_OUT = {"Llama-3.1-8B": 131_072, "Llama-3.1-70B": 327_680, "Mistral-7B-v0.3": 131_072,
+               "Qwen2.5-7B": 57_344, "Qwen3-32B": 262_144}
+DTYPE_FACTOR = {"fp32": 2.0, "fp16": 1.0, "bf16": 1.0, "fp8": 0.5}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", sorted(DTYPE_FACTOR))
+def test_bytes_per_token_block_and_prompt(name, dtype):
+    assert FP16_BYTES_PER_TOKEN[name] == WRITTEN_OUT[name]
+    shape = shape_from_hf_config(CONFIGS[name])
+    r = size_report(shape, dtype, block_size=16, prompt_tokens=1000, num_prompts=20)
+    expect = int(WRITTEN_OUT[name] * DTYPE_FACTOR[dtype])
+    assert r.bytes_per_token == expect
+    assert r.bytes_per_block == 16 * expect
+    assert r.blocks_per_prompt == 63  # ceil(1000 / 16)
+    assert r.bytes_per_prompt == 63 * 16 * expect
+    assert r.pool_bytes == 20 * 63 * 16 * expect
+
+
+def test_budget_fit_and_concurrency_llama_8b_fp16_on_80gib():
+    shape = shape_from_hf_config(CONFIGS["Llama-3.1-8B"])
+    weights = 16_060_522_496  # 8,030,261,248 params x 2 bytes
+    assert shape.num_params() * 2 == weights
+    budget = int(80 * 2**30 * 0.9) - weights  # 77,309,411,328 - 16,060,522,496 = 61,248,888,832
+    assert budget == 61_248_888_832
+    r = size_report(shape, "fp16", 16, prompt_tokens=2000, num_prompts=20, concurrency=32, max_model_len=8192,
+                    budget_bytes=budget)
+    assert r.blocks_in_budget == 29_205  # 61,248,888,832 // 2,097,152
+    assert r.pool_blocks == 20 * 125 == 2500
+    assert r.private_blocks_per_request == 512 - 125  # 8192 / 16 blocks, 125 of them shared
+    assert r.blocks_needed == 2500 + 32 * 387 == 14_884
+    assert r.fits_without_eviction is True
+    assert r.max_concurrency == 69  # (29,205 - 2,500) // 387
+    assert r.max_concurrency_unshared == 57  # 29,205 // 512
+    tight = size_report(shape, "fp16", 16, 2000, 20, 80, 8192, budget)
+    assert tight.fits_without_eviction is False
+
+
+def test_sources_preset_config_folder_and_gguf(tmp_path):
+    cfg = tmp_path / "m" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(CONFIGS["Qwen3-32B"]))
+    assert load_shape(str(cfg))[1] == load_shape(str(cfg.parent))[1] == load_shape("qwen3-32b")[1]
+    from hotprefix.model.loader import default_model_path
+
+    name, gguf_shape = load_shape(str(default_model_path()))
+    assert gguf_shape.kv == load_shape(None)[1].kv  # the GGUF metadata agrees with the preset
+    assert gguf_shape.kv.bytes_per_token("fp16") == 23_040
+
+
+def test_cli_table_json_and_errors():
+    r = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", "llama-3.1-70b", "--dtype", "fp8", "--json",
+                        "--memory", "160GiB", "--concurrency", "4", "--max-model-len", "32768"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)["reports"][0]
+    assert rep["bytes_per_token"] == 327_680 // 2 and rep["dtype"] == "fp8"
+    t = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", "mistral-7b"], capture_output=True, text=True)
+    assert "bytes per token" in t.stdout and "131,072" in t.stdout
+    bad = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", "no-such-model"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("hotprefix: error: not a preset")
