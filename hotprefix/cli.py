@@ -153,9 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds to let running requests finish")
     sv.set_defaults(func=cmd_serve)
 
-    from hotprefix.tools import size
+    from hotprefix.tools import lint, logs, size, watch
 
     size.add_parser(sub)
+    lint.add_parser(sub)
+    logs.add_parser(sub)
+    watch.add_parser(sub)
     return p
 
 

@@ -8,7 +8,6 @@ stop strings, outputs) -> finished.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,6 +18,7 @@ from hotprefix.core.outputs import EngineCoreOutput
 from hotprefix.core.request import Request, RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
+from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.model.loader import LoadedModel, load_model
 from hotprefix.model.runner import ModelRunner
@@ -97,10 +97,7 @@ class LLMEngine:
         loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        # HF tokenizers are not safe to call from two threads at once (the
-        # server tokenizes on the event loop while the engine thread decodes).
-        self.tokenizer_lock = threading.Lock()
-        self._locked_tokenizer = _LockedTokenizer(self.tokenizer, self.tokenizer_lock)
+        self.encoder = PromptEncoder(self.tokenizer)
         self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler)
         self.arch = self.runner.arch
         eos = set(self.arch.eos_token_ids)
@@ -124,28 +121,16 @@ class LLMEngine:
 
     # -- admission ----------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        with self.tokenizer_lock:
-            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return self.encoder.tokenize(prompt, add_special_tokens)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        with self.tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.encoder.decode(ids, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None) -> str:
-        """The prompt text for a conversation. Raises InvalidRequestError when the
-        tokenizer has no template or the template rejects the messages."""
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template; give one with --chat-template")
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
-        try:
-            with self.tokenizer_lock:
-                return self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, chat_template=chat_template)
-        except Exception as e:  # jinja2 errors, template raise_exception(), bad message shapes
-            raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
+        """See PromptEncoder.apply_chat_template."""
+        return self.encoder.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                chat_template)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
@@ -185,7 +170,7 @@ class LLMEngine:
             req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                           priority=priority, cache_salt=cache_salt, cache_salt_offset=cache_salt_offset,
                           pin_prefix=pin_prefix and i == 0)
-            detok = IncrementalDetokenizer(self._locked_tokenizer, ids, cp)
+            detok = IncrementalDetokenizer(self.encoder, ids, cp)
             children.append(_Child(req, detok, CompletionOutput(i)))
         return _State(request_id, text, ids, children, time.monotonic())
 
@@ -335,14 +320,3 @@ class LLMEngine:
                              arrival_time=st.arrival_time, first_scheduled_time=st.first_scheduled_time,
                              first_token_time=st.first_token_time, finished_time=now if finished else None)
 
-
-class _LockedTokenizer:
-    """The tokenizer's decode under the engine's tokenizer lock (for the detokenizer)."""
-
-    def __init__(self, tokenizer: Any, lock: threading.Lock) -> None:
-        self._tok = tokenizer
-        self._lock = lock
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        with self._lock:
-            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -15,10 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hotprefix import metric_names as N
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.llm_engine import RequestOutput
 
-P = "hotprefix:"
+P = N.PREFIX
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -48,16 +49,16 @@ class _EngineCollector(Collector):
         # Gauges are read live (lengths and counters are safe to read across
         # threads): after an abort no step may follow to refresh step stats.
         sched = self.engine.engine.scheduler
-        yield self._gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
-        yield self._gauge("num_requests_swapped", "Requests swapped out to host memory.", len(sched.swapped))
-        yield self._gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", sched.kv.usage())
-        yield self._counter("num_preemptions", "Cumulative preemptions.", sched.num_preemptions)
-        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield self._gauge(N.RUNNING, "Requests in the running batch.", len(sched.running))
+        yield self._gauge(N.WAITING, "Requests waiting to be scheduled.", len(sched.waiting))
+        yield self._gauge(N.SWAPPED, "Requests swapped out to host memory.", len(sched.swapped))
+        yield self._gauge(N.KV_USAGE, "KV-cache usage: 1 means 100 percent.", sched.kv.usage())
+        yield self._counter(N.PREEMPTIONS, "Cumulative preemptions.", sched.num_preemptions)
+        yield self._counter(N.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.",
                             c.prefix_cache_queries)
-        yield self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
-        yield self._counter("prefix_cache_evicted_blocks", "Cached blocks whose slot was reused.", c.evicted_blocks)
-        info = GaugeMetricFamily(P + "cache_config_info", "Information of the KV cache configuration.",
+        yield self._counter(N.PREFIX_HITS, "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
+        yield self._counter(N.PREFIX_EVICTED, "Cached blocks whose slot was reused.", c.evicted_blocks)
+        info = GaugeMetricFamily(P + N.CACHE_CONFIG_INFO, "Information of the KV cache configuration.",
                                  labels=["model_name", *self.cache_info])
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
         yield info
@@ -71,24 +72,24 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry.register(_EngineCollector(engine, model_name, cache_info))
         r, lbl = self.registry, ["model_name"]
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", lbl, registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", lbl, registry=r)
-        self.cached_tokens = Counter(P + "prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+        self.prompt_tokens = Counter(P + N.PROMPT_TOKENS, "Prompt tokens processed.", lbl, registry=r)
+        self.generation_tokens = Counter(P + N.GENERATION_TOKENS, "Generated tokens.", lbl, registry=r)
+        self.cached_tokens = Counter(P + N.CACHED_PROMPT_TOKENS, "Prompt tokens served from the prefix cache.",
                                      lbl, registry=r)
-        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
+        self.request_success = Counter(P + N.REQUEST_SUCCESS, "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", lbl,
+        self.ttft = Histogram(P + N.TTFT, "Time to first token.", lbl,
                               buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", lbl,
+        self.itl = Histogram(P + N.ITL, "Time between output tokens.", lbl,
                              buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.", lbl,
+        self.e2e = Histogram(P + N.E2E, "End-to-end request latency.", lbl,
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time spent waiting before first scheduled.",
+        self.queue_time = Histogram(P + N.QUEUE_TIME, "Time spent waiting before first scheduled.",
                                     lbl, buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_len = Histogram(P + "request_prompt_tokens", "Prompt tokens per request.", lbl,
+        self.prompt_len = Histogram(P + N.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", lbl,
                                     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
                                     registry=r)
-        self.gen_len = Histogram(P + "request_generation_tokens", "Generated tokens per request.", lbl,
+        self.gen_len = Histogram(P + N.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", lbl,
                                  buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
                                  registry=r)
 

@@ -1,0 +1,28 @@
+"""Prometheus metric names, shared by the exporter (server/metrics.py) and `hotprefix watch`.
+
+Names follow vLLM V1's; hotprefix exports them under `hotprefix:`, vLLM under `vllm:`.
+"""
+
+PREFIX = "hotprefix:"
+PEER_PREFIXES = ("hotprefix:", "vllm:")
+
+RUNNING = "num_requests_running"
+WAITING = "num_requests_waiting"
+SWAPPED = "num_requests_swapped"
+KV_USAGE = "kv_cache_usage_perc"
+KV_USAGE_LEGACY = "gpu_cache_usage_perc"  # vLLM before V1
+PREEMPTIONS = "num_preemptions"
+PREFIX_QUERIES = "prefix_cache_queries"
+PREFIX_HITS = "prefix_cache_hits"
+PREFIX_EVICTED = "prefix_cache_evicted_blocks"
+PROMPT_TOKENS = "prompt_tokens"
+GENERATION_TOKENS = "generation_tokens"
+CACHED_PROMPT_TOKENS = "prompt_tokens_cached"
+REQUEST_SUCCESS = "request_success"
+TTFT = "time_to_first_token_seconds"
+ITL = "inter_token_latency_seconds"
+E2E = "e2e_request_latency_seconds"
+QUEUE_TIME = "request_queue_time_seconds"
+REQUEST_PROMPT_TOKENS = "request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "request_generation_tokens"
+CACHE_CONFIG_INFO = "cache_config_info"
