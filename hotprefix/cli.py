@@ -153,12 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds to let running requests finish")
     sv.set_defaults(func=cmd_serve)
 
-    from hotprefix.tools import lint, logs, size, watch
+    from hotprefix.tools import bench, lint, logs, size, watch
 
     size.add_parser(sub)
     lint.add_parser(sub)
     logs.add_parser(sub)
     watch.add_parser(sub)
+    bench.add_parser(sub)
     return p
 
 
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here
     from hotprefix.errors import InvalidRequestError
     from hotprefix.model.arch import ModelLoadError
 

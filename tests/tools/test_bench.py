@@ -1,0 +1,63 @@
+"""`hotprefix bench` against real hotprefix servers (tiny model), `--compare` against two."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hotprefix.tools.bench import WORKLOADS, build
+from tests.server.conftest import start_server
+
+
+def test_workloads_are_deterministic_and_shaped_as_specified():
+    for w in WORKLOADS:
+        a, conc_a, turns_a = build(w, seed=1)
+        b, _, _ = build(w, seed=1)
+        assert [j.prompt for j in a] == [j.prompt for j in b]
+        assert [j.prompt for j in a] != [j.prompt for j in build(w, seed=2)[0]]
+    jobs, conc, _ = build("tenants")
+    assert len(jobs) == 200 and conc == 8
+    assert len({j.prompt.split("\n")[0] for j in jobs}) == 20  # 20 tenant system prompts
+    assert all(400 <= len(j.prompt.split("\n")[0].split()) - 3 <= 600 for j in jobs)
+    jobs, conc, turns = build("chat")
+    assert (len(jobs), conc, turns) == (8, 8, 6)
+    jobs, _, _ = build("unique")
+    assert len(jobs) == 64 and len({j.prompt.split()[1] for j in jobs}) == 64  # distinct from the start
+    jobs, _, _ = build("rag")
+    assert len(jobs) == 32 and len({j.prompt.split("\nQuestion")[0] for j in jobs}) == 1
+    jobs, conc, _ = build("ttft")
+    assert len(jobs) == 6 and conc == 1 and len(jobs[0].prompt.split("\n")[0].split()) == 1000
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_llama):
+    a = start_server(tiny_llama[0], max_model_len=256)
+    b = start_server(tiny_llama[0], max_model_len=256, enable_prefix_caching=False)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def test_bench_compare_two_servers(two_servers, tmp_path):
+    a, b = two_servers
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "hotprefix.cli", "bench", a.url, "--compare", b.url, "--scale", "0.05",
+                        "--max-tokens", "4", "--workload", "tenants", "--workload", "unique", "--workload", "chat",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "workload tenants" in r.stdout and "B vs A" in r.stdout
+    res = {w["workload"]: w for w in json.loads(out.read_text())}
+    ten = res["tenants"]
+    cached, uncached = ten["results"]
+    assert cached["requests"] == uncached["requests"] == 10 and cached["failed"] == uncached["failed"] == 0
+    assert cached["output_tokens"] == 40
+    assert cached["prefix_cache_hit_rate"] > 0.3 and cached["hit_rate_source"] == "metrics"
+    assert uncached["prefix_cache_hit_rate"] in (0.0, None)
+    assert set(ten["ratios"]) == {"output_tokens_per_s", "requests_per_s", "ttft_p50_speedup", "itl_p50_speedup"}
+    assert res["unique"]["results"][0]["prefix_cache_hit_rate"] == 0.0
+    chat = res["chat"]["results"][0]
+    assert chat["requests"] == 6 and chat["prefix_cache_hit_rate"] > 0.3  # history is re-sent each turn
+    assert chat["ttft_s"]["p50"] > 0 and chat["itl_s"]["p50"] > 0
