@@ -15,6 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def make_llm(folder, **kw) -> LLM:
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks_override", 128)
+    kw.setdefault("device", "cpu")  # CPU reference tests; the CUDA path is in test_gpu.py
     return LLM(model=str(folder), **kw)
 
 

@@ -30,7 +30,8 @@ def hf_pair(tmp_path_factory):
 
 
 def ours_logits(path, ids):
-    runner = ModelRunner(load_model(str(path)), ModelConfig(), CacheConfig(block_size=8, num_blocks_override=16),
+    runner = ModelRunner(load_model(str(path)), ModelConfig(device="cpu"),
+                         CacheConfig(block_size=8, num_blocks_override=16),
                          SchedulerConfig())
     so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
     return runner.all_logits(so)

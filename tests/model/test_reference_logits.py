@@ -66,7 +66,7 @@ def test_mixed_chunked_batches_match_transformers(tmp_path, variant):
     family, overrides = VARIANTS[variant]
     hf = build_tiny_model(tmp_path, family, seed=3, **overrides)
     cache = CacheConfig(block_size=BLOCK, num_blocks_override=64)
-    runner = ModelRunner(load_model(str(tmp_path)), ModelConfig(), cache, SchedulerConfig())
+    runner = ModelRunner(load_model(str(tmp_path)), ModelConfig(device="cpu"), cache, SchedulerConfig())
     g = torch.Generator().manual_seed(7)
     seqs = {name: torch.randint(3, 320, (n,), generator=g).tolist() for name, n in
             (("a", 23), ("b", 9), ("c", 30), ("d", 1))}
@@ -89,7 +89,7 @@ def test_mixed_chunked_batches_match_transformers(tmp_path, variant):
 def test_untied_lm_head_is_used(tmp_path):
     """An untied model's logits must come from lm_head, not the embedding."""
     build_tiny_model(tmp_path, "llama", seed=1)
-    runner = ModelRunner(load_model(str(tmp_path)), ModelConfig(), CacheConfig(num_blocks_override=8),
+    runner = ModelRunner(load_model(str(tmp_path)), ModelConfig(device="cpu"), CacheConfig(num_blocks_override=8),
                          SchedulerConfig())
     assert not runner.arch.tie_word_embeddings
     assert not torch.equal(runner.model.lm_head.weight, runner.model.model.embed_tokens.weight)
