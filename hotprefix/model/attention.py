@@ -73,9 +73,39 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
-        ks, vs = kv.read(s.kv_slots, q.dtype)  # [ctx, KVH, D]
-        o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1), vs.transpose(0, 1),  # [KVH, ctx, D]
-            attn_mask=s.mask, is_causal=s.is_causal, scale=scale, enable_gqa=True)
+        ks, vs = kv.read(s.kv_slots, q.dtype)  # [KVH, ctx, D], contiguous
+        o = attend(qs, ks, vs, s.mask, s.is_causal, scale)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+           scale: float) -> torch.Tensor:
+    """Grouped-query attention of one sequence. q: [H, q_len, D]; k, v: [KVH, ctx, D]; returns [H, q_len, D].
+
+    Query heads are grouped consecutively per KV head (head h reads KV head
+    h // G), so the G query heads of a KV head are folded into the query
+    dimension, [KVH, G * q_len, D], with the mask repeated per group: plain
+    SDPA then runs without expanding K and V (enable_gqa takes a slow path on
+    CPU). A full causal prefill keeps is_causal, which needs square groups.
+    """
+    h, n, d = q.shape
+    kvh = k.shape[0]
+    g = h // kvh
+    cpu = q.device.type == "cpu" and q.dtype == torch.float32
+    if is_causal:
+        if cpu:  # CPU SDPA picks its slow math path for GQA; its flash kernel is ~3x faster
+            kx, vx = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [H, ctx, D]
+            return _cpu_flash(q[None], kx[None], vx[None], True, scale)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    qg = q.reshape(kvh, g * n, d)  # [KVH, G * q_len, D]
+    if mask is None and cpu:
+        return _cpu_flash(qg[None], k[None], v[None], False, scale)[0].reshape(h, n, d)
+    m = None if mask is None else mask.repeat(g, 1)  # [G * q_len, ctx]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale).reshape(h, n, d)
+
+
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """torch's CPU flash-attention kernel, called directly ([B, H, L, D] in and out):
+    F.scaled_dot_product_attention does not choose it for these shapes."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[0]

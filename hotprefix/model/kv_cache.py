@@ -1,6 +1,8 @@
 """The KV tensors: per layer, K and V for every slot of every block.
 
-Slot s = block_id * block_size + offset. fp8 caches store value / scale with
+Slot s = block_id * block_size + offset. Tensors are head-major, [kv_heads,
+slots, head_dim], so gathering a sequence's slots along dim 1 gives the
+contiguous [kv_heads, ctx, head_dim] that attention wants. fp8 caches store value / scale with
 one scale per layer for K and one for V (1.0 unless given), so a block takes
 exactly half the bytes of fp16.
 """
@@ -35,7 +37,7 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class LayerKV:
-    """One layer's cache. k, v: [num_slots, kv_heads, head_dim] in storage dtype."""
+    """One layer's cache. k, v: [kv_heads, num_slots, head_dim] in storage dtype."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -48,22 +50,23 @@ class LayerKV:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) at slots ([T])."""
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, T, head_dim]
         if self.is_fp8:  # CPU has no fp8 index_copy: move the bytes through uint8 views
             k8 = (k / self.k_scale).to(self.k.dtype).view(torch.uint8)
             v8 = (v / self.v_scale).to(self.v.dtype).view(torch.uint8)
-            self.k.view(torch.uint8).index_copy_(0, slots, k8)
-            self.v.view(torch.uint8).index_copy_(0, slots, v8)
+            self.k.view(torch.uint8).index_copy_(1, slots, k8)
+            self.v.view(torch.uint8).index_copy_(1, slots, v8)
             return
-        self.k.index_copy_(0, slots, k.to(self.k.dtype))
-        self.v.index_copy_(0, slots, v.to(self.v.dtype))
+        self.k.index_copy_(1, slots, k.to(self.k.dtype))
+        self.v.index_copy_(1, slots, v.to(self.v.dtype))
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at slots, as [len(slots), kv_heads, head_dim] in the compute dtype."""
+        """K and V at slots, as contiguous [kv_heads, len(slots), head_dim] in the compute dtype."""
         if self.is_fp8:
-            k = self.k.view(torch.uint8).index_select(0, slots).view(self.k.dtype).to(dtype) * self.k_scale
-            v = self.v.view(torch.uint8).index_select(0, slots).view(self.v.dtype).to(dtype) * self.v_scale
+            k = self.k.view(torch.uint8).index_select(1, slots).view(self.k.dtype).to(dtype) * self.k_scale
+            v = self.v.view(torch.uint8).index_select(1, slots).view(self.v.dtype).to(dtype) * self.v_scale
             return k, v
-        return self.k.index_select(0, slots).to(dtype), self.v.index_select(0, slots).to(dtype)
+        return self.k.index_select(1, slots).to(dtype), self.v.index_select(1, slots).to(dtype)
 
 
 class KVCache:
@@ -77,8 +80,8 @@ class KVCache:
         self.dtype = dtype
         slots = num_blocks * block_size
         self.layers = [
-            LayerKV(torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device),
-                    torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+            LayerKV(torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
+                    torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
                     *scales)
             for _ in range(num_layers)
         ]
@@ -86,11 +89,10 @@ class KVCache:
     def make_host_copy(self, num_host_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Host (CPU) tensors with room for num_host_blocks blocks per layer, for swapping."""
         pin = self.layers[0].k.is_cuda
-        return [(torch.zeros((num_host_blocks * self.block_size, *layer.k.shape[1:]), dtype=layer.k.dtype,
-                             pin_memory=pin),
-                 torch.zeros((num_host_blocks * self.block_size, *layer.v.shape[1:]), dtype=layer.v.dtype,
-                             pin_memory=pin))
-                for layer in self.layers]
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((t.shape[0], num_host_blocks * self.block_size, t.shape[2]), dtype=t.dtype,
+                               pin_memory=pin)
+        return [(host(layer.k), host(layer.v)) for layer in self.layers]
 
     def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
         b = torch.tensor(blocks, dtype=torch.long, device=device)
@@ -104,17 +106,17 @@ class KVCache:
             src = self._slots([d for d, _ in swap_out], dev)
             dst = self._slots([h for _, h in swap_out], torch.device("cpu"))
             for layer, (hk, hv) in zip(self.layers, host):
-                hk.view(torch.uint8).index_copy_(0, dst, layer.k.view(torch.uint8).index_select(0, src).cpu())
-                hv.view(torch.uint8).index_copy_(0, dst, layer.v.view(torch.uint8).index_select(0, src).cpu())
+                hk.view(torch.uint8).index_copy_(1, dst, layer.k.view(torch.uint8).index_select(1, src).cpu())
+                hv.view(torch.uint8).index_copy_(1, dst, layer.v.view(torch.uint8).index_select(1, src).cpu())
         if swap_in:
             src = self._slots([h for h, _ in swap_in], torch.device("cpu"))
             dst = self._slots([d for _, d in swap_in], dev)
             for layer, (hk, hv) in zip(self.layers, host):
-                layer.k.view(torch.uint8).index_copy_(0, dst, hk.view(torch.uint8).index_select(0, src).to(dev))
-                layer.v.view(torch.uint8).index_copy_(0, dst, hv.view(torch.uint8).index_select(0, src).to(dev))
+                layer.k.view(torch.uint8).index_copy_(1, dst, hk.view(torch.uint8).index_select(1, src).to(dev))
+                layer.v.view(torch.uint8).index_copy_(1, dst, hv.view(torch.uint8).index_select(1, src).to(dev))
 
     def bytes_per_block(self) -> int:
         """Bytes of K and V of one block over all layers, as stored."""
         layer = self.layers[0]
-        per_slot = layer.k[0].numel() * layer.k.element_size() * 2
+        per_slot = layer.k.shape[0] * layer.k.shape[2] * layer.k.element_size() * 2
         return per_slot * self.block_size * len(self.layers)
