@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from hotprefix.model.arch import GGUF_ARCHITECTURES, ModelArch, ModelLoadError
+from hotprefix.model.gguf_file import ArrayField, GGUFFile, GGUFFormatError
 
 # Tensor types we dequantize (gguf.quants implements each of these in numpy).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
@@ -31,23 +32,19 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _reader(path: Path) -> Any:
-    import gguf
-
+def _reader(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises several types for a bad file
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    v = reader.get(key, default)
+    return default if isinstance(v, ArrayField) else v
 
 
-def read_gguf_arch(path: Path) -> tuple[ModelArch, Any]:
+def read_gguf_arch(path: Path) -> tuple[ModelArch, GGUFFile]:
     """The model's shape from GGUF metadata, and the open reader. Raises ModelLoadError."""
     reader = _reader(path)
     garch = _field(reader, "general.architecture")
@@ -64,8 +61,7 @@ def read_gguf_arch(path: Path) -> tuple[ModelArch, Any]:
 
     heads = a("attention.head_count")
     hidden = a("embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = a("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = a("vocab_size") or reader.array_len("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     scaling: dict[str, Any] = {}
     stype = a("rope.scaling.type")
@@ -97,22 +93,28 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf_weights(path: Path, arch: ModelArch, reader: Any) -> dict[str, Any]:
+def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile) -> dict[str, Any]:
     """All tensors, dequantized to float32 and renamed to HF's names.
 
     Raises ModelLoadError for a tensor type we cannot dequantize.
     """
     import torch
-    from gguf import dequantize
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        ttype = t.tensor_type.name
+        try:
+            qtype = GGMLQuantizationType(t.ggml_type)
+            ttype = qtype.name
+        except ValueError:
+            ttype = f"type {t.ggml_type}"
         if ttype not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path.name}: tensor {t.name} has unsupported type {ttype} "
                                  f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        raw = reader.raw(t, type_size, block_size)
         if t.name == "rope_freqs.weight":
-            out["rope_freqs"] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            out["rope_freqs"] = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32).reshape(-1))
             continue
         m = _BLK.match(t.name)
         if m:
@@ -125,8 +127,8 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: Any) -> dict[str, Any
             if base not in _TOP_NAMES:
                 raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
             name = f"{_TOP_NAMES[base]}.{kind}"
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.size == int(np.prod(t.shape)) else w
+        w = np.asarray(dequantize(raw, qtype), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
         if arch.family in ("llama", "mistral"):
             if short_of(name) == "q_proj":
                 w = _unpermute(w, arch.num_heads)
