@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint clean
+.PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ serve: setup
 test: setup
 	$(VENV)/bin/ruff check hotprefix tests
 	$(VENV)/bin/python -m pytest -q
+
+# Benchmarks (minutes; not part of the tests): results and the machine/commit go to docs/bench/.
+bench: setup
+	bash benchmarks/run_all.sh
 
 lint: setup
 	$(VENV)/bin/ruff check hotprefix tests

