@@ -111,6 +111,7 @@ class LLMEngine:
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
+        self.runner.warmup()
         self._states: dict[str, _State] = {}
         self._child_to_parent: dict[str, str] = {}
         log.info("loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool: %d blocks x %d tokens = %d tokens "

@@ -80,8 +80,10 @@ class KVCache:
         self.dtype = dtype
         slots = num_blocks * block_size
         self.layers = [
-            LayerKV(torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
-                    torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
+            # Uninitialised: attention reads only slots written for that sequence, and
+            # skipping the fill saves a pass over the whole pool at start-up.
+            LayerKV(torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
+                    torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
                     *scales)
             for _ in range(num_layers)
         ]

@@ -108,6 +108,23 @@ class ModelRunner:
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
 
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int = 64) -> None:
+        """One small prefill and one decode through block 0 (free at start; what it
+        writes is overwritten before anyone reads it), so the first request does not
+        pay the kernels' one-time set-up."""
+        from hotprefix.sampling_params import SamplingParams
+
+        n = min(num_tokens, self.block_size * self.plan.num_blocks - 1)
+        if n < 1:
+            return
+        ids = [0] * n
+        blocks = list(range(-(-(n + 1) // self.block_size)))
+        for start, chunk in ((0, ids), (n, [0])):
+            self.forward(SchedulerOutput([ScheduledRequest("warmup", chunk, start, blocks, False, SamplingParams(),
+                                                           ids, [])]))
+        self.num_computed_tokens_total = 0
+
     # -- batch preparation ------------------------------------------------
     def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

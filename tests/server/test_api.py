@@ -80,6 +80,24 @@ def test_streaming_completion_and_chat_with_the_official_client(client, offline)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
 
 
+def test_continue_final_message_and_add_generation_prompt(live, offline):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    r = httpx.post(live.url + "/tokenize", json={"messages": msgs[:1]}).json()
+    assert offline.tokenizer.decode(r["tokens"]).endswith("<|im_start|>assistant\n")
+    body = {"messages": msgs, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    out = httpx.post(live.v1 + "/chat/completions", json=body).json()
+    prompt = offline.tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True,
+                                                   add_generation_prompt=False)
+    assert prompt.endswith("Hello, I am")  # the assistant turn is left open, not closed
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           add_special_tokens=False)[0]
+    assert out["choices"][0]["message"]["content"] == ref.outputs[0].text
+    assert out["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    both = httpx.post(live.v1 + "/chat/completions", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and "cannot both be true" in both.json()["error"]["message"]
+
+
 def test_async_client(live, offline):
     ref = greedy(offline, PROMPT, 6)
 
