@@ -9,8 +9,9 @@ ones coming back, then waiting ones (fcfs: arrival order; priority: lowest
 `priority` value first, ties by arrival). A waiting request starts from its
 longest cached prefix (see kv_cache_manager): only the uncached tokens run.
 
-Out of blocks while serving a running request: a victim is preempted (fcfs:
-the last admitted; priority: the lowest priority, latest arrival). In recompute
+Out of blocks while serving a running request: a victim is preempted among the
+running requests not yet scheduled in this step (fcfs: the last admitted;
+priority: the lowest priority, latest arrival). In recompute
 mode its blocks are freed and it is recomputed later (looking the cache up
 again); in swap mode its blocks are copied to host memory and back.
 """
@@ -158,7 +159,7 @@ class Scheduler:
             req = self.running[i]
             n = self._chunk(req, budget)
             while self.kv.allocate_slots(req, n) is None:
-                victim = self._victim()
+                victim = self._victim(self.running[i:])
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -217,10 +218,14 @@ class Scheduler:
             sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids)
 
-    def _victim(self) -> Request:
+    def _victim(self, candidates: list[Request]) -> Request:
+        """Whom to preempt among requests not yet scheduled this step (the one
+        being scheduled included): a request already scheduled this step cannot
+        be undone, since its new blocks are cached already and may be hit by a
+        later request of the same step."""
         if self.config.scheduling_policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the request's KV out to host memory (swap mode, if it fits),

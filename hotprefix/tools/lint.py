@@ -25,6 +25,7 @@ from typing import Any
 from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHasher
 from hotprefix.engine.tokenizer import PromptEncoder
+from hotprefix.tools.jsonl import iter_objects
 
 VOLATILE = [  # (kind, pattern), most specific first
     ("uuid", r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"),
@@ -264,18 +265,8 @@ def render(r: dict[str, Any]) -> str:
 def read_requests(path: Path) -> list[dict[str, Any]]:
     """OpenAI request bodies (or request-log rows with a `prompt`), one per line. Raises ConfigError."""
     out = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{i}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
+    for i, row in iter_objects(path):
+        if "messages" not in row and "prompt" not in row:
             raise ConfigError(f"{path}:{i}: neither `messages` nor `prompt`")
         out.append(row)
     if not out:

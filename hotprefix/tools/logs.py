@@ -10,6 +10,7 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.sizing import blocks_for_tokens
+from hotprefix.tools.jsonl import iter_objects
 
 
 def percentile(values: list, p: float):
@@ -25,17 +26,7 @@ def read_token_counts(path: Path) -> tuple[list[int], list[int]]:
     request log, or any rows with `prompt_tokens` at the top or under `usage`.
     Raises ConfigError naming the first bad line."""
     prompts, completions = [], []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row: dict[str, Any] = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{i}: not JSON ({e.msg})") from None
+    for i, row in iter_objects(path):
         src = row if "prompt_tokens" in row else row.get("usage") or {}
         if not isinstance(src.get("prompt_tokens"), int):
             raise ConfigError(f"{path}:{i}: no integer prompt_tokens (top level or under usage)")

@@ -184,6 +184,22 @@ def test_seeded_random_blast(policy, mode):
                   mode=mode, host_blocks=6 if mode == "swap" else 0)
 
 
+def test_priority_victim_is_never_a_request_already_scheduled_this_step():
+    """Found by the Hypothesis blast: a lower-priority request scheduled earlier in
+    the step was preempted after the fact, leaving its scheduled work on freed blocks."""
+    run_blast(0, num_blocks=9, block_size=1, budget=4, max_seqs=2, n_requests=4, policy="priority", mode="swap",
+              host_blocks=4, threshold=0)  # the falsifying example, exactly
+    s = make_scheduler(num_blocks=4, block_size=1, max_tokens=8, scheduling_policy="priority")
+    s.add_request(make_request("low", 2, max_tokens=5, priority=9))
+    s.add_request(make_request("high", 2, max_tokens=5, priority=0))
+    step(s)  # both admitted: 4 blocks, the pool is full
+    out, _ = step(s)  # low (first in running order) is scheduled... then high needs a block
+    scheduled = [r.request_id for r in out.requests]
+    for r in out.requests:  # whatever runs holds its blocks
+        assert s.requests[r.request_id].status == RequestStatus.RUNNING
+    assert len(scheduled) == len(set(scheduled)) <= 2
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(2, 20), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 40), max_seqs=st.integers(1, 6), n=st.integers(1, 15),
