@@ -8,7 +8,7 @@ q_len_b positions of that context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +34,22 @@ class SeqAttn:
 
 
 @dataclass
+class Cascade:
+    """Decoding sequences that share their leading blocks: the shared prefix is
+    gathered and attended once for all of them (their kv_slots then hold only
+    their own suffix), and the two halves are merged by log-sum-exp."""
+
+    shared_slots: torch.Tensor  # [S] slots of the shared prefix, position order
+    members: list[int]  # indices into AttentionMetadata.seqs; each has q_len == 1
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     seqs: list[SeqAttn]
+    cascades: list[Cascade] = field(default_factory=list)
 
 
 def build_seq_attn(q_start: int, q_len: int, ctx_len: int, block_ids: list[int], block_size: int,
@@ -71,12 +82,44 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     """
     kv.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
-    for s in meta.seqs:
+    done: set[int] = set()
+    for c in meta.cascades:
+        cascade_attention(q, kv, meta, c, scale, out)
+        done.update(c.members)
+    for i, s in enumerate(meta.seqs):
+        if i in done:
+            continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
         ks, vs = kv.read(s.kv_slots, q.dtype)  # [KVH, ctx, D], contiguous
         o = attend(qs, ks, vs, s.mask, s.is_causal, scale)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     return out
+
+
+def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: Cascade, scale: float,
+                      out: torch.Tensor) -> None:
+    """Attention of a cascade's decode queries (CPU flash kernel), written into out [T, H, D]."""
+    h, d = q.shape[1], q.shape[2]
+    ks, vs = kv.read(c.shared_slots, q.dtype)  # [KVH, S, D], once for the group
+    kvh = ks.shape[0]
+    g = h // kvh
+    qs = [q[meta.seqs[i].q_start].reshape(kvh, g, d) for i in c.members]  # each [KVH, G, D]
+    o_sh, lse_sh = _cpu_flash_lse(torch.cat(qs, dim=1)[None], ks[None], vs[None], scale)  # [1, KVH, G*m, D]
+    for j, i in enumerate(c.members):
+        s = meta.seqs[i]
+        ks2, vs2 = kv.read(s.kv_slots, q.dtype)  # this sequence's own suffix
+        o2, l2 = _cpu_flash_lse(qs[j][None], ks2[None], vs2[None], scale)  # [1, KVH, G, D], [1, KVH, G]
+        o1, l1 = o_sh[:, :, j * g:(j + 1) * g], lse_sh[:, :, j * g:(j + 1) * g]
+        lse = torch.logaddexp(l1, l2)
+        merged = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+        out[s.q_start] = merged[0].reshape(h, d)
+
+
+def _cpu_flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output [B, H, L, D] and log-sum-exp [B, H, L] of the CPU flash kernel (no mask)."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[:2]
+    return o, lse
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,

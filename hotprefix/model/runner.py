@@ -12,7 +12,7 @@ import torch
 
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from hotprefix.model.attention import AttentionMetadata, build_seq_attn
+from hotprefix.model.attention import AttentionMetadata, Cascade, build_seq_attn
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
@@ -22,6 +22,7 @@ from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_block
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+CASCADE_MIN_BLOCKS = 2  # shared full blocks before a group of decodes attends to them once
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -107,6 +108,7 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
+        self.enable_cascade = True
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 64) -> None:
@@ -134,6 +136,8 @@ class ModelRunner:
         bs = self.block_size
         for r in sched.requests:
             n = len(r.token_ids)
+            if n == 0:  # the scheduler never does this; native kernels crash on it
+                raise ValueError(f"request {r.request_id}: a scheduled chunk must hold at least one token")
             q_start = len(ids)
             ids.extend(r.token_ids)
             rng = range(r.start_pos, r.start_pos + n)
@@ -143,8 +147,36 @@ class ModelRunner:
                                        self.arch.sliding_window, self.device))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
+        if self.enable_cascade and dev.type == "cpu" and self.dtype == torch.float32:
+            self._plan_cascades(sched, meta)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
+
+    def _plan_cascades(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Group decoding sequences by the blocks they share from the start (prefix
+        caching makes those the same block ids): a group of two or more that shares
+        at least CASCADE_MIN_BLOCKS blocks, all before each member's query, attends
+        to them once (see attention.Cascade)."""
+        bs = self.block_size
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(sched.requests):
+            if len(r.token_ids) == 1 and self.arch.sliding_window is None and r.block_ids:
+                groups.setdefault(r.block_ids[0], []).append(i)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            reqs = [sched.requests[i] for i in members]
+            n = 0
+            limit = min(r.start_pos // bs for r in reqs)  # shared blocks must end before every query
+            while n < limit and all(r.block_ids[n] == reqs[0].block_ids[n] for r in reqs):
+                n += 1
+            if n < CASCADE_MIN_BLOCKS:
+                continue
+            shared = n * bs
+            for i in members:  # each member keeps only its own suffix
+                meta.seqs[i].kv_slots = meta.seqs[i].kv_slots[shared:]
+            meta.cascades.append(Cascade(meta.seqs[members[0]].kv_slots.new_tensor(
+                [b * bs + o for b in reqs[0].block_ids[:n] for o in range(bs)]), members))
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> torch.Tensor:

@@ -109,3 +109,37 @@ def test_pin_and_reset_through_the_offline_api(tiny_llama):
 
     with pytest.raises(InvalidRequestError, match="allowed by --max-pinned-fraction"):
         llm.engine.add_request("big", list(range(250, 294)), GREEDY, pin_prefix=True)
+
+
+def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama):
+    """Decodes sharing leading blocks attend to them once (cascade) and merge by
+    log-sum-exp: logits equal the per-sequence path's."""
+    from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+    from hotprefix.model.attention import AttentionMetadata
+
+    llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64, device="cpu")
+    runner = llm.engine.runner
+    shared = list(range(10, 30))  # 5 full blocks
+    prompts = [shared + [40 + i] * (2 + i) for i in range(4)]  # tails of 2-5 tokens (chunks never empty)
+    tables = [[0, 1, 2, 3, 4] + [5 + 2 * i, 6 + 2 * i] for i in range(4)]
+    # Prefill: the first sequence writes the shared blocks; each writes its own tail.
+    runner.all_logits(SchedulerOutput([ScheduledRequest("p", shared, 0, tables[0], False, GREEDY, shared, [])]))
+    for i, p in enumerate(prompts):
+        runner.all_logits(SchedulerOutput([ScheduledRequest(f"t{i}", p[20:-1], 20, tables[i], False, GREEDY, p,
+                                                            [])]))
+    decode = SchedulerOutput([ScheduledRequest(f"d{i}", [p[-1]], len(p) - 1, tables[i], True, GREEDY, p, [])
+                              for i, p in enumerate(prompts)])
+    planned: list[AttentionMetadata] = []
+    original = runner._plan_cascades
+
+    def spy(sched, meta):
+        original(sched, meta)
+        planned.append(meta)
+
+    runner._plan_cascades = spy
+    with_cascade = runner.all_logits(decode)
+    assert len(planned[-1].cascades) == 1 and planned[-1].cascades[0].members == [0, 1, 2, 3]
+    assert planned[-1].cascades[0].shared_slots.numel() == 20
+    runner.enable_cascade = False
+    without = runner.all_logits(decode)
+    assert float((with_cascade - without).abs().max() / without.abs().max()) < 1e-5
