@@ -31,6 +31,7 @@ class SeqAttn:
     kv_slots: torch.Tensor
     mask: torch.Tensor | None
     is_causal: bool
+    causal_tail: bool = False  # mask is plain causal over the last q_len keys (no sliding window)
 
 
 @dataclass
@@ -71,7 +72,8 @@ def build_seq_attn(q_start: int, q_len: int, ctx_len: int, block_ids: list[int],
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask = mask & (q_pos - k_pos < sliding_window)
-    return SeqAttn(q_start, q_len, ctx_len, slots, mask, is_causal)
+    tail = mask is not None and sliding_window is None and 1 < q_len < ctx_len
+    return SeqAttn(q_start, q_len, ctx_len, slots, mask, is_causal, tail)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
@@ -91,9 +93,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
         ks, vs = kv.read(s.kv_slots, q.dtype)  # [KVH, ctx, D], contiguous
-        o = attend(qs, ks, vs, s.mask, s.is_causal, scale)
+        if s.causal_tail and qs.device.type == "cpu" and qs.dtype == torch.float32:
+            o = attend_causal_tail(qs, ks, vs, scale)
+        else:
+            o = attend(qs, ks, vs, s.mask, s.is_causal, scale)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     return out
+
+
+def attend_causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk after cached context: every query sees all ctx - n earlier
+    keys, and the last n keys causally. Attend to the two parts separately (the
+    first without a mask, on the CPU flash kernel) and merge by log-sum-exp.
+    q: [H, n, D]; k, v: [KVH, ctx, D]; returns [H, n, D]."""
+    h, n, d = q.shape
+    kvh, ctx = k.shape[0], k.shape[1]
+    g = h // kvh
+    o1, l1 = _cpu_flash_lse(q.reshape(kvh, g * n, d)[None], k[None, :, :ctx - n], v[None, :, :ctx - n], scale)
+    o1, l1 = o1.reshape(1, h, n, d), l1.reshape(1, h, n)
+    kt = k[:, ctx - n:].repeat_interleave(g, 0)[None]  # [1, H, n, D]
+    vt = v[:, ctx - n:].repeat_interleave(g, 0)[None]
+    o2, l2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], kt, vt, 0.0, True, scale=scale)[:2]
+    lse = torch.logaddexp(l1, l2)
+    return (o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None])[0]
 
 
 def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: Cascade, scale: float,
