@@ -109,13 +109,11 @@ def attend_causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     h, n, d = q.shape
     kvh, ctx = k.shape[0], k.shape[1]
     g = h // kvh
-    o1, l1 = _cpu_flash_lse(q.reshape(kvh, g * n, d)[None], k[None, :, :ctx - n], v[None, :, :ctx - n], scale)
+    o1, l1 = _cpu_flash(q.reshape(kvh, g * n, d)[None], k[None, :, :ctx - n], v[None, :, :ctx - n], False, scale)
     o1, l1 = o1.reshape(1, h, n, d), l1.reshape(1, h, n)
     kt = k[:, ctx - n:].repeat_interleave(g, 0)[None]  # [1, H, n, D]
     vt = v[:, ctx - n:].repeat_interleave(g, 0)[None]
-    o2, l2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], kt, vt, 0.0, True, scale=scale)[:2]
-    lse = torch.logaddexp(l1, l2)
-    return (o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None])[0]
+    return _merge(o1, l1, *_cpu_flash(q[None], kt, vt, True, scale))[0]
 
 
 def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: Cascade, scale: float,
@@ -126,22 +124,20 @@ def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: 
     kvh = ks.shape[0]
     g = h // kvh
     qs = [q[meta.seqs[i].q_start].reshape(kvh, g, d) for i in c.members]  # each [KVH, G, D]
-    o_sh, lse_sh = _cpu_flash_lse(torch.cat(qs, dim=1)[None], ks[None], vs[None], scale)  # [1, KVH, G*m, D]
+    o_sh, lse_sh = _cpu_flash(torch.cat(qs, dim=1)[None], ks[None], vs[None], False, scale)  # [1, KVH, G*m, D]
     for j, i in enumerate(c.members):
         s = meta.seqs[i]
         ks2, vs2 = kv.read(s.kv_slots, q.dtype)  # this sequence's own suffix
-        o2, l2 = _cpu_flash_lse(qs[j][None], ks2[None], vs2[None], scale)  # [1, KVH, G, D], [1, KVH, G]
-        o1, l1 = o_sh[:, :, j * g:(j + 1) * g], lse_sh[:, :, j * g:(j + 1) * g]
-        lse = torch.logaddexp(l1, l2)
-        merged = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+        o2, l2 = _cpu_flash(qs[j][None], ks2[None], vs2[None], False, scale)  # [1, KVH, G, D], [1, KVH, G]
+        merged = _merge(o_sh[:, :, j * g:(j + 1) * g], lse_sh[:, :, j * g:(j + 1) * g], o2, l2)
         out[s.q_start] = merged[0].reshape(h, d)
 
 
-def _cpu_flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [B, H, L, D] and log-sum-exp [B, H, L] of the CPU flash kernel (no mask)."""
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[:2]
-    return o, lse
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, combined exactly from each part's
+    output [..., L, D] and log-sum-exp [..., L]."""
+    lse = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -161,16 +157,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if is_causal:
         if cpu:  # CPU SDPA picks its slow math path for GQA; its flash kernel is ~3x faster
             kx, vx = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [H, ctx, D]
-            return _cpu_flash(q[None], kx[None], vx[None], True, scale)[0]
+            return _cpu_flash(q[None], kx[None], vx[None], True, scale)[0][0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     qg = q.reshape(kvh, g * n, d)  # [KVH, G * q_len, D]
     if mask is None and cpu:
-        return _cpu_flash(qg[None], k[None], v[None], False, scale)[0].reshape(h, n, d)
+        return _cpu_flash(qg[None], k[None], v[None], False, scale)[0][0].reshape(h, n, d)
     m = None if mask is None else mask.repeat(g, 1)  # [G * q_len, ctx]
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale).reshape(h, n, d)
 
 
-def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """torch's CPU flash-attention kernel, called directly ([B, H, L, D] in and out):
-    F.scaled_dot_product_attention does not choose it for these shapes."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[0]
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash-attention kernel, called directly (F.scaled_dot_product_attention
+    does not choose it for these shapes): output [B, H, L, D] and log-sum-exp [B, H, L]."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    return o, lse
