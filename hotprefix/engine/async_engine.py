@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hotprefix.core.scheduler import QueueFullError
@@ -31,25 +31,18 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class EngineCounters:
-    """Totals since start, accumulated on the engine thread after every step."""
+    """Totals since start, accumulated on the engine thread after every step (the
+    counters /metrics exports; gauges are read live from the scheduler)."""
 
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    prefix_cache_requests: int = 0
     evicted_blocks: int = 0
-    prompt_tokens_computed: int = 0
-    steps: int = 0
     step_errors: int = 0
-    last: SchedulerStats = field(default_factory=SchedulerStats)
 
     def add(self, st: SchedulerStats) -> None:
         self.prefix_cache_queries += st.prefix_cache.queries
         self.prefix_cache_hits += st.prefix_cache.hits
-        self.prefix_cache_requests += st.prefix_cache.requests
         self.evicted_blocks += st.prefix_cache.evicted_blocks
-        self.prompt_tokens_computed += st.num_prefill_tokens
-        self.steps += 1
-        self.last = st
 
 
 class RequestStream:

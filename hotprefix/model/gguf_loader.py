@@ -117,11 +117,14 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile) -> dict[str
             out["rope_freqs"] = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32).reshape(-1))
             continue
         m = _BLK.match(t.name)
+        permute_heads = None  # llama.cpp permutes Q/K rows of llama-style models
         if m:
             layer, short, kind = m.groups()
             if short not in _LAYER_NAMES:
                 raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
             name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}"
+            if arch.family in ("llama", "mistral"):
+                permute_heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(short)
         else:
             base, _, kind = t.name.rpartition(".")
             if base not in _TOP_NAMES:
@@ -129,16 +132,7 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile) -> dict[str
             name = f"{_TOP_NAMES[base]}.{kind}"
         w = np.asarray(dequantize(raw, qtype), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if arch.family in ("llama", "mistral"):
-            if short_of(name) == "q_proj":
-                w = _unpermute(w, arch.num_heads)
-            elif short_of(name) == "k_proj":
-                w = _unpermute(w, arch.num_kv_heads)
+        if permute_heads is not None:
+            w = _unpermute(w, permute_heads)
         out[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else np.array(w, order="C"))
     return out
-
-
-def short_of(name: str) -> str:
-    """'model.layers.3.self_attn.q_proj.weight' -> 'q_proj'."""
-    parts = name.split(".")
-    return parts[-2] if len(parts) >= 2 else name

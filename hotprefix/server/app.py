@@ -202,7 +202,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     async def pin(body: PinRequest) -> dict[str, Any]:
         """Compute the prefix if it is not cached, then pin its full blocks."""
         ids = await pin_ids(body)
-        if not eng.prefix_hashes(ids):
+        n_blocks = len(eng.prefix_hashes(ids))
+        if not n_blocks:
             raise InvalidRequestError(f"the prefix is shorter than one block ({eng.kv.block_size} tokens)",
                                       "prompt")
         stream = engine.add_request(f"pin-{now()}-{id(body)}", ids, SamplingParams(max_tokens=1),
@@ -210,7 +211,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         async for _ in stream:
             pass
         n = await engine.call(lambda e: e.pin(ids, body.cache_salt, body.cache_salt_offset))
-        return {"pinned_blocks": n, "prefix_tokens": len(eng.prefix_hashes(ids)) * eng.kv.block_size}
+        return {"pinned_blocks": n, "prefix_tokens": n_blocks * eng.kv.block_size}
 
     @app.post("/unpin")
     async def unpin(body: PinRequest) -> dict[str, Any]:
