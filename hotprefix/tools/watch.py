@@ -9,6 +9,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -74,8 +75,10 @@ def line(s: Sample, first: Sample) -> str:
             f"waiting {s.waiting:3.0f}  preemptions {s.preemptions - first.preemptions:.0f}")
 
 
-def watch(url: str, interval: float, duration: float | None, count: int | None, live: bool) -> dict[str, Any]:
-    """Poll until duration seconds or count samples (or Ctrl-C); return the summary."""
+def watch(url: str, interval: float, duration: float | None, count: int | None, live: bool,
+          stop: threading.Event | None = None) -> dict[str, Any]:
+    """Poll until duration seconds, count samples, the stop event (when embedded) or
+    Ctrl-C; return the summary."""
     metrics_url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/metrics") else "/metrics")
     samples: list[Sample] = []
     end = None if duration is None else time.monotonic() + duration
@@ -90,7 +93,8 @@ def watch(url: str, interval: float, duration: float | None, count: int | None, 
                 samples.append(parse_metrics(r.text))
                 if live:
                     print("\r" + line(samples[-1], samples[0]), end="", file=sys.stderr, flush=True)
-                if (count is not None and len(samples) >= count) or (end is not None and time.monotonic() >= end):
+                if ((count is not None and len(samples) >= count) or (end is not None and time.monotonic() >= end)
+                        or (stop is not None and stop.is_set())):
                     break
                 time.sleep(interval)
     except KeyboardInterrupt:

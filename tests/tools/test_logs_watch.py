@@ -69,17 +69,21 @@ def test_watch_sees_usage_and_hit_rate_move(logged_server):
     s, _ = logged_server
     system = "shared system prompt for watching " * 3
     result = {}
+    done = threading.Event()
 
-    def run():
-        result["summary"] = watch(s.url, interval=0.05, duration=None, count=40, live=False)
+    def run():  # polls for as long as the requests take, however slow the machine
+        result["summary"] = watch(s.url, interval=0.05, duration=None, count=None, live=False, stop=done)
 
     t = threading.Thread(target=run)
     t.start()
+    time.sleep(0.2)  # a first sample before any request
     for i in range(6):
         httpx.post(s.v1 + "/completions", json={"prompt": system + f"q{i}", "max_tokens": 20, "ignore_eos": True})
+    time.sleep(0.2)  # a last sample after them
+    done.set()
     t.join(timeout=60)
     summary = result["summary"]
-    assert summary["samples"] == 40 and summary["prefix_cache_queries"] > 0
+    assert summary["samples"] >= 4 and summary["prefix_cache_queries"] > 0
     assert 0 < summary["prefix_cache_hit_rate"] <= 1
     assert summary["kv_usage"]["max"] > 0 and summary["running"]["max"] >= 1
     cli = subprocess.run([sys.executable, "-m", "hotprefix.cli", "watch", s.url, "--count", "2", "--interval",
