@@ -70,22 +70,45 @@ def test_watch_sees_usage_and_hit_rate_move(logged_server):
     system = "shared system prompt for watching " * 3
     result = {}
     done = threading.Event()
+    gate = threading.Event()  # cleared: the engine thread stops after its step, with its batch still running
+    gate.set()
+    real_step = s.engine.step
 
-    def run():  # polls for as long as the requests take, however slow the machine
+    def gated_step():
+        outs = real_step()
+        gate.wait(timeout=60)
+        return outs
+
+    def run():  # polls until told to stop; its last sample is taken after `done` is set
         result["summary"] = watch(s.url, interval=0.05, duration=None, count=None, live=False, stop=done)
 
+    s.engine.step = gated_step
     t = threading.Thread(target=run)
-    t.start()
-    time.sleep(0.2)  # a first sample before any request
-    for i in range(6):
-        httpx.post(s.v1 + "/completions", json={"prompt": system + f"q{i}", "max_tokens": 20, "ignore_eos": True})
-    time.sleep(0.2)  # a last sample after them
-    done.set()
-    t.join(timeout=60)
+    held = threading.Thread(target=httpx.post, args=(s.v1 + "/completions",),
+                            kwargs={"json": {"prompt": system + "held", "max_tokens": 20, "ignore_eos": True},
+                                    "timeout": 60})
+    try:
+        t.start()
+        for i in range(6):
+            httpx.post(s.v1 + "/completions", json={"prompt": system + f"q{i}", "max_tokens": 20, "ignore_eos": True})
+        gate.clear()  # hold the next request mid-flight, so that samples see it running and holding KV blocks
+        held.start()
+        deadline = time.monotonic() + 30
+        while parse_metrics(httpx.get(s.url + "/metrics").text).running < 1:
+            assert time.monotonic() < deadline, "the held request never showed as running"
+            time.sleep(0.02)
+        done.set()
+        t.join(timeout=60)  # the watcher's last sample was taken while the request is held
+    finally:
+        gate.set()
+        s.engine.step = real_step
+        if held.ident is not None:
+            held.join(timeout=60)
     summary = result["summary"]
-    assert summary["samples"] >= 4 and summary["prefix_cache_queries"] > 0
+    assert summary["samples"] >= 2 and summary["prefix_cache_queries"] > 0
     assert 0 < summary["prefix_cache_hit_rate"] <= 1
     assert summary["kv_usage"]["max"] > 0 and summary["running"]["max"] >= 1
+    s.wait_idle()
     cli = subprocess.run([sys.executable, "-m", "hotprefix.cli", "watch", s.url, "--count", "2", "--interval",
                           "0.1", "--quiet"], capture_output=True, text=True)
     assert cli.returncode == 0 and json.loads(cli.stdout)["samples"] == 2
