@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test test-services lint bench clean
 
 setup: $(STAMP)
 
@@ -25,9 +25,13 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/hotprefix serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: setup
+# Tests: the gateway's also start a real redis-server and PostgreSQL (installed here when missing).
+test: setup test-services
 	$(VENV)/bin/ruff check hotprefix tests
 	$(VENV)/bin/python -m pytest -q
+
+test-services:
+	sh scripts/test-services.sh
 
 # Benchmarks (minutes; not part of the tests): results and the machine/commit go to docs/bench/.
 bench: setup

@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_parser(sub)
     watch.add_parser(sub)
     bench.add_parser(sub)
+    from hotprefix.gateway import cli as gateway_cli
+
+    gateway_cli.add_parsers(sub)
     return p
 
 
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # a dozen lines per migration check
     from hotprefix.errors import InvalidRequestError
     from hotprefix.model.arch import ModelLoadError
 

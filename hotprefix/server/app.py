@@ -9,9 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hotprefix
 from hotprefix.config import ServerConfig
@@ -20,6 +18,7 @@ from hotprefix.core.scheduler import QueueFullError
 from hotprefix.engine.async_engine import AsyncEngine, EngineDeadError
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import SamplingParams
+from hotprefix.server.http_errors import error_response, install_common_handlers
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.protocol import (
     ChatCompletionRequest,
@@ -28,7 +27,6 @@ from hotprefix.server.protocol import (
     DetokenizeRequest,
     PinRequest,
     TokenizeRequest,
-    error_body,
     now,
 )
 from hotprefix.server.serving import RequestLog, Serving
@@ -41,35 +39,11 @@ class ModelNotFound(Exception):
     pass
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or (loc[0] if loc else None)
-        if err.get("type") == "extra_forbidden":
-            parts.append(f"unsupported parameter '{where}'")
-        elif err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON: {err.get('msg')}")
-        else:
-            parts.append(f"{where or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request", param
+_error = error_response
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
-        return _error(400, msg, "BadRequestError", param)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _bad(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(exc), "BadRequestError", exc.param)
+    install_common_handlers(app)
 
     @app.exception_handler(PinError)
     async def _pin(_: Request, exc: PinError) -> JSONResponse:
@@ -86,15 +60,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(503, str(exc), "ServiceUnavailableError")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "Error")
-
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
 
 
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
@@ -180,7 +145,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": hotprefix.__version__}
+        return {"version": hotprefix.__version__, "server": "hotprefix"}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

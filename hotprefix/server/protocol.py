@@ -187,8 +187,3 @@ def random_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

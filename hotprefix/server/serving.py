@@ -24,12 +24,12 @@ from hotprefix.engine.async_engine import AsyncEngine, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import TokenLogprobs
+from hotprefix.server.http_errors import error_body
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
-    error_body,
     now,
     random_id,
 )

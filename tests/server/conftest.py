@@ -68,16 +68,22 @@ def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
     port = free_port()
     scfg = ServerConfig(port=port, served_model_name="tiny", **(server_kw or {}))
     app = build_app(AsyncEngine(engine, scfg.max_num_queued_requests), scfg)
+    url, server, thread = serve_in_thread(app, port)
+    return LiveServer(url, engine, server, thread)
+
+
+def serve_in_thread(app, port: int | None = None) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Run an ASGI app under uvicorn on a loopback port in a daemon thread; return when it serves."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    for _ in range(400):
         if server.started:
             break
         time.sleep(0.05)
     assert server.started, "server did not start"
-    return LiveServer(url, engine, server, thread)
+    return f"http://127.0.0.1:{port}", server, thread
 
 
 @pytest.fixture(scope="module")

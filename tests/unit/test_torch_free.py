@@ -1,4 +1,5 @@
-"""The bookkeeping core never imports torch (DESIGN.md: hotprefix/core is torch-free)."""
+"""The bookkeeping core never imports torch (DESIGN.md: hotprefix/core is torch-free),
+and neither does the gateway (it runs on machines without an accelerator stack)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import subprocess
 import sys
 
 import hotprefix.core
+import hotprefix.gateway
 
 
-def test_core_modules_import_without_torch():
+def test_core_and_gateway_modules_import_without_torch():
     mods = ["hotprefix.config", "hotprefix.sizing", "hotprefix.sampling_params", "hotprefix.errors"] + [
-        f"hotprefix.core.{m.name}" for m in pkgutil.iter_modules(hotprefix.core.__path__)]
+        f"hotprefix.core.{m.name}" for m in pkgutil.iter_modules(hotprefix.core.__path__)] + [
+        f"hotprefix.gateway.{m.name}" for m in pkgutil.iter_modules(hotprefix.gateway.__path__)
+        if m.name != "migrations"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in mods) +
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
             "assert not bad, bad\nprint(len(sys.modules))")

@@ -1,0 +1,269 @@
+"""`hotprefix gateway`, `hotprefix tenants`, `hotprefix keys` and `hotprefix usage`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from hotprefix.config import ConfigError
+
+ADMIN_ENV = "HOTPREFIX_ADMIN_KEY"
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '15m', '12h', '30d' or a number of seconds. Raises ConfigError."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise ConfigError(f"not a duration: {text!r} (examples: 90s, 15m, 12h, 30d)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    from hotprefix.gateway.keys import SECRET_ENV
+
+    p.add_argument("--database-url", default=None,
+                   help="SQLAlchemy URL of the gateway database: sqlite:///path or postgresql://user@host/db "
+                        "(default: $HOTPREFIX_DATABASE_URL, else ~/.hotprefix/gateway.db)")
+    p.add_argument("--secret-file", default=None,
+                   help=f"the HMAC secret keys are stored under (default: ${SECRET_ENV}, "
+                        "else ~/.hotprefix/gateway.secret, created on first use)")
+
+
+def _open(a: argparse.Namespace):
+    from hotprefix.gateway.keys import default_database_url
+    from hotprefix.gateway.store import Store
+
+    store = Store(a.database_url or default_database_url())
+    store.migrate()
+    return store
+
+
+def _print(rows: list[dict], as_json: bool, columns: list[str]) -> None:
+    if as_json:
+        print(json.dumps(rows, indent=2, default=str))
+        return
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str("" if r.get(c) is None else r.get(c)).ljust(widths[c]) for c in columns))
+
+
+# --- tenants and prompts --------------------------------------------------------------------------------
+
+def _prompt_text(a: argparse.Namespace) -> str | None:
+    if getattr(a, "system_prompt_file", None):
+        try:
+            return Path(a.system_prompt_file).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read {a.system_prompt_file}: {e}") from None
+    return getattr(a, "system_prompt", None)
+
+
+def cmd_tenants(a: argparse.Namespace) -> int:
+    store = _open(a)
+    if a.action == "list":
+        rows = []
+        for t in store.list_tenants():
+            p = store.tenant_prompt(t)
+            rows.append({"name": t.name, "prompt": t.prompt_name, "version": p.version if p else None,
+                         "public": p.public if p else None,
+                         "keys": sum(1 for k in store.list_keys(t.name) if k.revoked_at is None)})
+        _print(rows, a.json, ["name", "prompt", "version", "public", "keys"])
+        return 0
+    if a.action == "prompts":
+        _print(store.list_prompts(), a.json, ["name", "version", "public", "chars", "created_at"])
+        return 0
+    if a.action == "add-prompt":
+        text = _prompt_text(a)
+        if not text:
+            raise ConfigError("give the prompt with --system-prompt TEXT or --system-prompt-file FILE")
+        p = store.add_prompt(a.name, text, a.public)
+        print(f"prompt {p.name} version {p.version} ({'public' if p.public else 'private'}, {len(text)} chars)")
+        return 0
+    text = _prompt_text(a)
+    if text and a.prompt:
+        raise ConfigError("give either --prompt (a pool prompt) or the prompt's text, not both")
+    prompt_name = a.prompt
+    if text:  # the tenant's own pool prompt, named after it
+        prompt_name = store.add_prompt(a.name, text, a.public).name
+    if a.action == "create":
+        t = store.create_tenant(a.name, prompt_name)
+    else:
+        if prompt_name is None and not a.no_prompt:
+            raise ConfigError("give --prompt, --system-prompt(-file) or --no-prompt")
+        t = store.set_tenant_prompt(a.name, prompt_name)
+    p = store.tenant_prompt(t)
+    print(f"tenant {t.name}: " + (f"system prompt {p.name} v{p.version} ({'public' if p.public else 'private'})"
+                                  if p else "no system prompt"))
+    return 0
+
+
+# --- keys -----------------------------------------------------------------------------------------------
+
+def cmd_keys(a: argparse.Namespace) -> int:
+    from hotprefix.gateway.keys import load_secret
+
+    store = _open(a)
+    if a.action == "list":
+        now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+        rows = [k.public() | {"key": f"sk-hp-...{k.hint}", "active": k.active(now)}
+                for k in store.list_keys(a.tenant)]
+        _print(rows, a.json, ["id", "tenant", "name", "key", "active", "rpm", "tpm", "max_concurrent",
+                              "expires_at", "revoked_at"])
+        return 0
+    if a.action == "revoke":
+        rec = store.revoke_key(a.key_id)
+        print(f"revoked {rec.id} ({rec.tenant})")
+        return 0
+    secret = load_secret(a.secret_file)
+    if a.action == "rotate":
+        key, rec = store.rotate_key(secret, a.key_id, parse_duration(a.grace))
+    else:
+        expires = None if a.expires_in is None else (
+            dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) + dt.timedelta(seconds=parse_duration(a.expires_in)))
+        key, rec = store.create_key(secret, a.tenant, a.name, expires, a.rpm, a.tpm, a.max_concurrent)
+    if a.json:
+        print(json.dumps({"key": key, **rec.public()}, indent=2))
+    else:
+        print(key)
+        print(f"{rec.id} for tenant {rec.tenant}: the key is shown this once; it is stored only as an HMAC.",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_usage(a: argparse.Namespace) -> int:
+    store = _open(a)
+    try:
+        since = None if a.since is None else dt.datetime.fromisoformat(a.since)
+        until = None if a.until is None else dt.datetime.fromisoformat(a.until)
+    except ValueError as e:
+        raise ConfigError(f"--since/--until must be ISO dates (2026-11-22 or 2026-11-22T10:00): {e}") from None
+    rows = store.usage_report(a.by, since, until)
+    _print(rows, a.json, [a.by, "requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens"])
+    return 0
+
+
+# --- the gateway ----------------------------------------------------------------------------------------
+
+def cmd_gateway(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hotprefix.gateway.app import build_gateway_app, make_limiter
+    from hotprefix.gateway.config import GatewayConfig
+    from hotprefix.gateway.keys import default_database_url, load_secret
+
+    cfg = GatewayConfig(backends=tuple(u.rstrip("/") for u in a.backend), host=a.host, port=a.port,
+                        database_url=a.database_url or default_database_url(), redis_url=a.redis_url,
+                        admin_key=a.admin_key, secret_file=a.secret_file, backend_api_key=a.backend_api_key,
+                        health_interval=a.health_interval, load_factor=a.load_factor, min_cap=a.min_cap,
+                        default_rpm=a.default_rpm, default_tpm=a.default_tpm,
+                        default_max_concurrent=a.default_max_concurrent,
+                        reserve_max_tokens=a.reserve_max_tokens, auth_cache_s=a.auth_cache_s,
+                        warmup=a.warmup, log_level="debug" if a.verbose else "info")
+    store = _open(a)
+    secret = load_secret(a.secret_file)
+    if cfg.redis_url:
+        import redis
+
+        try:
+            redis.Redis.from_url(cfg.redis_url, socket_connect_timeout=5).ping()
+        except (redis.RedisError, OSError) as e:
+            raise ConfigError(f"cannot reach Redis at {cfg.redis_url}: {e}") from None
+    app = build_gateway_app(cfg, store, secret, make_limiter(cfg))
+    uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                  access_log=False, timeout_graceful_shutdown=30)).run()
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    gw = sub.add_parser("gateway", help="the multi-tenant gateway in front of OpenAI-compatible backends",
+                        description="Keys, forced system prompts, cache salts, rate limits, usage, warm-up "
+                                    "and prefix-affinity routing in front of one or more backends.")
+    gw.add_argument("--backend", action="append", required=True, metavar="URL",
+                    help="base URL of a backend (hotprefix, vLLM, llama.cpp); repeat for several")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8080)
+    _store_args(gw)
+    gw.add_argument("--redis-url", default=os.environ.get("HOTPREFIX_REDIS_URL"),
+                    help="share rate-limit counters between gateway processes in Redis, e.g. redis://localhost:6379/0 "
+                         "(default: in this process)")
+    gw.add_argument("--admin-key", default=os.environ.get(ADMIN_ENV),
+                    help=f"bearer key of the /admin API (env {ADMIN_ENV}; without it the admin API is off)")
+    gw.add_argument("--backend-api-key", default=os.environ.get("HOTPREFIX_BACKEND_API_KEY"),
+                    help="bearer key the backends expect (env HOTPREFIX_BACKEND_API_KEY)")
+    gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between backend health checks")
+    gw.add_argument("--load-factor", type=float, default=1.25,
+                    help="bounded load: skip a tenant's home backend when it has this many times the mean load")
+    gw.add_argument("--load-min-cap", type=int, default=4, dest="min_cap",
+                    help="bounded load: never skip a home backend with fewer requests in flight than this")
+    gw.add_argument("--default-rpm", type=int, default=None, help="requests per minute for keys that set none")
+    gw.add_argument("--default-tpm", type=int, default=None, help="tokens per minute for keys that set none")
+    gw.add_argument("--default-max-concurrent", type=int, default=None,
+                    help="concurrent requests for keys that set none")
+    gw.add_argument("--reserve-max-tokens", type=int, default=512,
+                    help="output tokens reserved against the tokens-per-minute limit when a request sets no max_tokens")
+    gw.add_argument("--auth-cache-s", type=float, default=5.0,
+                    help="seconds a key lookup is reused (revocations by other processes apply within this)")
+    gw.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="send every tenant's prompt to its backend when the backend comes up, and pin it")
+    gw.set_defaults(func=cmd_gateway)
+
+    t = sub.add_parser("tenants", help="tenants and the pool of system prompts in the gateway database")
+    ts = t.add_subparsers(dest="action", required=True)
+    for action, hlp in (("create", "a new tenant"), ("set-prompt", "change a tenant's system prompt")):
+        c = ts.add_parser(action, help=hlp)
+        c.add_argument("name")
+        c.add_argument("--prompt", default=None, help="use this pool prompt (its newest version)")
+        c.add_argument("--system-prompt", default=None, help="the prompt's text (a pool prompt named after the tenant)")
+        c.add_argument("--system-prompt-file", default=None, help="read the prompt's text from this file")
+        c.add_argument("--public", action="store_true",
+                       help="share the prompt's KV across tenants (what follows it stays private)")
+        if action == "set-prompt":
+            c.add_argument("--no-prompt", action="store_true", help="no forced system prompt")
+    ap = ts.add_parser("add-prompt", help="add a pool prompt, or a new version of one")
+    ap.add_argument("name")
+    ap.add_argument("--system-prompt", default=None)
+    ap.add_argument("--system-prompt-file", default=None)
+    ap.add_argument("--public", action="store_true")
+    for action in ("list", "prompts"):
+        c = ts.add_parser(action, help="list tenants" if action == "list" else "list the prompt pool")
+        c.add_argument("--json", action="store_true")
+    for c in ts.choices.values():
+        _store_args(c)
+    t.set_defaults(func=cmd_tenants)
+
+    k = sub.add_parser("keys", help="API keys of the gateway: create, list, revoke, rotate")
+    ks = k.add_subparsers(dest="action", required=True)
+    c = ks.add_parser("create", help="a new key for a tenant (printed once)")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("--name", default=None, help="a label")
+    c.add_argument("--expires-in", default=None, help="e.g. 30d, 12h (default: never)")
+    c.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    c.add_argument("--tpm", type=int, default=None, help="tokens (prompt + output) per minute")
+    c.add_argument("--max-concurrent", type=int, default=None, help="requests in flight at once")
+    c.add_argument("--json", action="store_true")
+    c = ks.add_parser("list", help="keys (never their secret part)")
+    c.add_argument("--tenant", default=None)
+    c.add_argument("--json", action="store_true")
+    c = ks.add_parser("revoke", help="stop a key now")
+    c.add_argument("key_id")
+    c = ks.add_parser("rotate", help="a new key with the same tenant and limits; the old one stops after --grace")
+    c.add_argument("key_id")
+    c.add_argument("--grace", default="0", help="how long the old key keeps working, e.g. 1h (default: 0)")
+    c.add_argument("--json", action="store_true")
+    for c in ks.choices.values():
+        _store_args(c)
+    k.set_defaults(func=cmd_keys)
+
+    u = sub.add_parser("usage", help="gateway usage per tenant, key or day")
+    u.add_argument("--by", default="tenant", choices=("tenant", "key", "day"))
+    u.add_argument("--since", default=None, help="ISO date or time (UTC)")
+    u.add_argument("--until", default=None, help="ISO date or time (UTC), exclusive")
+    u.add_argument("--json", action="store_true")
+    _store_args(u)
+    u.set_defaults(func=cmd_usage)

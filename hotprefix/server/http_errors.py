@@ -1,0 +1,64 @@
+"""OpenAI-style error responses shared by the server and the gateway (no torch import)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotprefix.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unsupported parameter '{where}'")
+        elif err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON: {err.get('msg')}")
+        else:
+            parts.append(f"{where or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_common_handlers(app: FastAPI) -> None:
+    """400 for invalid bodies and parameters, the status of HTTP exceptions, 500
+    (logged) for anything unexpected: always as an OpenAI error object."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = validation_message(exc)
+        return error_response(400, msg, "BadRequestError", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc), "BadRequestError", exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail),
+                              "NotFoundError" if exc.status_code == 404 else "Error")
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")

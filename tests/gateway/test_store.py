@@ -1,0 +1,107 @@
+"""The gateway store on SQLite and on a real PostgreSQL: migrations, prompts,
+tenants, keys (HMAC only), usage reports."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import sqlalchemy as sa
+
+from hotprefix.gateway import keys as K
+from hotprefix.gateway.store import StoreError, utcnow
+from tests.gateway.conftest import SECRET
+
+
+def test_migrations_create_exactly_the_schema_and_are_idempotent(store):
+    assert store.migrate() == "0001"
+    assert store.migrate() == "0001"
+    assert store.schema_diff() == []
+    names = set(sa.inspect(store.engine).get_table_names())
+    assert {"tenants", "system_prompts", "api_keys", "usage", "alembic_version"} <= names
+
+
+def test_prompt_pool_versions_and_tenants(store):
+    assert store.add_prompt("support", "v1 text", public=True).version == 1
+    assert store.add_prompt("support", "v2 text", public=False).version == 2
+    assert store.add_prompt("other", "x", public=False).version == 1
+    t = store.create_tenant("acme", "support")
+    p = store.tenant_prompt(t)
+    assert (p.name, p.version, p.text, p.public) == ("support", 2, "v2 text", False)
+    assert store.prompt("support", 1).text == "v1 text"
+    with pytest.raises(StoreError, match="exists"):
+        store.create_tenant("acme")
+    with pytest.raises(StoreError, match="no system prompt 'nope'"):
+        store.create_tenant("beta", "nope")
+    assert store.set_tenant_prompt("acme", None).prompt_name is None
+    assert store.tenant_prompt(store.tenant("acme")) is None
+    with pytest.raises(StoreError, match="no tenant"):
+        store.set_tenant_prompt("ghost", None)
+    assert [t.name for t in store.list_tenants()] == ["acme"]
+    assert [(r["name"], r["version"]) for r in store.list_prompts()] == [("other", 1), ("support", 1), ("support", 2)]
+
+
+def test_keys_are_stored_only_as_hmac(store):
+    store.create_tenant("acme")
+    key, rec = store.create_key(SECRET, "acme", "ci", rpm=5, tpm=100, max_concurrent=2)
+    assert key.startswith("sk-hp-") and len(key) == 6 + 32  # 24 random bytes, url-safe base64
+    assert (rec.tenant, rec.name, rec.rpm, rec.tpm, rec.max_concurrent) == ("acme", "ci", 5, 100, 2)
+    with store.engine.connect() as c:
+        rows = [dict(r._mapping) for r in c.execute(sa.text("SELECT * FROM api_keys"))]
+    assert len(rows) == 1
+    assert rows[0]["digest"] == K.digest(SECRET, key)
+    secret_part = key[len("sk-hp-"):]
+    for value in rows[0].values():  # no column holds the key or more than its last 4 characters
+        assert secret_part[:-4] not in str(value) and key not in str(value)
+    if store.engine.dialect.name == "sqlite":
+        db_bytes = open(store.engine.url.database, "rb").read()
+        for suffix in ("-wal", ""):
+            try:
+                db_bytes += open(store.engine.url.database + suffix, "rb").read()
+            except FileNotFoundError:
+                pass
+        assert secret_part[:-4].encode() not in db_bytes
+    assert store.authenticate(SECRET, key).id == rec.id
+    assert store.authenticate(SECRET, key + "x") is None
+    assert store.authenticate(b"another-secret-0123456789", key) is None
+
+
+def test_revoke_expire_and_rotate(store):
+    store.create_tenant("acme")
+    k1, r1 = store.create_key(SECRET, "acme")
+    assert store.revoke_key(r1.id).revoked_at is not None
+    assert store.authenticate(SECRET, k1) is None
+    store.revoke_key(r1.id)  # idempotent
+    with pytest.raises(StoreError, match="no key"):
+        store.revoke_key("key_nope")
+    k2, _ = store.create_key(SECRET, "acme", expires_at=utcnow() - dt.timedelta(seconds=1))
+    assert store.authenticate(SECRET, k2) is None
+    k3, r3 = store.create_key(SECRET, "acme", "svc", rpm=7)
+    k4, r4 = store.rotate_key(SECRET, r3.id, grace_s=3600)
+    assert (r4.rotated_from, r4.rpm, r4.name) == (r3.id, 7, "svc")
+    assert store.authenticate(SECRET, k3).id == r3.id  # still inside the grace period
+    assert store.authenticate(SECRET, k4).id == r4.id
+    k5, r5 = store.rotate_key(SECRET, r4.id)  # no grace: the old key stops now
+    assert store.authenticate(SECRET, k4) is None and store.authenticate(SECRET, k5).id == r5.id
+    with pytest.raises(StoreError, match="revoked or expired"):
+        store.rotate_key(SECRET, r4.id)
+
+
+def test_usage_report_groups(store):
+    day1, day2 = dt.datetime(2026, 11, 20, 10), dt.datetime(2026, 11, 21, 23, 59)
+    base = {"endpoint": "chat", "stream": False, "http_status": 200, "latency_s": 0.1}
+    rows = [("k1", "acme", day1, "ok", 10, 4, 5), ("k1", "acme", day2, "ok", 20, 16, 7),
+            ("k2", "beta", day2, "client_aborted", 30, 0, 2), ("k2", "beta", day2, "rate_limited", None, None, None)]
+    for kid, tenant, at, status, p, c, o in rows:
+        store.record_usage(base | {"key_id": kid, "tenant": tenant, "created_at": at, "status": status,
+                                   "prompt_tokens": p, "cached_tokens": c, "completion_tokens": o})
+    assert store.usage_report("tenant") == [
+        {"tenant": "acme", "requests": 2, "ok": 2, "prompt_tokens": 30, "cached_tokens": 20, "completion_tokens": 12},
+        {"tenant": "beta", "requests": 2, "ok": 0, "prompt_tokens": 30, "cached_tokens": 0, "completion_tokens": 2}]
+    assert [(r["day"], r["requests"], r["prompt_tokens"]) for r in store.usage_report("day")] == [
+        ("2026-11-20", 1, 10), ("2026-11-21", 3, 50)]
+    assert [r["key"] for r in store.usage_report("key", since=dt.datetime(2026, 11, 21))] == ["k1", "k2"]
+    assert store.usage_report("key", until=dt.datetime(2026, 11, 21)) == [
+        {"key": "k1", "requests": 1, "ok": 1, "prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 5}]
+    with pytest.raises(StoreError):
+        store.usage_report("model")
