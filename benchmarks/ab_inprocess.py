@@ -4,6 +4,8 @@ the same machine noise). Prints tokens/s per run and the medians.
     .venv/bin/python benchmarks/ab_inprocess.py cascade-one-prefix   # 8 decodes on one warm 1,000-token prefix
     .venv/bin/python benchmarks/ab_inprocess.py cascade-four-prefixes # 8 decodes over 4 warm 500-token prompts
     .venv/bin/python benchmarks/ab_inprocess.py caching-unique        # 16 unique 300-token prompts, caching on/off
+    .venv/bin/python benchmarks/ab_inprocess.py blocks-1              # 1 decode on a warm 1,000-token prefix,
+    .venv/bin/python benchmarks/ab_inprocess.py blocks-8              # or 8: GGUF block kernel on/off
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def main(kind: str, reps: int = 3) -> None:
 
         def switch(on: bool) -> None:
             eng.runner.enable_cascade = on
+    elif kind.startswith("blocks-"):
+        system = toks(1000)
+        eng.add_request("warm", system + [5], SamplingParams(max_tokens=1))
+        while eng.has_unfinished_requests():
+            eng.step()
+        prompts = lambda: [system + toks(30) for _ in range(int(kind.split("-")[1]))]  # noqa: E731
+        model, packed = eng.runner.model, eng.runner.packed
+
+        def switch(on: bool) -> None:
+            model.attach_blocks(packed if on else {})
     elif kind == "caching-unique":
         prompts = lambda: [toks(300) for _ in range(16)]  # noqa: E731
 

@@ -45,12 +45,44 @@ class Cascade:
 
 
 @dataclass
+class DecodeBatch:
+    """Single-query sequences (decodes, no mask) attended in one batched product:
+    each one's kv_slots padded to the longest, padding masked out. For cascade
+    members kv_slots is their own suffix; the shared prefix is merged in after."""
+
+    members: list[int]  # indices into AttentionMetadata.seqs
+    rows: torch.Tensor  # [B] their query rows in the flat batch
+    slots: torch.Tensor  # [B * L] their slots, each padded to L with its first slot
+    valid: torch.Tensor  # [B, L] bool: False on padding
+    length: int  # L
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     seqs: list[SeqAttn]
     cascades: list[Cascade] = field(default_factory=list)
+    decode: DecodeBatch | None = None
+
+
+def build_decode_batch(seqs: list[SeqAttn], min_size: int = 2) -> DecodeBatch | None:
+    """The batch of single-query, unmasked sequences, or None when fewer than min_size."""
+    members = [i for i, s in enumerate(seqs) if s.q_len == 1 and s.mask is None and not s.is_causal]
+    if len(members) < min_size:
+        return None
+    length = max(seqs[i].kv_slots.numel() for i in members)
+    dev = seqs[members[0]].kv_slots.device
+    slots = torch.empty(len(members), length, dtype=torch.long, device=dev)
+    valid = torch.zeros(len(members), length, dtype=torch.bool, device=dev)
+    for b, i in enumerate(members):
+        ks = seqs[i].kv_slots
+        slots[b, :ks.numel()] = ks
+        slots[b, ks.numel():] = ks[0]
+        valid[b, :ks.numel()] = True
+    rows = torch.tensor([seqs[i].q_start for i in members], dtype=torch.long, device=dev)
+    return DecodeBatch(members, rows, slots.reshape(-1), valid, length)
 
 
 def build_seq_attn(q_start: int, q_len: int, ctx_len: int, block_ids: list[int], block_size: int,
@@ -85,9 +117,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     kv.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     done: set[int] = set()
+    if meta.decode is not None:
+        decode_attention(q, kv, meta, scale, out)
+        done.update(meta.decode.members)
     for c in meta.cascades:
-        cascade_attention(q, kv, meta, c, scale, out)
-        done.update(c.members)
+        if not done.issuperset(c.members):
+            cascade_attention(q, kv, meta, c, scale, out)
+            done.update(c.members)
     for i, s in enumerate(meta.seqs):
         if i in done:
             continue
@@ -131,6 +167,37 @@ def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: 
         o2, l2 = _cpu_flash(qs[j][None], ks2[None], vs2[None], False, scale)  # [1, KVH, G, D], [1, KVH, G]
         merged = _merge(o_sh[:, :, j * g:(j + 1) * g], lse_sh[:, :, j * g:(j + 1) * g], o2, l2)
         out[s.q_start] = merged[0].reshape(h, d)
+
+
+def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The decode batch in one gather and two batched products, with each cascade's
+    shared prefix (flash kernel, once per group) merged in; written into out [T, H, D]."""
+    batch = meta.decode
+    h, d = q.shape[1], q.shape[2]
+    nb, length = len(batch.members), batch.length
+    k, v = kv.read(batch.slots, q.dtype)  # [KVH, B * L, D]
+    kvh = k.shape[0]
+    g = h // kvh
+    k, v = k.view(kvh, nb, length, d), v.view(kvh, nb, length, d)
+    qb = q[batch.rows].view(nb, kvh, g, d).transpose(0, 1)  # [KVH, B, G, D]
+    scores = torch.matmul(qb, k.transpose(-1, -2)).mul_(scale)  # [KVH, B, G, L]
+    scores.masked_fill_(~batch.valid[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [KVH, B, G]
+    o = torch.matmul(torch.exp(scores - lse[..., None]), v)  # [KVH, B, G, D]
+    o, lse = o.transpose(0, 1).reshape(nb, h, d), lse.transpose(0, 1).reshape(nb, h)  # [B, H, D], [B, H]
+    where = {i: b for b, i in enumerate(batch.members)}
+    for c in meta.cascades:
+        if not all(i in where for i in c.members):
+            continue
+        ks, vs = kv.read(c.shared_slots, q.dtype)  # [KVH, S, D], once for the group
+        pos = torch.tensor([where[i] for i in c.members], device=q.device)
+        m = len(c.members)
+        qs = qb[:, pos].reshape(kvh, m * g, d)  # [KVH, m * G, D]
+        o_sh, l_sh = _cpu_flash(qs[None], ks[None], vs[None], False, scale)  # [1, KVH, m*G, D], [1, KVH, m*G]
+        o_sh = o_sh[0].view(kvh, m, g, d).transpose(0, 1).reshape(m, h, d)
+        l_sh = l_sh[0].view(kvh, m, g).transpose(0, 1).reshape(m, h)
+        o[pos] = _merge(o_sh, l_sh, o[pos], lse[pos])
+    out[batch.rows] = o
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:

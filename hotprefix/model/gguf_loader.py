@@ -93,15 +93,21 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile) -> dict[str, Any]:
-    """All tensors, dequantized to float32 and renamed to HF's names.
+def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks: bool = False
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """All tensors, dequantized to float32 and renamed to HF's names; and, when
+    keep_blocks, the 2-D ones the block kernel reads (Q4_0, Q4_1, Q8_0) also as
+    their GGUF blocks (`qlinear.PackedWeight`, rows in the same order).
 
     Raises ModelLoadError for a tensor type we cannot dequantize.
     """
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
+    from hotprefix.model.qlinear import PackedWeight
+
     out: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
     for t in reader.tensors:
         try:
             qtype = GGMLQuantizationType(t.ggml_type)
@@ -135,4 +141,9 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile) -> dict[str
         if permute_heads is not None:
             w = _unpermute(w, permute_heads)
         out[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else np.array(w, order="C"))
-    return out
+        if keep_blocks and w.ndim == 2:
+            rows = _unpermute(raw, permute_heads) if permute_heads is not None else raw
+            p = PackedWeight.from_gguf(ttype, torch.from_numpy(np.array(rows, order="C")), w.shape[0], w.shape[1])
+            if p is not None:
+                packed[name] = p
+    return out, packed

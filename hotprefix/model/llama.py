@@ -16,6 +16,8 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
+from hotprefix.model.qlinear import MAX_M as QMAX_M
+from hotprefix.model.qlinear import Linear, PackedWeight, qmatmul
 
 
 class RMSNorm(nn.Module):
@@ -62,10 +64,10 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         e = arch.hidden_size
-        self.q_proj = nn.Linear(e, self.h * self.d, bias=bias)
-        self.k_proj = nn.Linear(e, self.kvh * self.d, bias=bias)
-        self.v_proj = nn.Linear(e, self.kvh * self.d, bias=bias)
-        self.o_proj = nn.Linear(self.h * self.d, e, bias=o_bias)
+        self.q_proj = Linear(e, self.h * self.d, bias=bias)
+        self.k_proj = Linear(e, self.kvh * self.d, bias=bias)
+        self.v_proj = Linear(e, self.kvh * self.d, bias=bias)
+        self.o_proj = Linear(self.h * self.d, e, bias=o_bias)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.d, arch.rms_norm_eps)
@@ -88,9 +90,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, e: int, i: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(e, i, bias=False)
-        self.up_proj = nn.Linear(e, i, bias=False)
-        self.down_proj = nn.Linear(i, e, bias=False)
+        self.gate_proj = Linear(e, i, bias=False)
+        self.up_proj = Linear(e, i, bias=False)
+        self.down_proj = Linear(i, e, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -126,8 +128,9 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.model = _Inner(arch, bias, o_bias)
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        self.logits_packed: PackedWeight | None = None
 
     @classmethod
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -175,7 +178,22 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
 
+    def attach_blocks(self, packed: dict[str, PackedWeight]) -> int:
+        """Let linear layers (and the logits) read these GGUF blocks for small batches
+        (an empty dict detaches them all). Returns the number of weights attached."""
+        n = 0
+        for name, mod in self.named_modules():
+            if isinstance(mod, Linear) and name != "lm_head":
+                mod.packed = packed.get(f"{name}.weight")
+                n += mod.packed is not None
+        head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
+        self.logits_packed = packed.get(head)
+        return n + (self.logits_packed is not None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        p = self.logits_packed
+        if p is not None and hidden.shape[0] <= QMAX_M and hidden.dtype == torch.float32:
+            return qmatmul(hidden, p)  # [N, V]
         w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
         return (hidden @ w.t()).float()  # [N, V]
 

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class LoadedModel:
     tokenizer: Any
     source: str
     name: str
+    packed: dict[str, Any] = field(default_factory=dict)  # HF name -> qlinear.PackedWeight (GGUF blocks)
 
 
 def default_model_path() -> Path:
@@ -84,9 +85,9 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")
         arch, reader = read_gguf_arch(path)
-        weights = load_gguf_weights(path, arch, reader)
+        weights, packed = load_gguf_weights(path, arch, reader, keep_blocks=True)
         tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(path)
-        return LoadedModel(arch, weights, tok, str(path), path.stem)
+        return LoadedModel(arch, weights, tok, str(path), path.stem, packed)
     if path.is_dir():
         arch = arch_from_hf_config(_read_config(path))
         weights = load_safetensors(path)

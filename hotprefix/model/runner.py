@@ -12,10 +12,11 @@ import torch
 
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from hotprefix.model.attention import AttentionMetadata, Cascade, build_seq_attn
+from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_batch, build_seq_attn
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
+from hotprefix.model.qlinear import packable
 from hotprefix.model.sampler import Sampler, SampleRow
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
 
@@ -91,6 +92,11 @@ class ModelRunner:
         self.device = resolve_device(model_cfg.device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
         self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device)
+        self.packed = loaded.packed if packable(self.device, self.dtype) else {}
+        if self.packed:
+            n = self.model.attach_blocks(self.packed)
+            log.info("decoding reads %d weights as GGUF blocks (%.0f MB)", n,
+                     sum(p.nbytes for p in loaded.packed.values()) / 1e6)
         self.arch = self.model.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
@@ -109,6 +115,7 @@ class ModelRunner:
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
         self.enable_cascade = True
+        self.enable_decode_batch = True  # CPU: all single-query decodes in one batched attention
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 64) -> None:
@@ -147,8 +154,11 @@ class ModelRunner:
                                        self.arch.sliding_window, self.device))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
-        if self.enable_cascade and dev.type == "cpu" and self.dtype == torch.float32:
-            self._plan_cascades(sched, meta)
+        if dev.type == "cpu" and self.dtype == torch.float32:
+            if self.enable_cascade:
+                self._plan_cascades(sched, meta)
+            if self.enable_decode_batch:
+                meta.decode = build_decode_batch(meta.seqs)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 

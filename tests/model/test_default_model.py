@@ -45,6 +45,11 @@ def hf_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def test_greedy_32_tokens_identical_to_transformers(llm, hf_model):
+    from hotprefix.model import qlinear
+
+    model = llm.engine.runner.model
+    if qlinear.library() is not None:  # decoding reads the Q4_1 / Q8_0 blocks, not the float32 copies
+        assert model.logits_packed is not None and model.model.layers[0].mlp.up_proj.packed is not None
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)  # all three in one batch
     for prompt, out in zip(PROMPTS, outs):

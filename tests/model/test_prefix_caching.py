@@ -113,7 +113,8 @@ def test_pin_and_reset_through_the_offline_api(tiny_llama):
 
 def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama):
     """Decodes sharing leading blocks attend to them once (cascade) and merge by
-    log-sum-exp: logits equal the per-sequence path's."""
+    log-sum-exp; all decodes attend to the rest in one padded batch: logits equal
+    the per-sequence path's either way."""
     from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
     from hotprefix.model.attention import AttentionMetadata
 
@@ -140,6 +141,12 @@ def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama)
     with_cascade = runner.all_logits(decode)
     assert len(planned[-1].cascades) == 1 and planned[-1].cascades[0].members == [0, 1, 2, 3]
     assert planned[-1].cascades[0].shared_slots.numel() == 20
+    batch = planned[-1].decode
+    assert batch.members == [0, 1, 2, 3] and batch.length == 5  # the longest suffix (its last token is the query)
+    assert batch.valid.sum(dim=1).tolist() == [2, 3, 4, 5]
     runner.enable_cascade = False
-    without = runner.all_logits(decode)
-    assert float((with_cascade - without).abs().max() / without.abs().max()) < 1e-5
+    batched = runner.all_logits(decode)  # one padded batch over the whole contexts
+    runner.enable_decode_batch = False
+    plain = runner.all_logits(decode)  # one flash call per sequence
+    for got in (with_cascade, batched):
+        assert float((got - plain).abs().max() / plain.abs().max()) < 1e-5

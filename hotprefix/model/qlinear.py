@@ -1,0 +1,169 @@
+"""Linear layers that read GGUF Q4_0 / Q4_1 / Q8_0 blocks directly when M is small.
+
+Decoding multiplies a few rows of activations by every weight matrix, so its
+speed is the speed of reading the weights. Kept as float32, SmolLM2's weights
+are 538 MB a step; as their GGUF blocks they are 96 MB. `csrc/qgemv.c`
+dequantizes each block in registers (exactly as gguf's `dequantize` does) and
+multiplies in float32, so results equal the float32 product with the
+dequantized weights up to the order of the additions.
+
+The C file is compiled at first use with the system's C compiler
+(-O3 -march=native -fopenmp) into $HOTPREFIX_CACHE/kernels and loaded with
+ctypes; without a compiler, or with HOTPREFIX_QKERNEL=0, everything runs on the
+float32 weights as before. Larger M (prefill chunks) always uses the float32
+weights: there the product is compute-bound and MKL is faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "qgemv.c"
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+MAX_M = 16  # rows of activations up to which the block kernel is used
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HOTPREFIX_CACHE", Path.home() / ".cache" / "hotprefix"))
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()}|{flags}"
+
+
+def build_library(force: bool = False, march: str = "native") -> Path | None:
+    """Compile csrc/qgemv.c for this CPU (cached by source, CPU flags and `march`);
+    the .so path, or None when there is no compiler or it fails."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.info("no C compiler: decoding uses float32 weights")
+        return None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + _cpu_signature().encode() + cc.encode() + march.encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"qgemv-{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(SOURCE),
+               "-o", str(so)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            log.warning("could not build the GGUF block kernel (%s): decoding uses float32 weights",
+                        (r.stderr.strip().splitlines() or ["?"])[-1])
+            return None
+        os.replace(so, out)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel library, built and loaded once per process (None when unavailable or disabled)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("HOTPREFIX_QKERNEL", "1") == "0":
+        return None
+    path = build_library()
+    _lib = None if path is None else bind(path)
+    return _lib
+
+
+def bind(path: Path) -> ctypes.CDLL:
+    """Load a built kernel library and declare its functions."""
+    lib = ctypes.CDLL(str(path))
+    lib.hp_qmatmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.hp_qmatmul.restype = ctypes.c_int
+    lib.hp_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.hp_dequantize.restype = ctypes.c_int
+    return lib
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / 32 * block bytes]."""
+
+    qtype: int
+    raw: torch.Tensor
+    n: int
+    k: int
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: torch.Tensor, n: int, k: int) -> PackedWeight | None:
+        """None for a type the kernel does not read."""
+        qtype = QTYPES.get(type_name)
+        if qtype is None or k % 32:
+            return None
+        raw = raw.reshape(n, k // 32 * BLOCK_BYTES[qtype]).contiguous()
+        return cls(qtype, raw, n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+def qmatmul(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] float32 (CPU) @ W^T -> [M, N] float32. Raises RuntimeError without the library."""
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError("the GGUF block kernel is not available")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    rc = lib.hp_qmatmul(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"hp_qmatmul failed for type {w.qtype}, K={w.k}")
+    return y
+
+
+def dequantize(w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The weight as float32 [N, K], dequantized by the kernel's own code (for tests)."""
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError("the GGUF block kernel is not available")
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    if lib.hp_dequantize(w.qtype, w.raw.data_ptr(), w.n, w.k, out.data_ptr()):
+        raise RuntimeError(f"hp_dequantize failed for type {w.qtype}")
+    return out
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, given `packed` blocks of the same weight, multiplies small
+    batches (M <= MAX_M rows, float32 on the CPU) from the blocks."""
+
+    packed: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        if p is not None and x.dim() == 2 and x.shape[0] <= MAX_M:
+            y = qmatmul(x, p)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+
+def packable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the block kernel can serve a model on `device` in `dtype`."""
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
