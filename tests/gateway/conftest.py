@@ -89,8 +89,8 @@ def wait_warm(gw: Live, n_backends: int = 1) -> None:
     wait_until(lambda: gw.app.state.warm_state["warmups"] >= n_backends, what="warm-up")
 
 
-def start_fake_process(name: str) -> tuple[str, subprocess.Popen]:
-    port = free_port()
+def start_fake_process(name: str, port: int | None = None) -> tuple[str, subprocess.Popen]:
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tests.gateway.fake_backend", "--port", str(port), "--name", name])
     url = f"http://127.0.0.1:{port}"
 

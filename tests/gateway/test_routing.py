@@ -103,3 +103,43 @@ def test_killing_a_backend_moves_its_tenants_to_the_others(tmp_path):
         for _, p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_backend_that_comes_back_is_warmed_and_gets_its_tenants_back(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'gateway.db'}")
+    store.migrate()
+    tenants = [f"t{i}" for i in range(6)]
+    for t in tenants:
+        store.add_prompt(t, f"System prompt of tenant {t}.", public=False)
+        store.create_tenant(t, t)
+    procs = [start_fake_process(f"b{i}") for i in range(2)]
+    gw = start_gateway([u for u, _ in procs], store, health_interval=0.2)
+    router = gw.app.state.router
+    home = {t: router.ranking(route_key(f"System prompt of tenant {t}.", False, t), healthy_only=False)[0].url
+            for t in tenants}
+
+    def warmed(url: str) -> set[str]:
+        recs = httpx.get(url + "/_requests").json()
+        return {r["body"]["messages"][0]["content"].split()[-1].rstrip(".") for r in recs
+                if r["body"].get("max_tokens") == 1 and r["body"]["messages"][-1]["content"] == "."}
+
+    try:
+        for url, _ in procs:  # at start, each backend is warmed with exactly the prompts it is home to
+            wait_until(lambda url=url: warmed(url) == {t for t in tenants if home[t] == url}, what="warm-up")
+        victim_url, victim = next(p for p in procs if any(home[t] == p[0] for t in tenants))
+        victim.kill()
+        victim.wait()
+        wait_until(lambda: not next(b for b in router.backends if b.url == victim_url).healthy, what="down")
+        port = int(victim_url.rsplit(":", 1)[1])
+        procs = [p for p in procs if p[0] != victim_url] + [start_fake_process("again", port)]
+        wait_until(lambda: warmed(victim_url) == {t for t in tenants if home[t] == victim_url},
+                   what="the returning backend's warm-up")
+        key = store.create_key(SECRET, next(t for t in tenants if home[t] == victim_url))[0]
+        r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"messages": [{"role": "user", "content": "back?"}]}, timeout=30)
+        assert r.status_code == 200 and store.usage_rows()[-1]["backend"] == victim_url
+    finally:
+        gw.stop()
+        for _, p in procs:
+            p.kill()
+            p.wait()
