@@ -42,6 +42,17 @@ class Cascade:
 
     shared_slots: torch.Tensor  # [S] slots of the shared prefix, position order
     members: list[int]  # indices into AttentionMetadata.seqs; each has q_len == 1
+    # The prefix's K/V as gathered per layer (keyed by id of the LayerKV): the
+    # runner hands the same dict to the next step's cascade over the same blocks,
+    # which cannot have changed while the group kept decoding.
+    gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def shared_kv(self, kv: LayerKV, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix's K, V ([KVH, S, D]) in this layer, gathered once."""
+        got = self.gathered.get(id(kv))
+        if got is None:
+            got = self.gathered[id(kv)] = kv.read(self.shared_slots, dtype)
+        return got
 
 
 @dataclass
@@ -156,7 +167,7 @@ def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: 
                       out: torch.Tensor) -> None:
     """Attention of a cascade's decode queries (CPU flash kernel), written into out [T, H, D]."""
     h, d = q.shape[1], q.shape[2]
-    ks, vs = kv.read(c.shared_slots, q.dtype)  # [KVH, S, D], once for the group
+    ks, vs = c.shared_kv(kv, q.dtype)  # [KVH, S, D], once for the group
     kvh = ks.shape[0]
     g = h // kvh
     qs = [q[meta.seqs[i].q_start].reshape(kvh, g, d) for i in c.members]  # each [KVH, G, D]
@@ -189,7 +200,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scal
     for c in meta.cascades:
         if not all(i in where for i in c.members):
             continue
-        ks, vs = kv.read(c.shared_slots, q.dtype)  # [KVH, S, D], once for the group
+        ks, vs = c.shared_kv(kv, q.dtype)  # [KVH, S, D], once for the group
         pos = torch.tensor([where[i] for i in c.members], device=q.device)
         m = len(c.members)
         qs = qb[:, pos].reshape(kvh, m * g, d)  # [KVH, m * G, D]

@@ -116,6 +116,9 @@ class ModelRunner:
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
         self.enable_cascade = True
         self.enable_decode_batch = True  # CPU: all single-query decodes in one batched attention
+        self._gathered: dict[tuple[int, ...], dict] = {}  # cascade prefix blocks -> gathered K/V, last step only
+        slot_bytes = self.arch.num_layers * 2 * self.arch.num_kv_heads * self.arch.head_dim * self.dtype.itemsize
+        self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 64) -> None:
@@ -157,6 +160,8 @@ class ModelRunner:
         if dev.type == "cpu" and self.dtype == torch.float32:
             if self.enable_cascade:
                 self._plan_cascades(sched, meta)
+            else:
+                self._gathered = {}
             if self.enable_decode_batch:
                 meta.decode = build_decode_batch(meta.seqs)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
@@ -168,6 +173,7 @@ class ModelRunner:
         at least CASCADE_MIN_BLOCKS blocks, all before each member's query, attends
         to them once (see attention.Cascade)."""
         bs = self.block_size
+        kept: dict[tuple[int, ...], dict] = {}
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(sched.requests):
             if len(r.token_ids) == 1 and self.arch.sliding_window is None and r.block_ids:
@@ -185,8 +191,13 @@ class ModelRunner:
             shared = n * bs
             for i in members:  # each member keeps only its own suffix
                 meta.seqs[i].kv_slots = meta.seqs[i].kv_slots[shared:]
-            meta.cascades.append(Cascade(meta.seqs[members[0]].kv_slots.new_tensor(
-                [b * bs + o for b in reqs[0].block_ids[:n] for o in range(bs)]), members))
+            key = tuple(reqs[0].block_ids[:n])
+            c = Cascade(meta.seqs[members[0]].kv_slots.new_tensor(
+                [b * bs + o for b in key for o in range(bs)]), members, self._gathered.get(key, {}))
+            if sum(len(k) for k in kept) * bs + shared <= self._gather_budget:
+                kept[key] = c.gathered
+            meta.cascades.append(c)
+        self._gathered = kept  # only groups of this step: their blocks stay referenced and unchanged
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> torch.Tensor:

@@ -139,6 +139,11 @@ def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama)
 
     runner._plan_cascades = spy
     with_cascade = runner.all_logits(decode)
+    kept = dict(runner._gathered)
+    assert list(kept) == [(0, 1, 2, 3, 4)] and len(kept[(0, 1, 2, 3, 4)]) == 2  # the prefix K/V of both layers
+    assert runner.all_logits(decode).equal(with_cascade)  # the next step reuses them
+    assert all(a[0] is b[0] for a, b in zip(kept[(0, 1, 2, 3, 4)].values(),
+                                            runner._gathered[(0, 1, 2, 3, 4)].values()))
     assert len(planned[-1].cascades) == 1 and planned[-1].cascades[0].members == [0, 1, 2, 3]
     assert planned[-1].cascades[0].shared_slots.numel() == 20
     batch = planned[-1].decode
