@@ -90,7 +90,8 @@ class _State:
 class LLMEngine:
     """Owns the scheduler and the model runner. Not thread-safe: one caller drives `step()`."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 warmup: bool = True) -> None:
         self.config = config or EngineConfig()
         mc = self.config.model
         t0 = time.monotonic()
@@ -111,7 +112,9 @@ class LLMEngine:
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
-        self.runner.warmup()
+        self.warmed = False
+        if warmup:
+            self.warmup()
         self._states: dict[str, _State] = {}
         self._child_to_parent: dict[str, str] = {}
         log.info("loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool: %d blocks x %d tokens = %d tokens "
@@ -217,6 +220,14 @@ class LLMEngine:
                 f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or enlarge the KV cache")
 
     # -- prefix cache control -------------------------------------------------
+    def warmup(self) -> None:
+        """Run the model once so the first request does not pay the kernels' set-up
+        (idempotent). Call it on the thread that will run the steps: see
+        AsyncEngine, which warms up on its own thread."""
+        if not self.warmed:
+            self.runner.warmup()
+            self.warmed = True
+
     def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
         """The block hashes a request with this prompt would get (full blocks only)."""
         return self.kv.hasher.hashes_of(ids, cache_salt, cache_salt_offset)

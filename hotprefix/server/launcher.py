@@ -20,7 +20,7 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     ModelLoadError / ConfigError with a one-line message."""
     t0 = time.monotonic()
     log.info("loading %s ...", engine_cfg.model.model or "the default model (SmolLM2-135M-Instruct)")
-    engine = LLMEngine(engine_cfg)
+    engine = LLMEngine(engine_cfg, warmup=False)  # the engine thread warms up: it alone runs torch
     if cfg.chat_template is not None:
         engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
     app = build_app(AsyncEngine(engine, cfg.max_num_queued_requests), cfg)

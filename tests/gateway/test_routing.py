@@ -124,8 +124,10 @@ def test_a_backend_that_comes_back_is_warmed_and_gets_its_tenants_back(tmp_path)
                 if r["body"].get("max_tokens") == 1 and r["body"]["messages"][-1]["content"] == "."}
 
     try:
-        for url, _ in procs:  # at start, each backend is warmed with exactly the prompts it is home to
-            wait_until(lambda url=url: warmed(url) == {t for t in tenants if home[t] == url}, what="warm-up")
+        # at start, each backend is warmed with the prompts it is home to (the first one up may also
+        # get the others', while it is the only backend up)
+        for url, _ in procs:
+            wait_until(lambda url=url: warmed(url) >= {t for t in tenants if home[t] == url}, what="warm-up")
         victim_url, victim = next(p for p in procs if any(home[t] == p[0] for t in tenants))
         victim.kill()
         victim.wait()
@@ -133,7 +135,7 @@ def test_a_backend_that_comes_back_is_warmed_and_gets_its_tenants_back(tmp_path)
         port = int(victim_url.rsplit(":", 1)[1])
         procs = [p for p in procs if p[0] != victim_url] + [start_fake_process("again", port)]
         wait_until(lambda: warmed(victim_url) == {t for t in tenants if home[t] == victim_url},
-                   what="the returning backend's warm-up")
+                   what="the returning backend's warm-up")  # a new process: only what is its own now
         key = store.create_key(SECRET, next(t for t in tenants if home[t] == victim_url))[0]
         r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                        json={"messages": [{"role": "user", "content": "back?"}]}, timeout=30)
