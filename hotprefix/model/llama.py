@@ -17,7 +17,7 @@ from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
 from hotprefix.model.qlinear import MAX_M as QMAX_M
-from hotprefix.model.qlinear import Linear, PackedWeight, qmatmul
+from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, qmatmul
 
 
 class RMSNorm(nn.Module):
@@ -27,10 +27,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # one fused op (the same arithmetic as below)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,12 +74,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, arch.rms_norm_eps)
         self.scale = self.d ** -0.5
+        self.qkv_packed: PackedWeight | None = None  # q, k, v rows in one block matrix (small batches)
+        self.qkv_bias: torch.Tensor | None = None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D]: one block product for small batches when fused."""
+        t = x.shape[0]
+        if self.qkv_packed is not None and t <= QMAX_M:
+            qkv = qmatmul(x, self.qkv_packed)  # [T, (H + 2 KVH) D]
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias
+            q, k, v = qkv.split((self.h * self.d, self.kvh * self.d, self.kvh * self.d), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.kvh, self.d)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.kvh, self.d)
+        q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
@@ -93,8 +106,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(e, i, bias=False)
         self.up_proj = Linear(e, i, bias=False)
         self.down_proj = Linear(i, e, bias=False)
+        self.gate_up_packed: PackedWeight | None = None  # gate and up rows in one block matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_packed is not None and x.shape[0] <= QMAX_M:
+            gate, up = qmatmul(x, self.gate_up_packed).chunk(2, dim=-1)  # [T, I] each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -186,6 +203,19 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mod, Linear) and name != "lm_head":
                 mod.packed = packed.get(f"{name}.weight")
                 n += mod.packed is not None
+        for mod in self.modules():  # fuse the projections that share an input
+            if isinstance(mod, Attention):
+                projs = [mod.q_proj, mod.k_proj, mod.v_proj]
+                mod.qkv_packed = fused = concat_rows([p.packed for p in projs])
+                mod.qkv_bias = None if mod.q_proj.bias is None else torch.cat([p.bias.detach() for p in projs])
+            elif isinstance(mod, MLP):
+                projs = [mod.gate_proj, mod.up_proj]
+                mod.gate_up_packed = fused = concat_rows([p.packed for p in projs])
+            else:
+                continue
+            if fused is not None:
+                for p in projs:
+                    p.packed = None  # the fused copy serves them
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         self.logits_packed = packed.get(head)
         return n + (self.logits_packed is not None)

@@ -125,6 +125,14 @@ class PackedWeight:
         return self.raw.numel()
 
 
+def concat_rows(ws: list[PackedWeight | None]) -> PackedWeight | None:
+    """The weights stacked by rows (one product for several projections of the same
+    input), or None unless all are given with one type and one K."""
+    if not ws or any(w is None for w in ws) or len({(w.qtype, w.k) for w in ws}) != 1:
+        return None
+    return PackedWeight(ws[0].qtype, torch.cat([w.raw for w in ws]), sum(w.n for w in ws), ws[0].k)
+
+
 def qmatmul(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [M, K] float32 (CPU) @ W^T -> [M, N] float32. Raises RuntimeError without the library."""
     lib = lib or library()

@@ -49,7 +49,9 @@ def test_greedy_32_tokens_identical_to_transformers(llm, hf_model):
 
     model = llm.engine.runner.model
     if qlinear.library() is not None:  # decoding reads the Q4_1 / Q8_0 blocks, not the float32 copies
-        assert model.logits_packed is not None and model.model.layers[0].mlp.up_proj.packed is not None
+        layer = model.model.layers[0]
+        assert model.logits_packed is not None and layer.self_attn.o_proj.packed is not None
+        assert layer.self_attn.qkv_packed.n == 576 + 2 * 192 and layer.mlp.gate_up_packed.n == 2 * 1536
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)  # all three in one batch
     for prompt, out in zip(PROMPTS, outs):

@@ -111,3 +111,40 @@ def test_unsupported_tensor_type_is_a_one_line_error(tmp_path, hf_pair):
     with pytest.raises(ModelLoadError) as e:
         load_model(str(path))
     assert "unsupported type IQ2_XXS" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_small_batches_read_the_blocks_and_match_transformers(tmp_path, hf_pair, qtype):
+    """Chunks of at most 16 tokens go through the block kernel (fused q/k/v with
+    llama's Q/K rows un-permuted in block form, fused gate/up, the logits)."""
+    from hotprefix.model import qlinear
+
+    if qlinear.library() is None:
+        pytest.skip("no C compiler for the block kernel")
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, tok, qtype)
+    runner = ModelRunner(load_model(str(path)), ModelConfig(device="cpu"),
+                         CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig())
+    attn = runner.model.model.layers[0].self_attn
+    assert attn.qkv_packed is not None and runner.model.model.layers[0].mlp.gate_up_packed is not None
+    ids = torch.randint(3, 320, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = torch.cat([runner.all_logits(SchedulerOutput([ScheduledRequest(
+        "x", ids[s:s + 7], s, list(range(16)), True, SamplingParams(), ids, [])])) for s in (0, 7, 14)])
+    ref = hf_gguf_logits(path, ids)
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    assert err <= 1e-4, f"{qtype}: relative error {err:.2e}"
+    # q/k/v biases (Qwen2) ride along with the fused product
+    with torch.no_grad():
+        for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+            p.bias = torch.nn.Parameter(torch.randn(p.out_features))
+    fused = attn.qkv_packed
+    attn.qkv_bias = torch.cat([p.bias.detach() for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    x = torch.randn(3, 256)
+    got = attn.project(x)
+    attn.qkv_packed = None
+    for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+        p.packed = None
+    want = attn.project(x)  # float32 weights
+    attn.qkv_packed = fused
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-4)
