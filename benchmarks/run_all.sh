@@ -39,6 +39,8 @@ until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 0.1; done
 end=$(date +%s.%N)
 echo "{\"server_start_s\": $(echo "$end - $start" | bc)}" > "$OUT/hotprefix-start.json"
 .venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --scale "$SCALE" --pid $PID --json "$OUT/hotprefix-bench.json"
+# the ttft workload at full size (1,030-token prompts) whatever SCALE is
+.venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --workload ttft --json "$OUT/hotprefix-ttft-full.json"
 kill $PID; wait $PID 2>/dev/null || true
 
 # 2. In-process: cold vs warm TTFT on a 1,000-token prefix, and single-sequence decode.
@@ -57,6 +59,7 @@ for peer in llamacpp vllm-cpu; do
     PPID2=$!
     until curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"
+    .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --workload ttft --json "$OUT/$peer-ttft-full.json"
     kill $PPID2 || true
   else
     echo "peer $peer not installed under $PEERS_HOME: skipped" >&2
