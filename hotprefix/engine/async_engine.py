@@ -97,15 +97,57 @@ class AsyncEngine:
         self.dead: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------
+    @classmethod
+    def load(cls, build: Callable[[], LLMEngine], max_queued_requests: int | None = None) -> AsyncEngine:
+        """Build the engine on the engine thread itself and return once it is built
+        (re-raising what `build` raised); `start()` then runs the loop on that thread.
+
+        Torch work on one thread only: OpenMP keeps a team of threads per thread
+        that starts parallel regions, and on two cores a second, idle team (the
+        main thread's, had it loaded or warmed the model) made every step on the
+        engine thread about 2x slower (decode 37 ms -> 16 ms a token without it).
+        """
+        self = cls.__new__(cls)
+        built = threading.Event()
+        box: dict[str, Any] = {}
+        self._go = threading.Event()
+
+        def bootstrap() -> None:
+            try:
+                box["engine"] = build()
+                box["engine"].warmup()
+            except BaseException as e:  # reported to the caller
+                box["error"] = e
+                built.set()
+                return
+            built.set()
+            self._go.wait()
+            if not self._stop.is_set():
+                self._run()
+
+        thread = threading.Thread(target=bootstrap, name="hotprefix-engine", daemon=True)
+        thread.start()
+        built.wait()
+        if "error" in box:
+            raise box["error"]
+        cls.__init__(self, box["engine"], max_queued_requests)
+        self._thread = thread
+        return self
+
     def start(self) -> None:
-        """Start the engine thread (call from the running event loop)."""
+        """Start the step loop on the engine thread (call from the running event loop)."""
         self._loop = asyncio.get_running_loop()
+        if self._thread is not None:  # built by load(): its thread waits for this
+            self._go.set()
+            return
         self._thread = threading.Thread(target=self._run, name="hotprefix-engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
         """Stop the thread after the current step; unfinished requests are aborted."""
         self._stop.set()
+        if getattr(self, "_go", None) is not None:
+            self._go.set()
         self._cmds.put(("wake",))
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
@@ -213,11 +255,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            # Torch work on this thread only: OpenMP runs a team of threads per thread
-            # that starts parallel regions, and with two cores a second, idle team
-            # (the main thread's, had it warmed the model up) slowed every step here
-            # by 2x (decode 37 ms -> 16 ms per token once the main thread does none).
-            self.engine.warmup()
+            self.engine.warmup()  # here, not on the main thread: see load()
             self._ready.set()
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished_requests())

@@ -20,10 +20,12 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     ModelLoadError / ConfigError with a one-line message."""
     t0 = time.monotonic()
     log.info("loading %s ...", engine_cfg.model.model or "the default model (SmolLM2-135M-Instruct)")
-    engine = LLMEngine(engine_cfg, warmup=False)  # the engine thread warms up: it alone runs torch
+    # The engine thread loads, warms up and runs the model: it alone runs torch (see AsyncEngine.load).
+    async_engine = AsyncEngine.load(lambda: LLMEngine(engine_cfg, warmup=False), cfg.max_num_queued_requests)
+    engine = async_engine.engine
     if cfg.chat_template is not None:
         engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
-    app = build_app(AsyncEngine(engine, cfg.max_num_queued_requests), cfg)
+    app = build_app(async_engine, cfg)
     log.info("ready to serve after %.1fs", time.monotonic() - t0)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False)

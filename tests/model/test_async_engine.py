@@ -150,3 +150,41 @@ def test_thousand_requests_with_random_aborts(tiny_llama):
                         [SamplingParams(temperature=0, max_tokens=len(checked[rid]), ignore_eos=True)
                          for rid in sample])
     assert [r.outputs[0].token_ids for r in refs] == [checked[rid] for rid in sample]
+
+
+def test_load_builds_warms_and_steps_on_one_thread(tiny_llama):
+    """AsyncEngine.load: the model is built, warmed up and stepped on the engine
+    thread (the main thread runs no torch); a failing build raises in the caller."""
+    import threading
+
+    from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
+    from hotprefix.engine.llm_engine import LLMEngine
+    from hotprefix.model.arch import ModelLoadError
+
+    seen: dict[str, threading.Thread] = {}
+
+    def build() -> LLMEngine:
+        seen["build"] = threading.current_thread()
+        eng = LLMEngine(EngineConfig(ModelConfig(model=str(tiny_llama[0]), device="cpu"),
+                                     CacheConfig(block_size=4, num_blocks_override=64)), warmup=False)
+        real = eng.step
+
+        def step():
+            seen["step"] = threading.current_thread()
+            return real()
+        eng.step = step
+        return eng
+
+    ae = AsyncEngine.load(build)
+    assert ae.engine.warmed and seen["build"] is not threading.current_thread()
+
+    async def main():
+        ae.start()
+        outs = [o async for o in ae.generate("r", list(range(20, 30)), SamplingParams(max_tokens=3, ignore_eos=True))]
+        await ae.shutdown()
+        return outs
+
+    assert asyncio.run(main())[-1].finished
+    assert seen["step"] is seen["build"]
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        AsyncEngine.load(lambda: LLMEngine(EngineConfig(ModelConfig(model="/no/such/model.gguf"))))
