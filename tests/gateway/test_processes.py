@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -70,9 +71,12 @@ def test_two_gateways_share_limits_through_redis(env, redis_url, shared):
     extra = ("--redis-url", redis_url) if shared else ()
     gws = [start_gateway_process(env, fake.url, *extra) for _ in range(2)]
     try:
+        t0 = time.monotonic()
         got = admitted_over([u for u, _ in gws], key, 50)
+        refilled = int((time.monotonic() - t0) * 10 / 60)  # each bucket refills one request every 6 s
         # one Redis: the key's 10 per minute across both; each process on its own admits 10 itself
-        assert got == (10 if shared else 20)
+        limit = 10 if shared else 20
+        assert limit <= got <= limit + refilled * (1 if shared else 2)
     finally:
         for _, p in gws:
             p.terminate()

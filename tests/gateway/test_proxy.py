@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import openai
@@ -167,14 +168,16 @@ def test_fifty_concurrent_clients_never_exceed_the_limits(setup):
         async with httpx.AsyncClient(timeout=30) as c:
             return await asyncio.gather(*(c.post(gw.url + "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 1},
                                                  headers={"Authorization": f"Bearer {key}"}) for i in range(50)))
+    t0 = time.monotonic()
     got = asyncio.run(go())
+    refilled = int((time.monotonic() - t0) * 10 / 60)  # the bucket refills one request every 6 s
     codes = [r.status_code for r in got]
-    assert codes.count(200) == 10 and codes.count(429) == 40
+    assert 10 <= codes.count(200) <= 10 + refilled and codes.count(200) + codes.count(429) == 50
     refused = next(r for r in got if r.status_code == 429)
     assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert refused.json()["error"]["type"] == "RateLimitError"
     statuses = [r["status"] for r in store.usage_rows(rec.id)]
-    assert statuses.count("ok") == 10 and statuses.count("rate_limited") == 40
+    assert statuses.count("ok") == codes.count(200) and statuses.count("rate_limited") == codes.count(429)
 
 
 def test_concurrency_limit_holds_while_requests_run(setup):
