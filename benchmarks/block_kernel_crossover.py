@@ -3,6 +3,9 @@ the GGUF block kernel against torch's float32 linear (MKL). Chooses qlinear.MAX_
 
     .venv/bin/python benchmarks/block_kernel_crossover.py
 """
+
+from __future__ import annotations
+
 import time
 
 import torch
@@ -10,27 +13,31 @@ import torch
 from hotprefix.model.loader import load_model
 from hotprefix.model.qlinear import qmatmul
 
-torch.set_num_threads(2)
-lm = load_model(None); P = lm.packed; W = lm.weights
-pre = "model.layers.0."
-names = [pre + f"self_attn.{p}_proj.weight" for p in "qkvo"] + [pre + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-def t(f, R=20):
-    for _ in range(3): f()
-    s = time.perf_counter()
-    for _ in range(R): f()
-    return (time.perf_counter() - s) / R * 1e3
-# use 30 distinct copies? weights of layer 0..29 to defeat cache
-layers = range(30)
-for M in (1, 4, 8, 12, 16):
-    xs = {576: torch.randn(M, 576), 1536: torch.randn(M, 1536)}
-    def kern():
-        for l in layers:
-            for n in names:
-                n2 = n.replace("layers.0.", f"layers.{l}.")
-                w = P[n2]; qmatmul(xs[w.k], w)
-    def mkl():
-        for l in layers:
-            for n in names:
-                n2 = n.replace("layers.0.", f"layers.{l}.")
-                w = W[n2]; torch.nn.functional.linear(xs[w.shape[1]], w)
-    print(M, "kernel %.1f ms  mkl %.1f ms" % (t(kern, 5), t(mkl, 5)))
+PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj"]
+
+
+def timed(fn, reps: int = 5) -> float:
+    """Milliseconds per call, after 3 calls of warm-up."""
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    lm = load_model(None)
+    names = [f"model.layers.{i}.{p}.weight" for i in range(lm.arch.num_layers) for p in PROJ]
+    for m in (1, 4, 8, 12, 16, 24):
+        xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        blocks = timed(lambda xs=xs: [qmatmul(xs[lm.packed[n].k], lm.packed[n]) for n in names])
+        dense = timed(lambda xs=xs: [torch.nn.functional.linear(xs[lm.weights[n].shape[1]], lm.weights[n])
+                                     for n in names])
+        print(f"M={m:2d}  block kernel {blocks:6.1f} ms   float32 linear {dense:6.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
