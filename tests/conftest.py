@@ -85,3 +85,14 @@ def tiny_llama(tmp_path_factory):
 
 def read_json(p: Path) -> dict:
     return json.loads(p.read_text())
+
+
+@pytest.fixture(scope="module")
+def logged_server(tiny_llama, tmp_path_factory):
+    """A live server on the tiny model that writes its request log: (LiveServer, log path)."""
+    from tests.server.conftest import start_server
+
+    path = tmp_path_factory.mktemp("log") / "requests.jsonl"
+    s = start_server(tiny_llama[0], server_kw={"request_log": str(path)})
+    yield s, path
+    s.stop()

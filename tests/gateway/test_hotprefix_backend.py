@@ -11,20 +11,11 @@ import pytest
 from hotprefix.gateway import keys as K
 from hotprefix.gateway.store import Store
 from tests.gateway.conftest import SECRET, start_gateway, wait_until, wait_warm
-from tests.server.conftest import start_server
 
 SYSTEM = ("You are the assistant of a company that sells garden tools. Answer questions about rakes, "
           "spades, hoes and watering cans in a short and friendly way.")
 USER = "Which spade should I buy for heavy clay soil in a small garden, and why?"
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("backend") / "requests.jsonl"
-    s = start_server(tiny_llama[0], server_kw={"request_log": str(log)})
-    yield s, log
-    s.stop()
 
 
 @pytest.fixture
@@ -55,8 +46,8 @@ def tokens(server, messages, add_generation_prompt=True):
                                                       "add_generation_prompt": add_generation_prompt}).json()["tokens"]
 
 
-def test_private_prompts_never_share_cache_and_public_ones_do(backend, store):
-    server, _ = backend
+def test_private_prompts_never_share_cache_and_public_ones_do(logged_server, store):
+    server, _ = logged_server
     httpx.post(server.url + "/reset_prefix_cache")
     gw = start_gateway([server.url], store, warmup=False)
     try:
@@ -89,8 +80,8 @@ def test_private_prompts_never_share_cache_and_public_ones_do(backend, store):
         gw.stop()
 
 
-def test_warm_up_pins_each_prompt_on_start(backend, store):
-    server, _ = backend
+def test_warm_up_pins_each_prompt_on_start(logged_server, store):
+    server, _ = logged_server
     httpx.post(server.url + "/reset_prefix_cache")
     gw = start_gateway([server.url], store)
     try:
@@ -110,8 +101,8 @@ def test_warm_up_pins_each_prompt_on_start(backend, store):
             assert httpx.post(server.url + "/unpin", json={"messages": system, **salt}).json()["unpinned_blocks"] > 0
 
 
-def test_usage_rows_equal_the_backend_request_log(backend, store):
-    server, log = backend
+def test_usage_rows_equal_the_backend_request_log(logged_server, store):
+    server, log = logged_server
     gw = start_gateway([server.url], store, warmup=False)
     try:
         wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")

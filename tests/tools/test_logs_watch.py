@@ -9,11 +9,9 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from hotprefix.tools.logs import analyse, percentile, read_token_counts
 from hotprefix.tools.watch import parse_metrics, summarise, watch
-from tests.server.conftest import start_server
 
 
 def test_percentiles_nearest_rank():
@@ -30,14 +28,6 @@ def test_analyse_by_hand():
     assert r["recommended_max_model_len"] == 608  # 500 * 1.2 = 600 -> 38 blocks of 16
     assert r["requests_over_recommendation"] == 1
     assert r["kv_bytes_freed"] == (8192 - 608) * 8 * 23_040
-
-
-@pytest.fixture(scope="module")
-def logged_server(tiny_llama, tmp_path_factory):
-    path = tmp_path_factory.mktemp("log") / "requests.jsonl"
-    s = start_server(tiny_llama[0], server_kw={"request_log": str(path)})
-    yield s, path
-    s.stop()
 
 
 def test_logs_on_a_real_request_log(logged_server):
