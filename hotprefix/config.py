@@ -6,12 +6,20 @@ shape) live in plans built from these configs, never by mutating them.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def cache_root() -> Path:
+    """Where derived files are kept (converted GGUF tokenizers, built kernels):
+    $HOTPREFIX_CACHE, default ~/.cache/hotprefix."""
+    return Path(os.environ.get("HOTPREFIX_CACHE", Path.home() / ".cache" / "hotprefix"))
 
 
 class ConfigError(ValueError):

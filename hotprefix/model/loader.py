@@ -9,13 +9,13 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hotprefix.config import cache_root
 from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
 from hotprefix.model.gguf_loader import load_gguf_weights, read_gguf_arch
 
@@ -141,8 +141,7 @@ def load_tokenizer(name_or_path: str) -> Any:
 def _tokenizer_cache_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("HOTPREFIX_CACHE", Path.home() / ".cache" / "hotprefix"))
-    return root / "gguf-tokenizers" / key
+    return cache_root() / "gguf-tokenizers" / key
 
 
 def gguf_tokenizer(path: Path) -> Any:

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hotprefix.config import cache_root
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "qgemv.c"
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids
@@ -38,10 +40,6 @@ MAX_M = 16  # rows of activations up to which the block kernel is used
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HOTPREFIX_CACHE", Path.home() / ".cache" / "hotprefix"))
 
 
 def _cpu_signature() -> str:
