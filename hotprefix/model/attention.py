@@ -128,13 +128,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     kv.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     done: set[int] = set()
-    if meta.decode is not None:
+    if meta.decode is not None:  # the decode batch, cascades included
         decode_attention(q, kv, meta, scale, out)
         done.update(meta.decode.members)
-    for c in meta.cascades:
-        if not done.issuperset(c.members):
-            cascade_attention(q, kv, meta, c, scale, out)
-            done.update(c.members)
     for i, s in enumerate(meta.seqs):
         if i in done:
             continue
@@ -163,23 +159,6 @@ def attend_causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return _merge(o1, l1, *_cpu_flash(q[None], kt, vt, True, scale))[0]
 
 
-def cascade_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, c: Cascade, scale: float,
-                      out: torch.Tensor) -> None:
-    """Attention of a cascade's decode queries (CPU flash kernel), written into out [T, H, D]."""
-    h, d = q.shape[1], q.shape[2]
-    ks, vs = c.shared_kv(kv, q.dtype)  # [KVH, S, D], once for the group
-    kvh = ks.shape[0]
-    g = h // kvh
-    qs = [q[meta.seqs[i].q_start].reshape(kvh, g, d) for i in c.members]  # each [KVH, G, D]
-    o_sh, lse_sh = _cpu_flash(torch.cat(qs, dim=1)[None], ks[None], vs[None], False, scale)  # [1, KVH, G*m, D]
-    for j, i in enumerate(c.members):
-        s = meta.seqs[i]
-        ks2, vs2 = kv.read(s.kv_slots, q.dtype)  # this sequence's own suffix
-        o2, l2 = _cpu_flash(qs[j][None], ks2[None], vs2[None], False, scale)  # [1, KVH, G, D], [1, KVH, G]
-        merged = _merge(o_sh[:, :, j * g:(j + 1) * g], lse_sh[:, :, j * g:(j + 1) * g], o2, l2)
-        out[s.q_start] = merged[0].reshape(h, d)
-
-
 def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """The decode batch in one gather and two batched products, with each cascade's
     shared prefix (flash kernel, once per group) merged in; written into out [T, H, D]."""
@@ -197,9 +176,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scal
     o = torch.matmul(torch.exp(scores - lse[..., None]), v)  # [KVH, B, G, D]
     o, lse = o.transpose(0, 1).reshape(nb, h, d), lse.transpose(0, 1).reshape(nb, h)  # [B, H, D], [B, H]
     where = {i: b for b, i in enumerate(batch.members)}
-    for c in meta.cascades:
-        if not all(i in where for i in c.members):
-            continue
+    for c in meta.cascades:  # every member is a single-query decode, so in the batch
         ks, vs = c.shared_kv(kv, q.dtype)  # [KVH, S, D], once for the group
         pos = torch.tensor([where[i] for i in c.members], device=q.device)
         m = len(c.members)

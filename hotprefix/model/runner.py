@@ -157,13 +157,13 @@ class ModelRunner:
                                        self.arch.sliding_window, self.device))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
-        if dev.type == "cpu" and self.dtype == torch.float32:
-            if self.enable_cascade:
-                self._plan_cascades(sched, meta)
-            else:
-                self._gathered = {}
-            if self.enable_decode_batch:
-                meta.decode = build_decode_batch(meta.seqs)
+        batched = dev.type == "cpu" and self.dtype == torch.float32 and self.enable_decode_batch
+        if batched and self.enable_cascade:  # cascades are attended within the decode batch
+            self._plan_cascades(sched, meta)
+        else:
+            self._gathered = {}
+        if batched:
+            meta.decode = build_decode_batch(meta.seqs)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
