@@ -495,8 +495,8 @@ class Proxy:
                "backend": o.backend, "stream": stream, "status": o.status, "http_status": o.http_status,
                "finish_reason": o.finish_reason,
                "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
-               "completion_tokens": o.completion_tokens if o.completion_tokens is not None or not o.chunks
-               else o.chunks, "ttft_s": o.ttft_s, "latency_s": time.monotonic() - t0}
+               "completion_tokens": o.completion_tokens if o.completion_tokens is not None else (o.chunks or None),
+               "ttft_s": o.ttft_s, "latency_s": time.monotonic() - t0}
         self.counters.finished(caller.tenant.name, o.status)
         try:
             await asyncio.to_thread(self.store.record_usage, row)
