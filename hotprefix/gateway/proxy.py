@@ -222,7 +222,7 @@ class Proxy:
     router: Router
     client: httpx.AsyncClient
     counters: Any
-    auth_cache: dict[str, tuple[float, Caller | None]] = field(default_factory=dict)
+    auth_cache: dict[str, tuple[float, Caller]] = field(default_factory=dict)  # digest -> (expiry, caller)
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     # --- who is asking ------------------------------------------------------------------------------
@@ -247,11 +247,14 @@ class Proxy:
         d = K.digest(self.secret, key)
         now = time.monotonic()
         hit = self.auth_cache.get(d)
-        if hit is None or hit[0] < now:
+        if hit is not None and hit[0] >= now:
+            caller = hit[1]
+        else:
             caller = await asyncio.to_thread(self._lookup, key)
-            hit = (now + self.cfg.auth_cache_s, caller)
-            self.auth_cache[d] = hit
-        caller = hit[1]
+            if caller is None:  # unknown keys are not cached: random keys cannot grow the cache
+                self.auth_cache.pop(d, None)
+            else:
+                self.auth_cache[d] = (now + self.cfg.auth_cache_s, caller)
         if caller is None or not caller.key.active(utcnow()):
             raise GatewayError(401, "invalid, revoked or expired API key", "AuthenticationError")
         return caller

@@ -79,10 +79,12 @@ def test_client_cache_salt_and_bad_bodies_are_refused(setup):
 
 def test_authentication(setup):
     store, fake, gw, keys = setup
+    cached = len(gw.app.state.proxy.auth_cache)
     for auth in (None, "Bearer nope", "Bearer sk-hp-" + "x" * 32, f"Basic {keys['acme']}"):
         r = httpx.post(gw.url + "/v1/chat/completions", json={"messages": []},
                        headers={"Authorization": auth} if auth else {})
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert len(gw.app.state.proxy.auth_cache) == cached  # unknown keys are not remembered
     key, rec = store.create_key(SECRET, "plain")
     assert post(gw, key, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
     r = httpx.post(gw.url + f"/admin/keys/{rec.id}/revoke", headers={"Authorization": f"Bearer {ADMIN}"})
