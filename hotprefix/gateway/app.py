@@ -27,7 +27,7 @@ from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.proxy import GatewayError, Proxy
 from hotprefix.gateway.ratelimit import Limiter
 from hotprefix.gateway.routing import Backend, Router
-from hotprefix.gateway.store import USAGE_GROUPS, Store, StoreError
+from hotprefix.gateway.store import USAGE_GROUPS, NotFound, Store, StoreError
 from hotprefix.gateway.warmup import warm_backend, warm_items
 from hotprefix.server.http_errors import error_response as _error
 from hotprefix.server.http_errors import install_common_handlers
@@ -175,8 +175,9 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
 
     @app.exception_handler(StoreError)
     async def _store(_: Request, exc: StoreError) -> JSONResponse:
-        status = 404 if str(exc).startswith("no ") else 400
-        return _error(status, str(exc), "NotFoundError" if status == 404 else "BadRequestError")
+        if isinstance(exc, NotFound):
+            return _error(404, str(exc), "NotFoundError")
+        return _error(400, str(exc), "BadRequestError")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -27,6 +27,10 @@ class StoreError(ConfigError):
     """A store operation that cannot be done (unknown tenant, duplicate name, ...): a one-line message."""
 
 
+class NotFound(StoreError):
+    """The tenant, prompt or key named does not exist."""
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
 
@@ -152,7 +156,7 @@ class Store:
         with self.engine.connect() as c:
             row = c.execute(q).first()
         if row is None:
-            raise StoreError(f"no system prompt {name!r}" + (f" version {version}" if version else ""))
+            raise NotFound(f"no system prompt {name!r}" + (f" version {version}" if version else ""))
         return Prompt(row.name, row.version, row.text, row.public)
 
     def list_prompts(self) -> list[dict[str, Any]]:
@@ -184,14 +188,14 @@ class Store:
         with self.engine.begin() as c:
             n = c.execute(tenants.update().where(tenants.c.name == name).values(prompt_name=prompt_name)).rowcount
         if not n:
-            raise StoreError(f"no tenant {name!r}")
+            raise NotFound(f"no tenant {name!r}")
         return self.tenant(name)
 
     def tenant(self, name: str) -> Tenant:
         with self.engine.connect() as c:
             row = c.execute(sa.select(tenants).where(tenants.c.name == name)).first()
         if row is None:
-            raise StoreError(f"no tenant {name!r}")
+            raise NotFound(f"no tenant {name!r}")
         return Tenant(row.id, row.name, row.prompt_name)
 
     def list_tenants(self) -> list[Tenant]:
@@ -233,7 +237,7 @@ class Store:
         with self.engine.connect() as c:
             r = c.execute(self._keys_query().where(api_keys.c.id == key_id)).first()
         if r is None:
-            raise StoreError(f"no key {key_id!r}")
+            raise NotFound(f"no key {key_id!r}")
         return self._record(r)
 
     def list_keys(self, tenant: str | None = None) -> list[KeyRecord]:
