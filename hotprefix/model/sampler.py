@@ -65,6 +65,19 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` [V] (non-negative, summing to about 1) by inverting its
+    cumulative sum with one uniform draw. Exact for the distribution (sums in float64),
+    and about 20x faster on the CPU than torch.multinomial, which draws V exponentials
+    (1.5 ms for a 49k vocabulary). A token of probability 0 is never drawn."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))  # first token whose cdf exceeds u: p > 0
+    if i >= probs.shape[0]:  # u rounded up to the total: the last token with p > 0
+        i = int(torch.nonzero(probs).max())
+    return i
+
+
 def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     """The sampled token's logprob and rank, and the k most likely tokens. raw_logprobs: [V]."""
     lp = float(raw_logprobs[token])
@@ -104,8 +117,7 @@ class Sampler:
                 tokens.append(int(torch.argmax(logits[i])))
                 continue
             probs = filter_probs(logits[i], r.params)
-            gen = r.generator or self.generator
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+            tokens.append(draw(probs, r.generator or self.generator))
         lps: list[TokenLogprobs | None] = [
             top_logprobs(raw[i], tokens[i], r.params.logprobs) if raw is not None and r.params.logprobs is not None
             else None

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hotprefix.model.sampler import Sampler, SampleRow, apply_penalties, filter_probs
+from hotprefix.model.sampler import Sampler, SampleRow, apply_penalties, draw, filter_probs
 from hotprefix.sampling_params import SamplingParams
 
 V = 10
@@ -138,3 +138,20 @@ def test_logit_bias_is_added_before_sampling():
     assert toks == [0]  # exp(-97) is negligible: the biased tokens are never drawn here
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101})
+
+
+def test_draw_follows_the_distribution_and_never_takes_a_zero():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    g = torch.Generator().manual_seed(7)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(n)]), minlength=5)
+    assert counts[1] == 0 and counts[4] == 0
+    for i in (0, 2, 3):  # within 4.5 standard deviations of n * p
+        sd = (n * probs[i] * (1 - probs[i])) ** 0.5
+        assert abs(counts[i] - n * probs[i]) < 4.5 * sd, counts
+
+
+def test_draw_at_the_top_of_the_range_takes_the_last_possible_token(monkeypatch):
+    # a uniform that rounds up to the total mass must not land on the zero-probability tail
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert draw(torch.tensor([0.25, 0.75, 0.0, 0.0]), torch.Generator()) == 1
