@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from hotprefix.config import KV_CACHE_DTYPES, MODEL_DTYPES, ConfigError, parse_size
+from hotprefix.config import KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZED_MATMUL, ConfigError, parse_size
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
                    help="compute dtype; auto = float32 on CPU, half precision on CUDA")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--quantized-matmul", default="auto", choices=QUANTIZED_MATMUL,
+                   help="GGUF Q4_0/Q4_1/Q8_0 weights on the CPU: int8 = int8 activations with VNNI "
+                        "(llama.cpp's method, fastest), float32 = exact float32 activations; "
+                        "auto = int8 where the CPU has AVX-512 VNNI")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -58,7 +62,8 @@ def engine_config_from_args(a: argparse.Namespace):
 
     return EngineConfig(
         ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device,
-                    max_model_len=a.max_model_len, revision=a.revision, seed=a.seed),
+                    max_model_len=a.max_model_len, revision=a.revision, seed=a.seed,
+                    quantized_matmul=a.quantized_matmul),
         CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                     kv_cache_memory=None if a.kv_cache_memory is None else parse_size(a.kv_cache_memory),
                     gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks,

@@ -14,6 +14,7 @@ from pathlib import Path
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZED_MATMUL = ("auto", "int8", "float32")
 
 
 def cache_root() -> Path:
@@ -54,6 +55,11 @@ class ModelConfig:
     model: a HF folder, a .gguf file, a hub id, or None for the bundled default.
     dtype: compute dtype; "auto" means float32 on CPU (bf16 is very slow there)
     and the checkpoint's dtype on CUDA.
+    quantized_matmul: how a GGUF's Q4_0/Q4_1/Q8_0 weights are multiplied on the CPU:
+    "int8" quantizes activations to int8 per 32 values (llama.cpp's method, ~0.5%
+    relative error per product, 3-4x faster with AVX-512 VNNI); "float32" keeps
+    activations in float32 (results equal the dequantized weights' float32 product);
+    "auto" is int8 where the CPU has AVX-512 VNNI, else float32.
     """
 
     model: str | None = None
@@ -63,8 +69,12 @@ class ModelConfig:
     max_model_len: int | None = None
     revision: str | None = None
     seed: int = 0
+    quantized_matmul: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantized_matmul not in QUANTIZED_MATMUL:
+            raise ConfigError(f"--quantized-matmul must be one of {', '.join(QUANTIZED_MATMUL)}, "
+                              f"got {self.quantized_matmul!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

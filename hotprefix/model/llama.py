@@ -16,7 +16,6 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
-from hotprefix.model.qlinear import MAX_M as QMAX_M
 from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, qmatmul
 
 
@@ -80,7 +79,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: one block product for small batches when fused."""
         t = x.shape[0]
-        if self.qkv_packed is not None and t <= QMAX_M:
+        if self.qkv_packed is not None and self.qkv_packed.serves(t):
             qkv = qmatmul(x, self.qkv_packed)  # [T, (H + 2 KVH) D]
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias
@@ -109,7 +108,7 @@ class MLP(nn.Module):
         self.gate_up_packed: PackedWeight | None = None  # gate and up rows in one block matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_packed is not None and x.shape[0] <= QMAX_M:
+        if self.gate_up_packed is not None and self.gate_up_packed.serves(x.shape[0]):
             gate, up = qmatmul(x, self.gate_up_packed).chunk(2, dim=-1)  # [T, I] each
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -195,9 +194,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
 
-    def attach_blocks(self, packed: dict[str, PackedWeight]) -> int:
-        """Let linear layers (and the logits) read these GGUF blocks for small batches
-        (an empty dict detaches them all). Returns the number of weights attached."""
+    def attach_blocks(self, packed: dict[str, PackedWeight], int8: bool = False) -> int:
+        """Let linear layers (and the logits) read these GGUF blocks (an empty dict
+        detaches them all): for small batches, or with `int8`, regrouped for the
+        int8-activation product at every batch size. Returns the number of weights
+        attached. Raises RuntimeError for int8 without the kernel library."""
         n = 0
         for name, mod in self.named_modules():
             if isinstance(mod, Linear) and name != "lm_head":
@@ -218,11 +219,16 @@ class LlamaForCausalLM(nn.Module):
                     p.packed = None  # the fused copy serves them
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         self.logits_packed = packed.get(head)
+        if int8:
+            for mod in self.modules():
+                for attr in ("packed", "qkv_packed", "gate_up_packed", "logits_packed"):
+                    if getattr(mod, attr, None) is not None:
+                        setattr(mod, attr, getattr(mod, attr).regrouped())
         return n + (self.logits_packed is not None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.logits_packed
-        if p is not None and hidden.shape[0] <= QMAX_M and hidden.dtype == torch.float32:
+        if p is not None and p.serves(hidden.shape[0]) and hidden.dtype == torch.float32:
             return qmatmul(hidden, p)  # [N, V]
         w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
         return (hidden @ w.t()).float()  # [N, V]

@@ -1,11 +1,19 @@
-"""Linear layers that read GGUF Q4_0 / Q4_1 / Q8_0 blocks directly when M is small.
+"""Linear layers that read GGUF Q4_0 / Q4_1 / Q8_0 blocks directly.
 
 Decoding multiplies a few rows of activations by every weight matrix, so its
 speed is the speed of reading the weights. Kept as float32, SmolLM2's weights
-are 538 MB a step; as their GGUF blocks they are 96 MB. `csrc/qgemv.c`
-dequantizes each block in registers (exactly as gguf's `dequantize` does) and
-multiplies in float32, so results equal the float32 product with the
-dequantized weights up to the order of the additions.
+are 538 MB a step; as their GGUF blocks they are 96 MB. `csrc/qgemv.c` has two
+ways to multiply by the blocks (`--quantized-matmul`):
+
+- float32: each block is dequantized in registers (exactly as gguf's
+  `dequantize` does) and multiplied in float32, so results equal the float32
+  product with the dequantized weights up to the order of the additions. Used
+  for M <= MAX_M rows; larger products use the float32 weights (MKL).
+- int8: activations are quantized to int8 per 32-element block (llama.cpp's
+  method) and multiplied with AVX-512 VNNI integer dot products on a regrouped
+  copy of the blocks, for every M: 3-4x faster than either float32 route on a
+  VNNI CPU. On the default model its next-token distributions stay as close to
+  the float32 ones as llama.cpp's (mean KL divergence 0.004 on 256 tokens of text).
 
 The C file is compiled at first use with the system's C compiler
 (-O3 -march=native -fopenmp) into $HOTPREFIX_CACHE/kernels and loaded with
@@ -33,6 +41,7 @@ from torch import nn
 from hotprefix.config import cache_root
 
 log = logging.getLogger(__name__)
+MATMUL_MODES = ("auto", "int8", "float32")
 SOURCE = Path(__file__).parent / "csrc" / "qgemv.c"
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
@@ -97,17 +106,42 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.hp_qmatmul.restype = ctypes.c_int
     lib.hp_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.hp_dequantize.restype = ctypes.c_int
+    lib.hp_qmatmul_i8.argtypes = lib.hp_qmatmul.argtypes
+    lib.hp_qmatmul_i8.restype = ctypes.c_int
+    lib.hp_repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.hp_repack.restype = ctypes.c_int
+    lib.hp_repacked_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.hp_repacked_bytes.restype = ctypes.c_long
+    lib.hp_int8_vectorized.argtypes = []
+    lib.hp_int8_vectorized.restype = ctypes.c_int
     return lib
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / 32 * block bytes]."""
+    """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / 32 * block bytes],
+    or with `int8`, the same blocks regrouped by 16 rows (csrc/qgemv.c's hp_repack)
+    for the int8-activation product."""
 
     qtype: int
     raw: torch.Tensor
     n: int
     k: int
+    int8: bool = False
+
+    def serves(self, m: int) -> bool:
+        """Whether products with m rows of activations run on these blocks."""
+        return self.int8 or m <= MAX_M
+
+    def regrouped(self, lib: ctypes.CDLL | None = None) -> PackedWeight:
+        """The int8-activation form of these GGUF rows (a new weight; self is unchanged)."""
+        lib = _need(lib)
+        if self.int8:
+            return self
+        out = torch.empty(lib.hp_repacked_bytes(self.qtype, self.n, self.k), dtype=torch.uint8)
+        if lib.hp_repack(self.qtype, self.raw.data_ptr(), self.n, self.k, out.data_ptr()):
+            raise RuntimeError(f"hp_repack failed for type {self.qtype}, K={self.k}")
+        return PackedWeight(self.qtype, out, self.n, self.k, int8=True)
 
     @classmethod
     def from_gguf(cls, type_name: str, raw: torch.Tensor, n: int, k: int) -> PackedWeight | None:
@@ -126,30 +160,38 @@ class PackedWeight:
 def concat_rows(ws: list[PackedWeight | None]) -> PackedWeight | None:
     """The weights stacked by rows (one product for several projections of the same
     input), or None unless all are given with one type and one K."""
-    if not ws or any(w is None for w in ws) or len({(w.qtype, w.k) for w in ws}) != 1:
+    if not ws or any(w is None or w.int8 for w in ws) or len({(w.qtype, w.k) for w in ws}) != 1:
         return None
     return PackedWeight(ws[0].qtype, torch.cat([w.raw for w in ws]), sum(w.n for w in ws), ws[0].k)
 
 
-def qmatmul(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [M, K] float32 (CPU) @ W^T -> [M, N] float32. Raises RuntimeError without the library."""
+def _need(lib: ctypes.CDLL | None) -> ctypes.CDLL:
     lib = lib or library()
     if lib is None:
         raise RuntimeError("the GGUF block kernel is not available")
+    return lib
+
+
+def qmatmul(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] float32 (CPU) @ W^T -> [M, N] float32, with int8 activations when w.int8.
+    Raises RuntimeError without the library."""
+    lib = _need(lib)
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)
-    rc = lib.hp_qmatmul(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), torch.get_num_threads())
+    fn = lib.hp_qmatmul_i8 if w.int8 else lib.hp_qmatmul
+    rc = fn(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"hp_qmatmul failed for type {w.qtype}, K={w.k}")
+        raise RuntimeError(f"the block product failed ({rc}) for type {w.qtype}, K={w.k}")
     return y
 
 
 def dequantize(w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The weight as float32 [N, K], dequantized by the kernel's own code (for tests)."""
-    lib = lib or library()
-    if lib is None:
-        raise RuntimeError("the GGUF block kernel is not available")
+    """The weight as float32 [N, K], dequantized by the kernel's own code (for tests).
+    Raises RuntimeError for a regrouped (int8) weight."""
+    lib = _need(lib)
+    if w.int8:
+        raise RuntimeError("dequantize reads GGUF rows, not the regrouped form")
     out = torch.empty(w.n, w.k, dtype=torch.float32)
     if lib.hp_dequantize(w.qtype, w.raw.data_ptr(), w.n, w.k, out.data_ptr()):
         raise RuntimeError(f"hp_dequantize failed for type {w.qtype}")
@@ -157,14 +199,14 @@ def dequantize(w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, given `packed` blocks of the same weight, multiplies small
-    batches (M <= MAX_M rows, float32 on the CPU) from the blocks."""
+    """nn.Linear that, given `packed` blocks of the same weight, multiplies from
+    the blocks the batches they serve (PackedWeight.serves; float32 on the CPU)."""
 
     packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        if p is not None and x.dim() == 2 and x.shape[0] <= MAX_M:
+        if p is not None and x.dim() == 2 and p.serves(x.shape[0]):
             y = qmatmul(x, p)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
@@ -173,3 +215,14 @@ class Linear(nn.Linear):
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the block kernel can serve a model on `device` in `dtype`."""
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
+def resolve_matmul(mode: str) -> str:
+    """"int8" or "float32" for a --quantized-matmul mode; auto is int8 where this
+    build runs it on VNNI instructions. Raises ValueError for an unknown mode."""
+    if mode not in MATMUL_MODES:
+        raise ValueError(f"--quantized-matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    lib = library()
+    return "int8" if lib is not None and lib.hp_int8_vectorized() else "float32"

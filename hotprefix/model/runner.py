@@ -16,7 +16,7 @@ from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_b
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
-from hotprefix.model.qlinear import packable
+from hotprefix.model.qlinear import packable, resolve_matmul
 from hotprefix.model.sampler import Sampler, SampleRow
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
 
@@ -93,10 +93,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
         self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device)
         self.packed = loaded.packed if packable(self.device, self.dtype) else {}
+        self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if self.packed else None
         if self.packed:
-            n = self.model.attach_blocks(self.packed)
-            log.info("decoding reads %d weights as GGUF blocks (%.0f MB)", n,
-                     sum(p.nbytes for p in loaded.packed.values()) / 1e6)
+            n = self.model.attach_blocks(self.packed, int8=self.quantized_matmul == "int8")
+            log.info("%d weights are read as GGUF blocks (%.0f MB), %s", n,
+                     sum(p.nbytes for p in loaded.packed.values()) / 1e6,
+                     "with int8 activations" if self.quantized_matmul == "int8" else
+                     "with float32 activations for small batches")
         self.arch = self.model.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)

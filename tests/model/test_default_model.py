@@ -18,9 +18,20 @@ PROMPTS = [
 ]
 
 
+TEXT = ("The history of caching in computer systems begins with early mainframes, where a small fast memory "
+        "held copies of frequently used data. Today, large language model servers cache attention keys and "
+        "values so that repeated prompts are cheaper. A chatbot with a long system prompt, a search engine that "
+        "answers many questions about the same documents, and an agent that calls tools in a loop all send the "
+        "same opening tokens again and again. Computing those tokens once and keeping their keys and values in "
+        "a pool of fixed-size blocks lets the server answer the next request at once. The blocks are found by "
+        "hashing each block of tokens together with the hash of the block before it, so that two prompts share "
+        "exactly the blocks of their common prefix and nothing more.")
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(block_size=16, kv_cache_memory=256 << 20)
+    # float32 activations: the products equal transformers' up to the order of additions
+    return LLM(block_size=16, kv_cache_memory=256 << 20, quantized_matmul="float32")
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +88,8 @@ def test_fp8_kv_on_the_default_model(llm):
     from hotprefix.engine.llm_engine import LLMEngine
     from hotprefix.model.loader import load_model
 
-    text = ("The history of caching in computer systems begins with early mainframes, where a small fast memory "
-            "held copies of frequently used data. Today, large language model servers cache attention keys and "
-            "values so that repeated prompts are cheaper.")
     loaded = load_model(None)
-    ids = loaded.tokenizer(text)["input_ids"]
+    ids = loaded.tokenizer(TEXT[:TEXT.index(" A chatbot")])["input_ids"]
     logits = {}
     for dt in ("auto", "fp8"):
         eng = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_dtype=dt, num_blocks_override=8)), loaded=loaded)
@@ -109,3 +117,30 @@ def test_stop_string_spanning_two_tokens(llm):
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=24,
                                                                     ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert out.text == full.text[:k] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_int8_matmul_stays_close_to_float32():
+    """Stated tolerance for --quantized-matmul int8 (activations quantized per 32 values,
+    llama.cpp's method) against float32 activations on the same GGUF weights: mean
+    KL(float32 || int8) of the next-token distributions <= 0.015 and >= 90% of argmaxes
+    unchanged. Measured: KL 0.0036 and 98% on this text, 0.0044 and 95% on 256 tokens of
+    the README, where llama.cpp against our float32 gives KL 0.0042. (Taking Q4_1's m term
+    from the unquantized activations instead measured KL 0.019 and 89%: this test fails it.)"""
+    from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
+    from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+    from hotprefix.engine.llm_engine import LLMEngine
+    from hotprefix.model.loader import load_model
+
+    loaded = load_model(None)
+    ids = loaded.tokenizer(TEXT)["input_ids"]
+    logp = {}
+    for mode in ("float32", "int8"):
+        eng = LLMEngine(EngineConfig(ModelConfig(quantized_matmul=mode), CacheConfig(num_blocks_override=16)),
+                        loaded=loaded)
+        assert eng.runner.quantized_matmul == mode
+        so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
+        logp[mode] = torch.log_softmax(eng.runner.all_logits(so), -1)
+    ref, q = logp["float32"], logp["int8"]
+    kl = (ref.exp() * (ref - q)).sum(-1)
+    agree = (ref.argmax(-1) == q.argmax(-1)).float().mean()
+    assert float(kl.mean()) <= 0.015 and float(agree) >= 0.9, (float(kl.mean()), float(agree))

@@ -69,3 +69,73 @@ def test_linear_uses_blocks_only_for_small_batches(monkeypatch):
 def test_bad_shapes_are_refused():
     assert PackedWeight.from_gguf("Q4_1", torch.zeros(10, dtype=torch.uint8), 1, 40) is None  # K % 32
     assert PackedWeight.from_gguf("Q6_K", torch.zeros(10, dtype=torch.uint8), 1, 256) is None  # not read
+
+
+@pytest.fixture(scope="module")
+def native_lib():
+    return qlinear.bind(qlinear.build_library(march="native"))
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 kernel quantizes it (per 32 values: q = round(x * 127 / max|x|),
+    dx = max|x| / 127), returned as q * dx in float64. Computed in numpy float32, because
+    torch's scalar / tensor is a reciprocal times the scalar and rounds differently."""
+    xb = x.numpy().reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return torch.from_numpy((q * (amax / np.float32(127))).astype(np.float64).reshape(x.shape))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 40])
+def test_int8_product_is_the_quantized_activations_times_the_weights(type_name, m, lib, native_lib):
+    p, ref = packed(type_name, 200, 576, seed=m)  # 200 rows: the last group of 16 is padded
+    x = torch.randn(m, 576)
+    x[0, 5] = 40.0  # an outlier coarsens its block
+    x[-1, 64:96] = 0.0  # a block of zeros has scale 0
+    g = p.regrouped(lib)
+    assert g.int8 and g.serves(4096)
+    assert g.nbytes == 13 * 16 * (576 // 32) * block_bytes(type_name)  # 13 groups of 16 rows, the last padded
+    got = qmatmul(x, g, lib)
+    want = quantized_rows(x) @ ref.double().t()
+    # the integer sums are exact; the scales are applied in float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # every build (VNNI, plain C) repacks the same bytes and returns the same bits
+    g_native = p.regrouped(native_lib)
+    assert torch.equal(g.raw, g_native.raw)
+    assert torch.equal(got, qmatmul(x, g_native, native_lib))
+    # and what the quantization costs against float32 activations: about 1% RMS
+    exact = x.double() @ ref.double().t()
+    rel = ((got.double() - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
+    assert rel < 0.03, rel
+
+
+def block_bytes(type_name: str) -> int:
+    return qlinear.BLOCK_BYTES[qlinear.QTYPES[type_name]]
+
+
+def test_int8_weights_serve_every_batch_size(monkeypatch):
+    p, ref = packed("Q8_0", 48, 64)
+    lin = Linear(64, 48, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(ref)
+    lin.packed = p.regrouped()
+    calls = []
+    real = qlinear.qmatmul
+    monkeypatch.setattr("hotprefix.model.qlinear.qmatmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    x = torch.randn(300, 64)
+    assert torch.allclose(lin(x).double(), quantized_rows(x) @ ref.double().t(), rtol=1e-5, atol=1e-4)
+    assert calls == [300]
+    with pytest.raises(RuntimeError, match="regrouped"):
+        qlinear.dequantize(lin.packed)
+    assert qlinear.concat_rows([lin.packed, lin.packed]) is None  # rows are fused before regrouping
+
+
+def test_auto_takes_int8_only_where_it_is_vectorized(native_lib):
+    want = "int8" if native_lib.hp_int8_vectorized() else "float32"
+    assert qlinear.resolve_matmul("auto") == want
+    assert qlinear.resolve_matmul("float32") == "float32" and qlinear.resolve_matmul("int8") == "int8"
+    with pytest.raises(ValueError, match="--quantized-matmul"):
+        qlinear.resolve_matmul("int4")
