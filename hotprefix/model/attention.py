@@ -8,6 +8,7 @@ q_len_b positions of that context.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -57,15 +58,19 @@ class Cascade:
 
 @dataclass
 class DecodeBatch:
-    """Single-query sequences (decodes, no mask) attended in one batched product:
-    each one's kv_slots padded to the longest, padding masked out. For cascade
-    members kv_slots is their own suffix; the shared prefix is merged in after."""
+    """Single-query sequences (decodes, no mask) attended together. With `kernel`
+    (a float32 CPU cache and the C library), csrc/qgemv.c's hp_paged_attention reads
+    their keys and values straight from the pool; otherwise one batched product over
+    kv_slots padded to the longest, padding masked out. For cascade members kv_slots
+    is their own suffix; the shared prefix is merged in after."""
 
     members: list[int]  # indices into AttentionMetadata.seqs
     rows: torch.Tensor  # [B] their query rows in the flat batch
     slots: torch.Tensor  # [B * L] their slots, each padded to L with its first slot
     valid: torch.Tensor  # [B, L] bool: False on padding
     length: int  # L
+    kernel: ctypes.CDLL | None = None
+    plan: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per step
 
 
 @dataclass
@@ -78,8 +83,10 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
 
 
-def build_decode_batch(seqs: list[SeqAttn], min_size: int = 2) -> DecodeBatch | None:
-    """The batch of single-query, unmasked sequences, or None when fewer than min_size."""
+def build_decode_batch(seqs: list[SeqAttn], min_size: int = 2, kernel: ctypes.CDLL | None = None
+                       ) -> DecodeBatch | None:
+    """The batch of single-query, unmasked sequences, or None when fewer than min_size.
+    `kernel`: the C library, for a float32 cache on the CPU (see DecodeBatch)."""
     members = [i for i, s in enumerate(seqs) if s.q_len == 1 and s.mask is None and not s.is_causal]
     if len(members) < min_size:
         return None
@@ -93,7 +100,7 @@ def build_decode_batch(seqs: list[SeqAttn], min_size: int = 2) -> DecodeBatch | 
         slots[b, ks.numel():] = ks[0]
         valid[b, :ks.numel()] = True
     rows = torch.tensor([seqs[i].q_start for i in members], dtype=torch.long, device=dev)
-    return DecodeBatch(members, rows, slots.reshape(-1), valid, length)
+    return DecodeBatch(members, rows, slots.reshape(-1), valid, length, kernel)
 
 
 def build_seq_attn(q_start: int, q_len: int, ctx_len: int, block_ids: list[int], block_size: int,
@@ -159,10 +166,71 @@ def attend_causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return _merge(o1, l1, *_cpu_flash(q[None], kt, vt, True, scale))[0]
 
 
+PAGED_ROWS_PER_TASK = 12  # a cascade's query rows per kernel task: the threads share a group's prefix
+
+
+def _paged_plan(meta: AttentionMetadata, h: int, kvh: int, cascades: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hp_paged_attention's (rows, task, slots) for the decode batch's own keys, or
+    (cascades) for each cascade's shared prefix. Rows index q viewed as [T * H, D]:
+    a task is one sequence (or cascade) and one KV head, with the G query heads of
+    that KV head (of every member, for a cascade)."""
+    g = h // kvh
+    rows: list[int] = []
+    tasks: list[tuple[int, int, int, int, int]] = []
+    parts: list[torch.Tensor] = []
+    n_slots = 0
+    if cascades:
+        groups = [([meta.seqs[i].q_start for i in c.members], c.shared_slots) for c in meta.cascades]
+    else:
+        groups = [([meta.seqs[i].q_start], meta.seqs[i].kv_slots) for i in meta.decode.members]
+    for starts, slots in groups:
+        parts.append(slots)
+        for j in range(kvh):
+            head_rows = [t * h + j * g + i for t in starts for i in range(g)]
+            for r0 in range(0, len(head_rows), PAGED_ROWS_PER_TASK):  # tasks small enough to share out
+                part = head_rows[r0:r0 + PAGED_ROWS_PER_TASK]
+                tasks.append((len(rows), len(part), n_slots, slots.numel(), j))
+                rows.extend(part)
+        n_slots += slots.numel()
+    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(tasks, dtype=torch.int64),
+            torch.cat(parts).to(torch.int64))
+
+
+def _paged_attend(lib: ctypes.CDLL, q: torch.Tensor, kv: LayerKV, plan: tuple[torch.Tensor, ...], scale: float,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Run one hp_paged_attention plan: q [T, H, D] contiguous; writes the planned rows
+    of out [T * H, D] and lse [T * H]. Raises RuntimeError if the kernel fails."""
+    rows, task, slots = plan
+    kh, d = kv.k, q.shape[-1]
+    rc = lib.hp_paged_attention(q.data_ptr(), rows.data_ptr(), task.data_ptr(), task.shape[0], kh.data_ptr(),
+                                kv.v.data_ptr(), kh.shape[1] * d, d, slots.data_ptr(), scale, out.data_ptr(),
+                                lse.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"hp_paged_attention failed ({rc})")
+
+
 def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """The decode batch in one gather and two batched products, with each cascade's
-    shared prefix (flash kernel, once per group) merged in; written into out [T, H, D]."""
+    """The decode batch, with each cascade's shared prefix (attended once per group)
+    merged in; written into out [T, H, D]. On the C kernel when the batch has it, else
+    in one gather and two batched products."""
     batch = meta.decode
+    if batch.kernel is not None and kv.k.dtype == torch.float32 and q.dtype == torch.float32:
+        t, h, d = q.shape
+        q = q.contiguous()
+        if not batch.plan:  # the same for every layer of the step
+            batch.plan["own"] = _paged_plan(meta, h, kv.k.shape[0], cascades=False)
+            if meta.cascades:
+                batch.plan["shared"] = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
+        o, lse = torch.empty(t * h, d), torch.empty(t * h)
+        _paged_attend(batch.kernel, q, kv, batch.plan["own"], scale, o, lse)
+        if meta.cascades:
+            rows = batch.plan["shared"][0]
+            o_sh, l_sh = torch.empty(t * h, d), torch.empty(t * h)
+            _paged_attend(batch.kernel, q, kv, batch.plan["shared"], scale, o_sh, l_sh)
+            o[rows] = _merge(o_sh[rows], l_sh[rows], o[rows], lse[rows])
+        out[batch.rows] = o.view(t, h, d)[batch.rows]
+        return
     h, d = q.shape[1], q.shape[2]
     nb, length = len(batch.members), batch.length
     k, v = kv.read(batch.slots, q.dtype)  # [KVH, B * L, D]

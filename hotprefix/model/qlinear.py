@@ -74,8 +74,8 @@ def build_library(force: bool = False, march: str = "native") -> Path | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(SOURCE),
-               "-o", str(so)]
+        cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
+               str(SOURCE), "-o", str(so), "-lm"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             log.warning("could not build the GGUF block kernel (%s): decoding uses float32 weights",
@@ -114,6 +114,10 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.hp_repacked_bytes.restype = ctypes.c_long
     lib.hp_int8_vectorized.argtypes = []
     lib.hp_int8_vectorized.restype = ctypes.c_int
+    p = ctypes.c_void_p
+    lib.hp_paged_attention.argtypes = [p, p, p, ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p, ctypes.c_float,
+                                       p, p, ctypes.c_int]
+    lib.hp_paged_attention.restype = ctypes.c_int
     return lib
 
 

@@ -16,7 +16,7 @@ from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_b
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
-from hotprefix.model.qlinear import packable, resolve_matmul
+from hotprefix.model.qlinear import library, packable, resolve_matmul
 from hotprefix.model.sampler import Sampler, SampleRow
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
 
@@ -120,6 +120,8 @@ class ModelRunner:
         self.enable_cascade = True
         self.enable_decode_batch = True  # CPU: all single-query decodes in one batched attention
         self._gathered: dict[tuple[int, ...], dict] = {}  # cascade prefix blocks -> gathered K/V, last step only
+        # decode attention straight from a float32 pool (csrc/qgemv.c), where the library builds
+        self._attention_kernel = library() if (self.device.type == "cpu" and kv_dtype == torch.float32) else None
         slot_bytes = self.arch.num_layers * 2 * self.arch.num_kv_heads * self.arch.head_dim * self.dtype.itemsize
         self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
 
@@ -166,7 +168,8 @@ class ModelRunner:
         else:
             self._gathered = {}
         if batched:
-            meta.decode = build_decode_batch(meta.seqs)
+            kernel = self._attention_kernel
+            meta.decode = build_decode_batch(meta.seqs, 1 if kernel else 2, kernel)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 

@@ -111,15 +111,20 @@ def test_pin_and_reset_through_the_offline_api(tiny_llama):
         llm.engine.add_request("big", list(range(250, 294)), GREEDY, pin_prefix=True)
 
 
-def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama):
+@pytest.mark.parametrize("paged", [True, False])
+def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama, paged):
     """Decodes sharing leading blocks attend to them once (cascade) and merge by
-    log-sum-exp; all decodes attend to the rest in one padded batch: logits equal
+    log-sum-exp; all decodes attend to the rest together: on the C kernel straight
+    from the pool (paged), or in one padded batch over gathered K/V. Logits equal
     the per-sequence path's either way."""
     from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
     from hotprefix.model.attention import AttentionMetadata
 
     llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64, device="cpu")
     runner = llm.engine.runner
+    assert runner._attention_kernel is not None, "the C kernel did not build (gcc is part of the set-up)"
+    if not paged:
+        runner._attention_kernel = None
     shared = list(range(10, 30))  # 5 full blocks
     prompts = [shared + [40 + i] * (2 + i) for i in range(4)]  # tails of 2-5 tokens (chunks never empty)
     tables = [[0, 1, 2, 3, 4] + [5 + 2 * i, 6 + 2 * i] for i in range(4)]
@@ -140,15 +145,25 @@ def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama)
     runner._plan_cascades = spy
     with_cascade = runner.all_logits(decode)
     kept = dict(runner._gathered)
-    assert list(kept) == [(0, 1, 2, 3, 4)] and len(kept[(0, 1, 2, 3, 4)]) == 2  # the prefix K/V of both layers
-    assert runner.all_logits(decode).equal(with_cascade)  # the next step reuses them
-    assert all(a[0] is b[0] for a, b in zip(kept[(0, 1, 2, 3, 4)].values(),
-                                            runner._gathered[(0, 1, 2, 3, 4)].values()))
+    assert runner.all_logits(decode).equal(with_cascade)  # the same step again: the same bits
     assert len(planned[-1].cascades) == 1 and planned[-1].cascades[0].members == [0, 1, 2, 3]
     assert planned[-1].cascades[0].shared_slots.numel() == 20
     batch = planned[-1].decode
     assert batch.members == [0, 1, 2, 3] and batch.length == 5  # the longest suffix (its last token is the query)
     assert batch.valid.sum(dim=1).tolist() == [2, 3, 4, 5]
+    if paged:  # one task per (sequence or cascade, KV head), with that KV head's query heads
+        h, kvh = runner.arch.num_heads, runner.arch.num_kv_heads
+        g = h // kvh
+        rows, task, slots = batch.plan["own"]
+        assert task[:, 3].tolist() == [n for n in (2, 3, 4, 5) for _ in range(kvh)]  # each its own suffix
+        assert task[:, 1].tolist() == [g] * 4 * kvh and slots.numel() == 14
+        rows, task, slots = batch.plan["shared"]
+        assert task.tolist() == [[j * 4 * g, 4 * g, 0, 20, j] for j in range(kvh)] and slots.numel() == 20
+        assert sorted(rows.tolist()) == [t * h + i for t in range(4) for i in range(h)]  # every head once
+    else:  # the prefix K/V is gathered once and kept for the next step
+        assert list(kept) == [(0, 1, 2, 3, 4)] and len(kept[(0, 1, 2, 3, 4)]) == 2  # both layers
+        assert all(a[0] is b[0] for a, b in zip(kept[(0, 1, 2, 3, 4)].values(),
+                                                runner._gathered[(0, 1, 2, 3, 4)].values()))
     runner.enable_cascade = False
     batched = runner.all_logits(decode)  # one padded batch over the whole contexts
     runner.enable_decode_batch = False

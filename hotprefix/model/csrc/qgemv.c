@@ -412,3 +412,167 @@ int hp_qmatmul_i8(int qtype, const float *x, int M, int K, const uint8_t *wp, in
     free(xq); free(dx); free(sx); free(xsum);
     return 0;
 }
+
+/* ------------------------------------------------------------------------
+ * Decode attention straight from the paged KV cache (float32).
+ *
+ * k, v: [KVH, S, D] (head-major slots, kv_cache.py). A task attends nrows query
+ * rows (D floats each, at q + rows[i] * D) to the keys of one KV head at the
+ * listed slots, with an online softmax over chunks of keys: each key and value
+ * is read once per task, from the pool, instead of being gathered first.
+ * Writes out[rows[i]] ([D]) and lse[rows[i]] (log-sum-exp of the scaled scores,
+ * for merging with attention over other keys).
+ * task: [ntasks, 5] = (row offset into rows, nrows, slot offset into slots, nslots, kv head).
+ * Returns 0, or -2 when out of memory.
+ * ------------------------------------------------------------------------ */
+#define ATT_CHUNK 32
+
+/* exp(x) for x <= 0, in plain arithmetic so that loops over it vectorize: 2^n * e^r with
+ * n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), e^r by its Taylor polynomial to
+ * degree 7 (|r| <= 0.35: relative error < 1e-7, about one float ulp). Below -87 it
+ * returns e^-87 (1.6e-38): a softmax weight that adds nothing next to the maximum's 1. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale2n;
+    memcpy(&scale2n, &bits, 4);
+    return p * scale2n;
+}
+
+int hp_paged_attention(const float *q, const int64_t *rows, const int64_t *task, int ntasks,
+                       const float *k, const float *v, int64_t head_stride, int D, const int64_t *slots,
+                       float scale, float *out, float *lse, int nthreads) {
+    int maxr = 1;
+    for (int t = 0; t < ntasks; t++) maxr = task[5 * t + 1] > maxr ? (int)task[5 * t + 1] : maxr;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        float *acc = malloc(sizeof(float) * (size_t)maxr * D);
+        float *s = malloc(sizeof(float) * (size_t)maxr * ATT_CHUNK);
+        float *kt = malloc(sizeof(float) * (size_t)D * ATT_CHUNK);  /* a chunk of keys, transposed [D, CHUNK] */
+        float *mx = malloc(sizeof(float) * maxr), *l = malloc(sizeof(float) * maxr);
+        if (!acc || !s || !kt || !mx || !l) failed = 1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < ntasks; t++) {
+            if (failed) continue;
+            const int64_t *tk = task + 5 * t;
+            const int64_t *rw = rows + tk[0], *sl = slots + tk[2];
+            const int R = (int)tk[1], n = (int)tk[3];
+            const float *kh = k + tk[4] * head_stride, *vh = v + tk[4] * head_stride;
+            for (int r = 0; r < R; r++) {
+                mx[r] = -INFINITY; l[r] = 0.0f;
+                for (int d = 0; d < D; d++) acc[(size_t)r * D + d] = 0.0f;
+            }
+            for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
+                const int c = n - j0 < ATT_CHUNK ? n - j0 : ATT_CHUNK;
+                int direct = 0;  /* few rows: dot products on the keys as stored, no transposition */
+#if defined(__AVX512F__)
+                if (R <= 4 && D % 16 == 0) {
+                    direct = 1;
+                    for (int j = 0; j < c; j++) {
+                        const float *kj = kh + sl[j0 + j] * D;
+                        for (int r = 0; r < R; r++) {
+                            const float *qr = q + rw[r] * D;
+                            __m512 a = _mm512_setzero_ps();
+                            for (int d = 0; d < D; d += 16)
+                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kj + d), a);
+                            s[(size_t)r * ATT_CHUNK + j] = _mm512_reduce_add_ps(a);
+                        }
+                    }
+                }
+#endif
+                if (!direct) {
+                    for (int j = 0; j < ATT_CHUNK; j++) {  /* keys as columns: scores need no horizontal sums */
+                        const float *kj = kh + sl[j0 + (j < c ? j : 0)] * D;
+                        for (int d = 0; d < D; d++) kt[(size_t)d * ATT_CHUNK + j] = j < c ? kj[d] : 0.0f;
+                    }
+                    for (int r = 0; r < R; r++) {
+                        const float *qr = q + rw[r] * D;
+                        float *sr = s + (size_t)r * ATT_CHUNK;
+#if defined(__AVX512F__)
+                        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  /* ATT_CHUNK = 32 keys */
+                        for (int d = 0; d < D; d++) {
+                            const __m512 qd = _mm512_set1_ps(qr[d]);
+                            s0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK), s0);
+                            s1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK + 16), s1);
+                        }
+                        _mm512_storeu_ps(sr, s0);
+                        _mm512_storeu_ps(sr + 16, s1);
+#else
+                        for (int j = 0; j < ATT_CHUNK; j++) sr[j] = 0.0f;
+                        for (int d = 0; d < D; d++) {
+                            const float qd = qr[d];
+                            const float *kd = kt + (size_t)d * ATT_CHUNK;
+                            #pragma omp simd
+                            for (int j = 0; j < ATT_CHUNK; j++) sr[j] = fmaf(qd, kd[j], sr[j]);
+                        }
+#endif
+                    }
+                }
+                for (int r = 0; r < R; r++) {  /* online softmax: rescale what came before */
+                    float *sr = s + (size_t)r * ATT_CHUNK;
+                    float m = mx[r];
+                    for (int j = 0; j < c; j++) { sr[j] *= scale; m = sr[j] > m ? sr[j] : m; }
+                    const float corr = expf(mx[r] - m);  /* 0 on the first chunk (exp(-inf)) */
+                    float sum = 0.0f;
+                    #pragma omp simd reduction(+:sum)
+                    for (int j = 0; j < c; j++) { sr[j] = exp_nonpos(sr[j] - m); sum += sr[j]; }
+                    l[r] = l[r] * corr + sum;
+                    mx[r] = m;
+                    float *ar = acc + (size_t)r * D;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) ar[d] *= corr;
+                }
+#if defined(__AVX512F__)
+                if (D % 64 == 0) {  /* 64 output columns of a row stay in registers over the chunk */
+                    for (int d0 = 0; d0 < D; d0 += 64)
+                        for (int r = 0; r < R; r++) {
+                            float *ar = acc + (size_t)r * D + d0;
+                            const float *pr = s + (size_t)r * ATT_CHUNK;
+                            __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
+                            __m512 a2 = _mm512_loadu_ps(ar + 32), a3 = _mm512_loadu_ps(ar + 48);
+                            for (int j = 0; j < c; j++) {
+                                const float *vj = vh + sl[j0 + j] * D + d0;
+                                const __m512 p = _mm512_set1_ps(pr[j]);
+                                a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj), a0);
+                                a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16), a1);
+                                a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 32), a2);
+                                a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 48), a3);
+                            }
+                            _mm512_storeu_ps(ar, a0); _mm512_storeu_ps(ar + 16, a1);
+                            _mm512_storeu_ps(ar + 32, a2); _mm512_storeu_ps(ar + 48, a3);
+                        }
+                    continue;
+                }
+#endif
+                for (int j = 0; j < c; j++) {  /* each value row once, for every query row */
+                    const float *vj = vh + sl[j0 + j] * D;
+                    for (int r = 0; r < R; r++) {
+                        const float p = s[(size_t)r * ATT_CHUNK + j];
+                        float *ar = acc + (size_t)r * D;
+                        #pragma omp simd
+                        for (int d = 0; d < D; d++) ar[d] = fmaf(p, vj[d], ar[d]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                float *o = out + rw[r] * D;
+                const float inv = 1.0f / l[r];
+                for (int d = 0; d < D; d++) o[d] = acc[(size_t)r * D + d] * inv;
+                lse[rw[r]] = mx[r] + logf(l[r]);
+            }
+        }
+        free(acc); free(s); free(kt); free(mx); free(l);
+    }
+    return failed ? -2 : 0;
+}
