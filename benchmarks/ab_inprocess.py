@@ -6,6 +6,7 @@ the same machine noise). Prints tokens/s per run and the medians.
     .venv/bin/python benchmarks/ab_inprocess.py caching-unique        # 16 unique 300-token prompts, caching on/off
     .venv/bin/python benchmarks/ab_inprocess.py blocks-1              # 1 decode on a warm 1,000-token prefix,
     .venv/bin/python benchmarks/ab_inprocess.py blocks-8              # or 8: GGUF block kernel on/off
+    .venv/bin/python benchmarks/ab_inprocess.py int8-8                # the same, int8 vs float32 activations
 """
 
 from __future__ import annotations
@@ -40,16 +41,20 @@ def main(kind: str, reps: int = 3) -> None:
 
         def switch(on: bool) -> None:
             eng.runner.enable_cascade = on
-    elif kind.startswith("blocks-"):
+    elif kind.startswith(("blocks-", "int8-")):
         system = toks(1000)
         eng.add_request("warm", system + [5], SamplingParams(max_tokens=1))
         while eng.has_unfinished_requests():
             eng.step()
         prompts = lambda: [system + toks(30) for _ in range(int(kind.split("-")[1]))]  # noqa: E731
         model, packed = eng.runner.model, eng.runner.packed
+        int8 = eng.runner.quantized_matmul == "int8"
 
         def switch(on: bool) -> None:
-            model.attach_blocks(packed if on else {})
+            if kind.startswith("int8-"):  # int8 vs float32 activations on the blocks
+                model.attach_blocks(packed, int8=on)
+            else:  # the blocks (as configured) vs the float32 weights
+                model.attach_blocks(packed if on else {}, int8=int8)
     elif kind == "caching-unique":
         prompts = lambda: [toks(300) for _ in range(16)]  # noqa: E731
 

@@ -10,6 +10,7 @@ exactly half the bytes of fp16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class LayerKV:
     v: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
+    kernel: Any = None  # the C library (qlinear.library()) for float32 CPU writes, or None
 
     @property
     def is_fp8(self) -> bool:
@@ -50,6 +52,11 @@ class LayerKV:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) at slots ([T])."""
+        if self.kernel is not None and k.dtype == v.dtype == self.k.dtype == torch.float32 and _rows_dense(k, v):
+            d = k.shape[2]
+            self.kernel.hp_kv_write(self.k.data_ptr(), self.v.data_ptr(), self.k.shape[1] * d, slots.data_ptr(),
+                                    k.shape[0], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[1], d)
+            return
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, T, head_dim]
         if self.is_fp8:  # CPU has no fp8 index_copy: move the bytes through uint8 views
             k8 = (k / self.k_scale).to(self.k.dtype).view(torch.uint8)
@@ -67,6 +74,11 @@ class LayerKV:
             v = self.v.view(torch.uint8).index_select(1, slots).view(self.v.dtype).to(dtype) * self.v_scale
             return k, v
         return self.k.index_select(1, slots).to(dtype), self.v.index_select(1, slots).to(dtype)
+
+
+def _rows_dense(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """k and v [T, KVH, D] on the CPU, each row's KVH * D values contiguous (rows may be apart)."""
+    return all(t.device.type == "cpu" and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
 
 
 class KVCache:

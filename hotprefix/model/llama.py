@@ -16,7 +16,7 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
-from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, qmatmul
+from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, qmatmul, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +109,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_packed is not None and self.gate_up_packed.serves(x.shape[0]):
-            gate, up = qmatmul(x, self.gate_up_packed).chunk(2, dim=-1)  # [T, I] each
+            gate_up = qmatmul(x, self.gate_up_packed)  # [T, 2I]
+            if self.gate_up_packed.int8:  # already approximate: the one-pass activation
+                return self.down_proj(silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -118,6 +118,11 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.hp_paged_attention.argtypes = [p, p, p, ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p, ctypes.c_float,
                                        p, p, ctypes.c_int]
     lib.hp_paged_attention.restype = ctypes.c_int
+    lib.hp_silu_mul.argtypes = [p, ctypes.c_int, ctypes.c_int, p, ctypes.c_int]
+    lib.hp_silu_mul.restype = None
+    lib.hp_kv_write.argtypes = [p, p, ctypes.c_int64, p, ctypes.c_int, p, ctypes.c_int64, p, ctypes.c_int64,
+                                ctypes.c_int, ctypes.c_int]
+    lib.hp_kv_write.restype = None
     return lib
 
 
@@ -188,6 +193,17 @@ def qmatmul(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) ->
     if rc:
         raise RuntimeError(f"the block product failed ({rc}) for type {w.qtype}, K={w.k}")
     return y
+
+
+def silu_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [M, 2I] float32 (CPU) = [gate | up] -> [M, I], in one pass
+    (exp to about one float ulp). Raises RuntimeError without the library."""
+    lib = _need(lib)
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.float32)
+    lib.hp_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def dequantize(w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:

@@ -122,6 +122,8 @@ class ModelRunner:
         self._gathered: dict[tuple[int, ...], dict] = {}  # cascade prefix blocks -> gathered K/V, last step only
         # decode attention straight from a float32 pool (csrc/qgemv.c), where the library builds
         self._attention_kernel = library() if (self.device.type == "cpu" and kv_dtype == torch.float32) else None
+        for layer in self.kv_cache.layers:  # and the KV writes into it
+            layer.kernel = self._attention_kernel
         slot_bytes = self.arch.num_layers * 2 * self.arch.num_kv_heads * self.arch.head_dim * self.dtype.itemsize
         self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
 

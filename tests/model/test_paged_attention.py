@@ -52,3 +52,18 @@ def test_tasks_attend_their_rows_to_their_slots(lib, d):
             assert abs(float(lse[r]) - float(torch.logsumexp(scores, 0))) < 1e-5
     untouched = sorted(set(range(t * h)) - set(rows.tolist()))
     assert torch.isnan(out[untouched]).all() and torch.isnan(lse[untouched]).all()  # only planned rows written
+
+
+def test_kv_write_stores_every_token_and_head_at_its_slot(lib):
+    gen = torch.Generator().manual_seed(1)
+    kvh, slots_total, d, t = 3, 64, 16, 5
+    qkv = torch.randn(t, (6 + 2 * kvh) * d, generator=gen)  # k and v as strided views, as the model has them
+    k = qkv[:, 6 * d:(6 + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (6 + kvh) * d:].view(t, kvh, d)
+    slots = torch.tensor([9, 3, 40, 41, 63])
+    fast = LayerKV(torch.zeros(kvh, slots_total, d), torch.zeros(kvh, slots_total, d), kernel=lib)
+    plain = LayerKV(torch.zeros(kvh, slots_total, d), torch.zeros(kvh, slots_total, d))  # torch's index_copy_
+    fast.write(slots, k, v)
+    plain.write(slots, k, v)
+    assert torch.equal(fast.k, plain.k) and torch.equal(fast.v, plain.v)
+    assert torch.equal(fast.k[:, slots].transpose(0, 1), k) and fast.k.count_nonzero() == t * kvh * d

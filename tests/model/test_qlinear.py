@@ -139,3 +139,13 @@ def test_auto_takes_int8_only_where_it_is_vectorized(native_lib):
     assert qlinear.resolve_matmul("float32") == "float32" and qlinear.resolve_matmul("int8") == "int8"
     with pytest.raises(ValueError, match="--quantized-matmul"):
         qlinear.resolve_matmul("int4")
+
+
+def test_silu_mul_matches_torch(lib):
+    gate_up = torch.randn(7, 2 * 100) * 6
+    gate_up[0, :6] = torch.tensor([0.0, -1000.0, 1000.0, 88.0, -88.0, 1e-30])  # underflow, overflow, zero
+    got = qlinear.silu_mul(gate_up, lib)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert got.shape == (7, 100)
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30)

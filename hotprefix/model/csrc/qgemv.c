@@ -580,3 +580,32 @@ int hp_paged_attention(const float *q, const int64_t *rows, const int64_t *task,
     }
     return failed ? -2 : 0;
 }
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i] for gu = [gate | up] rows of 2I floats
+ * (the fused gate/up product), silu(x) = x / (1 + e^-x) with exp_nonpos: the MLP's
+ * activation in one pass instead of two strided torch ops and a temporary. */
+void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
+        float *o = out + (size_t)m * I;
+        #pragma omp simd
+        for (int i = 0; i < I; i++) {
+            const float x = g[i], e = exp_nonpos(x < 0.0f ? x : -x);  /* e^-|x| */
+            const float s = x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+            o[i] = s * u[i];
+        }
+    }
+}
+
+/* Store T tokens' keys and values in a float32 pool ([KVH, S, D] per tensor) at their
+ * slots: row t of k (and v) starts at k + t * k_row (v + t * v_row) and holds KVH * D
+ * floats. One copy of D floats per token and head. */
+void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,
+                 int64_t k_row, const float *v, int64_t v_row, int KVH, int D) {
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < KVH; h++) {
+            memcpy(kpool + h * head_stride + slots[t] * D, k + t * k_row + (int64_t)h * D, sizeof(float) * D);
+            memcpy(vpool + h * head_stride + slots[t] * D, v + t * v_row + (int64_t)h * D, sizeof(float) * D);
+        }
+}
