@@ -279,8 +279,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     cpu = q.device.type == "cpu" and q.dtype == torch.float32
     if is_causal:
         if cpu:  # CPU SDPA picks its slow math path for GQA; its flash kernel is ~3x faster
-            kx, vx = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [H, ctx, D]
-            return _cpu_flash(q[None], kx[None], vx[None], True, scale)[0][0]
+            # batch = KV heads, heads = the G query heads of each: K and V broadcast (stride 0), not copied
+            kx, vx = k[:, None].expand(kvh, g, *k.shape[1:]), v[:, None].expand(kvh, g, *v.shape[1:])
+            return _cpu_flash(q.view(kvh, g, n, d), kx, vx, True, scale)[0].reshape(h, n, d)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     qg = q.reshape(kvh, g * n, d)  # [KVH, G * q_len, D]
     if mask is None and cpu:
