@@ -57,9 +57,9 @@ class ModelConfig:
     and the checkpoint's dtype on CUDA.
     quantized_matmul: how a GGUF's Q4_0/Q4_1/Q8_0 weights are multiplied on the CPU:
     "int8" quantizes activations to int8 per 32 values (llama.cpp's method, ~0.5%
-    relative error per product, 3-4x faster with AVX-512 VNNI); "float32" keeps
+    relative error per product, 2-8x faster with AVX2 or AVX-512 VNNI); "float32" keeps
     activations in float32 (results equal the dequantized weights' float32 product);
-    "auto" is int8 where the CPU has AVX-512 VNNI, else float32.
+    "auto" is int8 where the kernel build has AVX2 or AVX-512 VNNI, else float32.
     """
 
     model: str | None = None

@@ -10,9 +10,9 @@ ways to multiply by the blocks (`--quantized-matmul`):
   product with the dequantized weights up to the order of the additions. Used
   for M <= MAX_M rows; larger products use the float32 weights (MKL).
 - int8: activations are quantized to int8 per 32-element block (llama.cpp's
-  method) and multiplied with AVX-512 VNNI integer dot products on a regrouped
-  copy of the blocks, for every M: 3-4x faster than either float32 route on a
-  VNNI CPU. On the default model its next-token distributions stay as close to
+  method) and multiplied with integer dot products (AVX-512 VNNI, or AVX2's
+  vpmaddubsw) on a regrouped copy of the blocks, for every M: 3-4x faster than
+  either float32 route on a VNNI CPU, 2-8x with AVX2. On the default model its next-token distributions stay as close to
   the float32 ones as llama.cpp's (mean KL divergence 0.004 on 256 tokens of text).
 
 The C file is compiled at first use with the system's C compiler
@@ -239,7 +239,8 @@ def packable(device: torch.device, dtype: torch.dtype) -> bool:
 
 def resolve_matmul(mode: str) -> str:
     """"int8" or "float32" for a --quantized-matmul mode; auto is int8 where this
-    build runs it on VNNI instructions. Raises ValueError for an unknown mode."""
+    build runs it on vector instructions (AVX-512 VNNI or AVX2). Raises ValueError
+    for an unknown mode."""
     if mode not in MATMUL_MODES:
         raise ValueError(f"--quantized-matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
     if mode != "auto":

@@ -211,7 +211,7 @@ int hp_dequantize(int qtype, const uint8_t *w, int N, int K, float *out) {
  * (d * code + m): the activation rounding errors then meet centred weights. (With
  * the exact sum of x in the m term instead, they would meet d * code, which is all
  * positive: about 4x the error variance, measured as 5x the KL divergence.)
- * The integer part is exact; every path (VNNI, plain C) does the float part in
+ * The integer part is exact; every path (VNNI, AVX2, plain C) does the float part in
  * the same order with fused multiply-adds, so all paths give the same bits.
  *
  * Layout of one (group of 16 rows, block) unit, the same size as 16 GGUF blocks:
@@ -224,9 +224,10 @@ int hp_dequantize(int qtype, const uint8_t *w, int N, int K, float *out) {
 static inline int unit_bytes(int qtype) { return G * block_bytes(qtype); }
 static inline int codes_offset(int qtype) { return qtype == Q4_1 ? 64 : 32; }
 
-/* Whether the int8 path runs on vector instructions in this build (else plain C). */
+/* Whether the int8 path runs on vector instructions in this build (AVX-512 VNNI or AVX2;
+ * else plain C). */
 int hp_int8_vectorized(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
     return 1;
 #else
     return 0;
@@ -299,7 +300,7 @@ static inline __attribute__((always_inline)) void code_row(int qtype, const uint
 
 /* Plain C: one group of 16 weight rows against mt rows of quantized x (each block's
  * codes unpacked once for all rows of x). The float steps are the VNNI path's, in its order. */
-static void group_c(int qtype, const uint8_t *gp, int nb, const int8_t *xq, const float *dx, const int32_t *xsum,
+static __attribute__((unused)) void group_c(int qtype, const uint8_t *gp, int nb, const int8_t *xq, const float *dx, const int32_t *xsum,
                     const float *sx, int mt, int K, float *y, int N, int nvalid) {
     const int ub = unit_bytes(qtype), off = qtype == Q4_0 ? 8 : 0;
     for (int j = 0; j < nvalid; j++) {
@@ -378,6 +379,77 @@ static inline __attribute__((always_inline)) void group_vnni(
 VNNI_TYPE(Q4_0)
 VNNI_TYPE(Q4_1)
 VNNI_TYPE(Q8_0)
+#elif defined(__AVX2__)
+/* AVX2 without VNNI: the 16 rows of a group as two halves of 8 int32 lanes. vpmaddubsw
+ * multiplies unsigned codes by signed activations into pairs of int16; for 4-bit codes
+ * (<= 15) the 8 products of a block's 32 values fit in int16 (8 * 2 * 15 * 127 < 32767),
+ * so they are summed there and widened once. Q8_0's signed codes go through
+ * |w| * sign(x, w) and are widened per 4 values. The float steps are the VNNI path's. */
+static inline __attribute__((always_inline)) void group_avx2(
+        const int qtype, const int MT, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
+        const int32_t *xsum, const float *sx, int K, float *y, int N, int nvalid) {
+    const int ub = unit_bytes(qtype), co = codes_offset(qtype);
+    const int32_t off = qtype == Q4_0 ? 8 : 0;
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[MT];
+        for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *u = gp + (size_t)b * ub;
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
+            __m256i W[8];
+            if (qtype == Q8_0) {
+                for (int i = 0; i < 8; i++) W[i] = _mm256_loadu_si256((const __m256i *)(u + co + 64 * i + 32 * half));
+            } else {
+                const __m256i mask = _mm256_set1_epi8(0x0f);
+                for (int i = 0; i < 4; i++) {
+                    const __m256i p = _mm256_loadu_si256((const __m256i *)(u + co + 64 * i + 32 * half));
+                    W[i] = _mm256_and_si256(p, mask);
+                    W[i + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                }
+            }
+            for (int m = 0; m < MT; m++) {
+                const int8_t *xb = xq + (size_t)m * K + b * QK;
+                __m256i isum;
+                if (qtype == Q8_0) {
+                    isum = _mm256_setzero_si256();
+                    for (int i = 0; i < 8; i++) {
+                        int32_t v; memcpy(&v, xb + 4 * i, 4);
+                        const __m256i xv = _mm256_set1_epi32(v);
+                        const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(W[i]), _mm256_sign_epi8(xv, W[i]));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pr, ones16));
+                    }
+                } else {
+                    __m256i s16 = _mm256_setzero_si256();
+                    for (int i = 0; i < 8; i++) {
+                        int32_t v; memcpy(&v, xb + 4 * i, 4);
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(W[i], _mm256_set1_epi32(v)));
+                    }
+                    isum = _mm256_add_epi32(_mm256_madd_epi16(s16, ones16), _mm256_set1_epi32(-off * xsum[m * nb + b]));
+                }
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
+                if (qtype == Q4_1) {
+                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 32 + 16 * half)));
+                    acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * nb + b]), acc[m]);
+                }
+            }
+        }
+        for (int m = 0; m < MT; m++) {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[m]);
+            for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
+        }
+    }
+}
+
+#define AVX2_MT 4
+#define AVX2_CASE(T, MT) case MT: group_avx2(T, MT, gp, nb, xq, dx, xsum, sx, K, y, N, nvalid); break;
+#define AVX2_TYPE(T) static void group_avx2_##T(int mt, const uint8_t *gp, int nb, const int8_t *xq, const float *dx, \
+        const int32_t *xsum, const float *sx, int K, float *y, int N, int nvalid) { \
+    switch (mt) { AVX2_CASE(T, 1) AVX2_CASE(T, 2) AVX2_CASE(T, 3) AVX2_CASE(T, 4) } }
+AVX2_TYPE(Q4_0)
+AVX2_TYPE(Q4_1)
+AVX2_TYPE(Q8_0)
 #endif
 
 /* y[M, N] = x[M, K] @ W^T with x quantized to int8 per block; W repacked by hp_repack.
@@ -407,6 +479,15 @@ int hp_qmatmul_i8(int qtype, const float *x, int M, int K, const uint8_t *wp, in
                 if (qtype == Q4_0) group_vnni_Q4_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
                 else if (qtype == Q4_1) group_vnni_Q4_1(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
                 else group_vnni_Q8_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+            }
+#elif defined(__AVX2__)
+            for (int m0 = 0; m0 < M; m0 += AVX2_MT) {
+                const int mt = M - m0 < AVX2_MT ? M - m0 : AVX2_MT;
+                const size_t xo = (size_t)m0 * nb;
+                float *yo = y + (size_t)m0 * N + (size_t)g * G;
+                if (qtype == Q4_0) group_avx2_Q4_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+                else if (qtype == Q4_1) group_avx2_Q4_1(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+                else group_avx2_Q8_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
             }
 #else
             group_c(qtype, gp, nb, xq, dx, xsum, sx, M, K, y + (size_t)g * G, N, nvalid);
