@@ -142,7 +142,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         if i in done:
             continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
-        ks, vs = kv.read(s.kv_slots, q.dtype)  # [KVH, ctx, D], contiguous
+        if s.is_causal and kv.k.dtype == q.dtype:  # the whole context is this step's k, v: no read-back
+            ks = k[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [KVH, ctx, D], strided
+            vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
+        else:
+            ks, vs = kv.read(s.kv_slots, q.dtype)  # [KVH, ctx, D], contiguous
         if s.causal_tail and qs.device.type == "cpu" and qs.dtype == torch.float32:
             o = attend_causal_tail(qs, ks, vs, scale)
         else:

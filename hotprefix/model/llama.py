@@ -16,16 +16,20 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
-from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, qmatmul, silu_mul
+from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, library, qmatmul, rms_norm, rope_, silu_mul
 
 
 class RMSNorm(nn.Module):
+    kernel = None  # the C library: RMSNorm of 2-D float32 rows in one call (int8 mode, see attach_blocks)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.eps, self.kernel)
         if x.dtype == torch.float32:  # one fused op (the same arithmetic as below)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
@@ -75,6 +79,7 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.qkv_packed: PackedWeight | None = None  # q, k, v rows in one block matrix (small batches)
         self.qkv_bias: torch.Tensor | None = None
+        self.kernel = None  # the C library: RoPE in place (int8 mode, see attach_blocks)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: one block product for small batches when fused."""
@@ -93,8 +98,11 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
-        k = k * cos + rotate_half(k) * sin
+        if self.kernel is not None and q.stride(1) == k.stride(1) == self.d and q.stride(2) == k.stride(2) == 1:
+            q, k = rope_(q, cos, sin, self.kernel), rope_(k, cos, sin, self.kernel)  # in place, one call each
+        else:
+            q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
+            k = k * cos + rotate_half(k) * sin
         o = paged_attention(q, k, v, kv, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -222,11 +230,14 @@ class LlamaForCausalLM(nn.Module):
                     p.packed = None  # the fused copy serves them
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         self.logits_packed = packed.get(head)
-        if int8:
-            for mod in self.modules():
+        lib = library() if int8 else None
+        for mod in self.modules():
+            if int8:
                 for attr in ("packed", "qkv_packed", "gate_up_packed", "logits_packed"):
                     if getattr(mod, attr, None) is not None:
                         setattr(mod, attr, getattr(mod, attr).regrouped())
+            if isinstance(mod, (RMSNorm, Attention)):  # the small per-layer ops in C too (int8 mode only:
+                mod.kernel = lib  # float32 mode keeps torch's arithmetic, token-identical to transformers)
         return n + (self.logits_packed is not None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

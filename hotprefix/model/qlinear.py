@@ -123,6 +123,10 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.hp_kv_write.argtypes = [p, p, ctypes.c_int64, p, ctypes.c_int, p, ctypes.c_int64, p, ctypes.c_int64,
                                 ctypes.c_int, ctypes.c_int]
     lib.hp_kv_write.restype = None
+    lib.hp_rmsnorm.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, p, ctypes.c_float, p, ctypes.c_int]
+    lib.hp_rmsnorm.restype = None
+    lib.hp_rope.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int]
+    lib.hp_rope.restype = None
     return lib
 
 
@@ -204,6 +208,24 @@ def silu_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Ten
     out = torch.empty(m, i, dtype=torch.float32)
     lib.hp_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL) -> torch.Tensor:
+    """RMSNorm of x [M, E] float32 (rows may be apart, each contiguous) -> new [M, E]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, e = x.shape
+    out = torch.empty(m, e, dtype=torch.float32)
+    lib.hp_rmsnorm(x.data_ptr(), m, e, x.stride(0), weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+    """Rotate x [T, NH, D] float32 in place (each row's NH * D values contiguous) by
+    cos, sin [T, 1, D] contiguous; returns x."""
+    t, nh, d = x.shape
+    lib.hp_rope(x.data_ptr(), t, nh, x.stride(0), d, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    return x
 
 
 def dequantize(w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:

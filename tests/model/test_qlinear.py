@@ -149,3 +149,21 @@ def test_silu_mul_matches_torch(lib):
     want = torch.nn.functional.silu(gate) * up
     assert got.shape == (7, 100)
     assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30)
+
+
+def test_rms_norm_and_rope_match_torch(lib):
+    from hotprefix.model.llama import RMSNorm, rotate_half
+
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    rows = torch.randn(5, 3 * 64)[:, 64:128]  # rows apart, as the model's views are
+    assert torch.allclose(qlinear.rms_norm(rows, norm.weight, 1e-5, lib), norm(rows), rtol=1e-5, atol=1e-6)
+    qkv = torch.randn(4, (3 + 2) * 16)
+    q = qkv[:, :48].view(4, 3, 16)  # 3 heads of 16, inside a wider row
+    want = q * 0 + q  # a copy
+    cos, sin = torch.randn(4, 1, 8).repeat(1, 1, 2), torch.randn(4, 1, 8).repeat(1, 1, 2)  # halves equal
+    want = want * cos + rotate_half(want) * sin
+    untouched = qkv[:, 48:].clone()
+    assert qlinear.rope_(q, cos, sin, lib) is q
+    assert torch.allclose(q, want, rtol=1e-5, atol=1e-6) and torch.equal(qkv[:, 48:], untouched)

@@ -690,3 +690,40 @@ void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t 
             memcpy(vpool + h * head_stride + slots[t] * D, v + t * v_row + (int64_t)h * D, sizeof(float) * D);
         }
 }
+
+/* RMSNorm of M rows of E floats (row m at x + m * x_row): out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w,
+ * out contiguous [M, E]. */
+void hp_rmsnorm(const float *x, int M, int E, int64_t x_row, const float *w, float eps, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 16)
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + m * x_row;
+        float ss = 0.0f;
+        #pragma omp simd reduction(+:ss)
+        for (int e = 0; e < E; e++) ss += xr[e] * xr[e];
+        const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+        float *o = out + (size_t)m * E;
+        #pragma omp simd
+        for (int e = 0; e < E; e++) o[e] = xr[e] * inv * w[e];
+    }
+}
+
+/* Rotary embedding in place, Llama's rotate-half form, on T rows of nh heads of D floats
+ * (row t at x + t * x_row, heads contiguous): for i < D/2, with c, s = cos, sin [t, i]:
+ * x[i] <- x[i] c - x[i + D/2] s and x[i + D/2] <- x[i + D/2] c + x[i] s. cos, sin: [T, D]
+ * (their two halves equal, as rope() builds them). */
+void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, const float *sin_, int nthreads) {
+    const int h2 = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_ + (size_t)t * D, *s = sin_ + (size_t)t * D;
+        for (int h = 0; h < nh; h++) {
+            float *v = x + t * x_row + (int64_t)h * D;
+            #pragma omp simd
+            for (int i = 0; i < h2; i++) {
+                const float a = v[i], b = v[i + h2];
+                v[i] = a * c[i] - b * s[i];
+                v[i + h2] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
