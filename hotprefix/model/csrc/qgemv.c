@@ -452,6 +452,15 @@ AVX2_TYPE(Q4_1)
 AVX2_TYPE(Q8_0)
 #endif
 
+/* This build's vector group kernel and its rows of x per call (none: plain C). */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define GROUP_MT VNNI_MT
+#define GROUP(T) group_vnni_##T
+#elif defined(__AVX2__)
+#define GROUP_MT AVX2_MT
+#define GROUP(T) group_avx2_##T
+#endif
+
 /* y[M, N] = x[M, K] @ W^T with x quantized to int8 per block; W repacked by hp_repack.
  * Returns 0; -1 for an unknown type or K not a multiple of 32; -2 when out of memory. */
 int hp_qmatmul_i8(int qtype, const float *x, int M, int K, const uint8_t *wp, int N, float *y, int nthreads) {
@@ -471,23 +480,14 @@ int hp_qmatmul_i8(int qtype, const float *x, int M, int K, const uint8_t *wp, in
         for (int g = 0; g < groups; g++) {
             const uint8_t *gp = wp + (size_t)g * nb * unit_bytes(qtype);
             const int nvalid = N - g * G < G ? N - g * G : G;
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-            for (int m0 = 0; m0 < M; m0 += VNNI_MT) {
-                const int mt = M - m0 < VNNI_MT ? M - m0 : VNNI_MT;
+#if defined(GROUP_MT)
+            for (int m0 = 0; m0 < M; m0 += GROUP_MT) {
+                const int mt = M - m0 < GROUP_MT ? M - m0 : GROUP_MT;
                 const size_t xo = (size_t)m0 * nb;
                 float *yo = y + (size_t)m0 * N + (size_t)g * G;
-                if (qtype == Q4_0) group_vnni_Q4_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-                else if (qtype == Q4_1) group_vnni_Q4_1(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-                else group_vnni_Q8_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-            }
-#elif defined(__AVX2__)
-            for (int m0 = 0; m0 < M; m0 += AVX2_MT) {
-                const int mt = M - m0 < AVX2_MT ? M - m0 : AVX2_MT;
-                const size_t xo = (size_t)m0 * nb;
-                float *yo = y + (size_t)m0 * N + (size_t)g * G;
-                if (qtype == Q4_0) group_avx2_Q4_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-                else if (qtype == Q4_1) group_avx2_Q4_1(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-                else group_avx2_Q8_0(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+                if (qtype == Q4_0) GROUP(Q4_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+                else if (qtype == Q4_1) GROUP(Q4_1)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+                else GROUP(Q8_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
             }
 #else
             group_c(qtype, gp, nb, xq, dx, xsum, sx, M, K, y + (size_t)g * G, N, nvalid);
