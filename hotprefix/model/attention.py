@@ -142,7 +142,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         if i in done:
             continue
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
-        if s.is_causal and kv.k.dtype == q.dtype:  # the whole context is this step's k, v: no read-back
+        if s.is_causal and kv.k.dtype == q.dtype and q.device.type == "cpu":  # context = this step's k, v
             ks = k[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [KVH, ctx, D], strided
             vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
         else:
