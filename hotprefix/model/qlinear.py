@@ -12,14 +12,15 @@ ways to multiply by the blocks (`--quantized-matmul`):
 - int8: activations are quantized to int8 per 32-element block (llama.cpp's
   method) and multiplied with integer dot products (AVX-512 VNNI, or AVX2's
   vpmaddubsw) on a regrouped copy of the blocks, for every M: 3-4x faster than
-  either float32 route on a VNNI CPU, 2-8x with AVX2. On the default model its next-token distributions stay as close to
-  the float32 ones as llama.cpp's (mean KL divergence 0.004 on 256 tokens of text).
+  either float32 route on a VNNI CPU, 2-8x with AVX2. On the default model its
+  next-token distributions stay as close to the float32 ones as llama.cpp's
+  (mean KL divergence 0.004 on 256 tokens of text).
 
-The C file is compiled at first use with the system's C compiler
-(-O3 -march=native -fopenmp) into $HOTPREFIX_CACHE/kernels and loaded with
-ctypes; without a compiler, or with HOTPREFIX_QKERNEL=0, everything runs on the
-float32 weights as before. Larger M (prefill chunks) always uses the float32
-weights: there the product is compute-bound and MKL is faster.
+The same library also holds the decode attention over the paged pool and, for
+int8 mode, RMSNorm, RoPE and silu * up. It is compiled at first use with the
+system's C compiler (-O3 -march=native -fopenmp) into $HOTPREFIX_CACHE/kernels
+and loaded with ctypes; without a compiler, or with HOTPREFIX_QKERNEL=0, all of
+it falls back to torch on the float32 weights.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hotprefix.config import cache_root
+from hotprefix.config import QUANTIZED_MATMUL, ConfigError, cache_root
 
 log = logging.getLogger(__name__)
-MATMUL_MODES = ("auto", "int8", "float32")
 SOURCE = Path(__file__).parent / "csrc" / "qgemv.c"
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
@@ -261,10 +261,10 @@ def packable(device: torch.device, dtype: torch.dtype) -> bool:
 
 def resolve_matmul(mode: str) -> str:
     """"int8" or "float32" for a --quantized-matmul mode; auto is int8 where this
-    build runs it on vector instructions (AVX-512 VNNI or AVX2). Raises ValueError
-    for an unknown mode."""
-    if mode not in MATMUL_MODES:
-        raise ValueError(f"--quantized-matmul must be one of {', '.join(MATMUL_MODES)}, got {mode!r}")
+    build runs it on vector instructions (AVX-512 VNNI or AVX2). Raises ConfigError
+    (a ValueError) for an unknown mode."""
+    if mode not in QUANTIZED_MATMUL:
+        raise ConfigError(f"--quantized-matmul must be one of {', '.join(QUANTIZED_MATMUL)}, got {mode!r}")
     if mode != "auto":
         return mode
     lib = library()
