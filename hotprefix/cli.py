@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for --preemption-mode swap")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running in one step")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default 2048; without chunked prefill max(2048, max-model-len))")
     s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over several steps within the token budget")
     s.add_argument("--long-prefill-token-threshold", type=int, default=0,
@@ -78,7 +79,7 @@ def engine_config_from_args(a: argparse.Namespace):
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from hotprefix.config import ServerConfig
+    from hotprefix.config import AdmissionConfig, ServerConfig
     from hotprefix.server.launcher import serve
 
     template = a.chat_template
@@ -87,7 +88,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             template = f.read()
     serve(engine_config_from_args(a),
           ServerConfig(host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
-                       chat_template=template, max_num_queued_requests=a.max_num_queued_requests,
+                       chat_template=template,
+                       admission=AdmissionConfig(a.max_num_queued_requests, a.preprocess_timeout),
+                       max_n=a.max_n, max_request_body_bytes=parse_size(a.max_request_body_bytes),
+                       trust_request_chat_template=a.trust_request_chat_template,
                        request_log=a.request_log, shutdown_timeout=a.shutdown_timeout,
                        log_level="debug" if a.verbose else "info"))
     return 0
@@ -151,8 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 and admin endpoints (env HOTPREFIX_API_KEY)")
     h.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (file or string) to override the model's")
-    h.add_argument("--max-num-queued-requests", type=int, default=None,
-                   help="answer 503 when this many requests wait for their first token")
+    h.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (the server renders it; refused by default)")
+    lim = sv.add_argument_group("limits (what one request may ask for)")
+    lim.add_argument("--max-num-queued-requests", type=int, default=1024,
+                     help="sequences (prompts x n) that may wait for their first token; beyond it 503 + Retry-After")
+    lim.add_argument("--max-n", type=int, default=16, help="the most samples (n, best_of) of one request")
+    lim.add_argument("--max-request-body-bytes", default="4MiB", help="a larger request body gets 413")
+    lim.add_argument("--preprocess-timeout", type=float, default=20.0,
+                     help="seconds one request's chat template and tokenization may take (then 400)")
     h.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")

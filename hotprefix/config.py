@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -124,38 +124,66 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks_override}")
 
 
+DEFAULT_BATCHED_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How many requests and tokens one engine step may take, in what order,
     and what happens when KV blocks run out.
 
+    max_num_batched_tokens: the step's token budget; None: 2048, or without chunked
+    prefill max(2048, max_model_len) (vLLM's rule), since a prompt (or a preempted
+    prompt with its output) must then fit one step whole (see `resolved`).
     long_prefill_token_threshold: if > 0, no request computes more than this
-    many tokens in one step (long prompts cannot crowd out decodes).
+    many tokens in one step (long prompts cannot crowd out decodes); needs
+    chunked prefill.
     preemption_mode: recompute (free and recompute) or swap (copy to host memory).
-    max_num_queued_requests: refuse new requests beyond this many waiting (None: no limit).
+    How many requests may wait is the server's admission limit
+    (ServerConfig.max_num_queued_requests), not the scheduler's.
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
-    max_num_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.max_num_queued_requests is not None and self.max_num_queued_requests < 1:
-            raise ConfigError(f"--max-num-queued-requests must be >= 1, got {self.max_num_queued_requests}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ConfigError("--long-prefill-token-threshold splits prompts over steps: it needs chunked prefill "
+                              "(drop --no-enable-chunked-prefill)")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+
+    @property
+    def token_budget(self) -> int:
+        """The step's token budget (DEFAULT_BATCHED_TOKENS when not set)."""
+        return self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+
+    def resolved(self, max_model_len: int) -> SchedulerConfig:
+        """This config with the budget filled in for a model of max_model_len tokens.
+        Raises ConfigError when chunked prefill is off and an explicit budget is
+        smaller than max_model_len: such a prompt could never be scheduled."""
+        budget = self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return replace(self, max_num_batched_tokens=budget or DEFAULT_BATCHED_TOKENS)
+        if budget is None:
+            return replace(self, max_num_batched_tokens=max(DEFAULT_BATCHED_TOKENS, max_model_len))
+        if budget < max_model_len:
+            raise ConfigError(f"--max-num-batched-tokens {budget} is smaller than --max-model-len {max_model_len}: "
+                              "without chunked prefill a prompt must fit one step; raise the one or lower the "
+                              "other")
+        return self
 
 
 @dataclass(frozen=True)
@@ -168,12 +196,42 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """What the async engine admits (the one owner of the queue limit).
+
+    max_num_queued_requests: sequences (a request with n samples over k prompts
+    counts n x k) that may wait for their first token; a request that would pass
+    it gets 503 with Retry-After before any response starts, one larger than the
+    whole limit a 400.
+    preprocess_timeout: seconds one request's template rendering and tokenization
+    (in worker threads, never on the event loop) may take before it gets a 400.
+    preprocess_workers: those worker threads.
+    """
+
+    max_num_queued_requests: int = 1024
+    preprocess_timeout: float = 20.0
+    preprocess_workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_num_queued_requests < 1:
+            raise ConfigError(f"--max-num-queued-requests must be >= 1, got {self.max_num_queued_requests}")
+        if not self.preprocess_timeout > 0:
+            raise ConfigError(f"--preprocess-timeout must be > 0, got {self.preprocess_timeout}")
+        if self.preprocess_workers < 1:
+            raise ConfigError(f"preprocess_workers must be >= 1, got {self.preprocess_workers}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server around the engine.
 
     api_key: when set, /v1/* and the admin endpoints need `Authorization: Bearer <key>`.
     request_log: a file to append one JSON line per finished request to.
     shutdown_timeout: seconds to let running requests finish after SIGTERM.
+    admission: how many sequences may wait, and the preprocessing budget (AdmissionConfig).
+    max_n: the most samples (n, best_of) one request may ask for.
+    max_request_body_bytes: a larger body gets 413 before it is parsed.
+    trust_request_chat_template: accept a request's own `chat_template` (the server runs it).
     """
 
     host: str = "127.0.0.1"
@@ -181,7 +239,10 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     chat_template: str | None = None
-    max_num_queued_requests: int | None = None
+    admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
+    max_n: int = 16
+    max_request_body_bytes: int = 4 << 20
+    trust_request_chat_template: bool = False
     request_log: str | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -191,3 +252,6 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        for flag, value in (("--max-n", self.max_n), ("--max-request-body-bytes", self.max_request_body_bytes)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")

@@ -24,3 +24,13 @@ class PromptTooLongError(InvalidRequestError):
         super().__init__(msg + ". Please reduce the length of the input.", param="messages")
         self.max_model_len = max_model_len
         self.num_prompt_tokens = num_prompt_tokens
+
+
+class QueueFullError(RuntimeError):
+    """Admitting the request would put more than --max-num-queued-requests
+    sequences in the queue (HTTP 503 with Retry-After)."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (HTTP 500 for it; every other
+    request goes on). The message says why."""

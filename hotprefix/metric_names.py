@@ -26,3 +26,4 @@ QUEUE_TIME = "request_queue_time_seconds"
 REQUEST_PROMPT_TOKENS = "request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "request_generation_tokens"
 CACHE_CONFIG_INFO = "cache_config_info"
+REQUEST_REJECTIONS = "request_rejections"  # hotprefix only: refused before the engine, by reason

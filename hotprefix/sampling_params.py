@@ -9,6 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Bounds on what one request may ask of every engine step (each list is walked per step).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 4096
+MAX_TOP_K = 1 << 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +28,9 @@ class SamplingParams:
     only (OpenAI's definition). `logprobs` asks for the sampled token's log
     probability and that many alternatives (from the raw model distribution).
     `logit_bias` adds a bias to the logits of given token ids before sampling.
+    `seed` is any int64 (vLLM's range); the n samples of one request use seed,
+    seed + 1, ... wrapping within int64. Token ids are checked against the
+    model's vocabulary by the engine, which knows it.
     """
 
     n: int = 1
@@ -55,12 +66,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ValueError naming the first invalid field (never echoing a whole list)."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             _check(math.isfinite(getattr(self, name)), name, getattr(self, name), "must be a finite number")
-        _check(all(math.isfinite(b) for _, b in self.logit_bias), "logit_bias", self.logit_bias,
-               "must hold finite biases")
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
@@ -68,7 +77,8 @@ class SamplingParams:
                self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "must be -1, 0 (disabled) or >= 1")
+        _check(self.top_k == -1 or 0 <= self.top_k <= MAX_TOP_K, "top_k", self.top_k,
+               f"must be -1, 0 (disabled) or in [1, {MAX_TOP_K}]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
@@ -76,13 +86,26 @@ class SamplingParams:
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
                "must be in [-2, 2]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "must be non-negative token ids")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
-        _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias", self.logit_bias,
-               "must map token ids to biases in [-100, 100]")
+        _check(self.seed is None or (isinstance(self.seed, int) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
+               self.seed, f"must be an integer in [{INT64_MIN}, {INT64_MAX}]")
+        self._validate_lists()
+
+    def _validate_lists(self) -> None:
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", len(self.stop),
+               f"must hold at most {MAX_STOP_STRINGS} strings")
+        bad = next((s for s in self.stop if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS),
+                   None)
+        _check(bad is None, "stop", str(bad)[:40],
+               f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", len(self.stop_token_ids),
+               f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
+        bad = next((t for t in self.stop_token_ids if not isinstance(t, int) or t < 0), None)
+        _check(bad is None, "stop_token_ids", bad, "must be non-negative token ids")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", len(self.logit_bias),
+               f"must hold at most {MAX_LOGIT_BIAS} entries")
+        bad = next(((t, b) for t, b in self.logit_bias if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0)),
+                   None)
+        _check(bad is None, "logit_bias", bad, "must map token ids to finite biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -94,8 +117,9 @@ class SamplingParams:
         return max(self.top_k, 0)
 
     def for_child(self, index: int) -> SamplingParams:
-        """The parameters of the index-th of n samples: n=1, and a distinct derived seed."""
-        seed = None if self.seed is None else self.seed + index
+        """The parameters of the index-th of n samples: n=1, and a distinct derived
+        seed (seed + index, wrapped into int64)."""
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
         return replace(self, n=1, seed=seed)
 
 

@@ -148,14 +148,23 @@ class BlockPool:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
-        """Record that a held block holds the KV of block_hash. If another block
-        already caches that hash (two requests computed the same block at once),
-        the first stays the cached one and this block stays uncached."""
+    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
+        """Record that a held block holds the KV of block_hash; True if it is now
+        the cached block for it. If another block already caches that hash (two
+        requests computed the same block at once), the first stays the cached one
+        and this block stays uncached (False)."""
         if block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def uncache(self, block: Block) -> None:
+        """Forget a block's hash (its KV was never written): later lookups miss it.
+        A block that is not cached is left as it is."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def reset_cache(self) -> int:
         """Forget every unreferenced cached block (referenced ones stay cached).

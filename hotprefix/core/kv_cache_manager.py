@@ -6,7 +6,10 @@ logits give the next token). It shares those blocks (reference counted), and
 gets fresh blocks for the rest. A block is entered in the cache as soon as the
 tokens that fill it are scheduled, so a request scheduled later in the same step
 already hits it: each layer writes the whole batch's new KV before any sequence
-attends.
+attends. Until that step has run, the entry is provisional: `commit()` (the step
+succeeded) keeps it, `rollback()` (the step failed, its KV may not be written)
+forgets it, so a later request never hits a block whose KV was never computed.
+Only requests of the same step can hold a provisional block.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class KVCacheManager:
         self.hasher = BlockHasher(block_size, hash_algo)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # per request: leading blocks already entered in the cache
+        self._provisional: list[Block] = []  # entered in the cache by the step being scheduled and run
         self.pins: dict[BlockHash, list[Block]] = {}
         self.num_pinned_blocks = 0
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
@@ -146,8 +150,22 @@ class KVCacheManager:
         rid = request.request_id
         full = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(self._num_cached.get(rid, 0), full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if self.pool.cache_block(blocks[i], request.block_hashes[i]):
+                self._provisional.append(blocks[i])
         self._num_cached[rid] = max(full, self._num_cached.get(rid, 0))
+
+    def commit(self) -> None:
+        """The step that computed the provisional entries succeeded: they stay cached."""
+        self._provisional = []
+
+    def rollback(self) -> list[Block]:
+        """The step failed: forget every provisional entry (their KV may be unwritten).
+        Returns the blocks that were uncached. Their holders belong to the failed
+        step; the caller finishes them."""
+        undone, self._provisional = self._provisional, []
+        for b in undone:
+            self.pool.uncache(b)
+        return undone
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks, tail first (see block_pool's

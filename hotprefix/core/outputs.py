@@ -56,21 +56,25 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens for the requests that asked for one (by request id)."""
+    """Sampled tokens for the requests that asked for one (by request id), and
+    the requests whose own sampling failed (id -> why): those get no token."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class EngineCoreOutput:
-    """A request's progress after one step: its new token, and its status if it finished."""
+    """A request's progress after one step: its new token, and its status if it
+    finished (with `error` saying why when the status is FINISHED_ERROR)."""
 
     request_id: str
     new_token_ids: list[int]
     finished_status: RequestStatus | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

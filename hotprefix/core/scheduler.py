@@ -14,6 +14,10 @@ running requests not yet scheduled in this step (fcfs: the last admitted;
 priority: the lowest priority, latest arrival). In recompute
 mode its blocks are freed and it is recomputed later (looking the cache up
 again); in swap mode its blocks are copied to host memory and back.
+
+A step either succeeds (`update()` commits the cache entries it made) or fails
+(`fail_step()` rolls them back and fails only the requests it scheduled, which
+may have half-written KV); requests outside the step go on untouched.
 """
 
 from __future__ import annotations
@@ -31,10 +35,6 @@ from hotprefix.core.stats import SchedulerStats
 from hotprefix.core.swap import SwapSpace
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-num-queued-requests (the server answers 503)."""
 
 
 class WaitingQueue:
@@ -96,14 +96,11 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError for a duplicate id and
-        QueueFullError at --max-num-queued-requests."""
+        """Queue a request. Raises ValueError for a duplicate id (a caller's bug:
+        the engine gives every request a fresh id). How many may wait is decided
+        before a request gets here (AsyncEngine's admission)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        limit = self.config.max_num_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"the server has {len(self.waiting)} queued requests, the limit "
-                                 "(--max-num-queued-requests); try again later")
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -139,13 +136,19 @@ class Scheduler:
         return min(n, budget)
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's work. Mutates queues, requests and the pools."""
+        """Choose this step's work. Mutates queues, requests and the pools. If it
+        raises (a bug), the cache entries it made are rolled back first; the
+        caller then fails every request (`fail_all`)."""
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         self._step_preemptions = 0
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        budget = self._schedule_swapped(out, budget)
-        self._schedule_waiting(out, budget)
+        try:
+            budget = self._schedule_running(out, self.config.token_budget)
+            budget = self._schedule_swapped(out, budget)
+            self._schedule_waiting(out, budget)
+        except BaseException:
+            self.kv.rollback()
+            raise
         # Host blocks read by this step's swap-ins (or released by aborts) are
         # reused only from the next step on: the runner copies out before in.
         self.swap.free(self._host_to_free)
@@ -248,8 +251,11 @@ class Scheduler:
         self.waiting.push(req, front=True)
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that hit a stop condition."""
-        outputs: list[EngineCoreOutput] = []
+        """The step ran: commit its cache entries, append sampled tokens, finish
+        requests that hit a stop condition, and fail the requests whose sampling
+        failed (`result.failed`)."""
+        self.kv.commit()
+        outputs = self._finish_with_error(list(result.failed), result.failed)
         for sr in sched.requests:
             req = self.requests.get(sr.request_id)
             if req is None or not sr.sample:
@@ -264,6 +270,27 @@ class Scheduler:
                                             [lp] if lp is not None else []))
             if status is not None:
                 self.finish_requests([req.request_id], status)
+        return outputs
+
+    def fail_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """The step could not run (its KV may be half written): forget the cache
+        entries it made and fail the requests it scheduled; nothing else changes."""
+        self.kv.rollback()
+        return self._finish_with_error([r.request_id for r in sched.requests], {}, error)
+
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """Fail every unfinished request (after a bug in schedule() itself)."""
+        self.kv.rollback()
+        return self._finish_with_error(list(self.requests), {}, error)
+
+    def _finish_with_error(self, request_ids: list[str], errors: dict[str, str],
+                           default: str = "") -> list[EngineCoreOutput]:
+        outputs = []
+        for rid in request_ids:
+            if rid in self.requests:
+                self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR,
+                                                error=errors.get(rid, default)))
         return outputs
 
     def _pin_prompt(self, req: Request) -> None:

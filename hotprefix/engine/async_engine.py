@@ -1,25 +1,36 @@
 """The async engine: the step loop on a background thread, outputs streamed to asyncio.
 
-The engine thread owns the LLMEngine: it alone queues, aborts and steps. The
-event loop validates and tokenizes a request (so a bad request fails at once,
-before any response is started), then hands it over through a command queue;
-each step's outputs come back through per-request asyncio queues. Model compute
-runs off the event loop, so the server keeps answering while a step runs.
+Threads and what they own:
+- the engine thread owns the LLMEngine: it alone queues, aborts and steps, and
+  runs `call()`ed functions between steps;
+- preprocessing workers (a small pool) render chat templates and tokenize client
+  input, within a time budget, so nothing slow runs on the event loop;
+- the event loop owns admission (how many sequences wait for their first token:
+  the one queue limit) and the streams; it reads only what never changes after
+  start-up (vocabulary, block size, max_model_len) and tokenizes nothing itself
+  beyond single tokens.
+
+Every tokenizer call runs on a per-thread copy (engine.tokenizer.PromptEncoder),
+so no thread waits on another's tokenization. Engine request ids are made here
+and never reused, so an output can never reach a stream it does not belong to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from hotprefix.core.scheduler import QueueFullError
+from hotprefix.config import AdmissionConfig
 from hotprefix.core.stats import SchedulerStats
-from hotprefix.engine.llm_engine import LLMEngine, RequestOutput
+from hotprefix.engine.llm_engine import LLMEngine, RequestOutput, _State
+from hotprefix.errors import InvalidRequestError, QueueFullError
 from hotprefix.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -27,6 +38,30 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request engine options besides sampling (see LLMEngine.add_request)."""
+
+    priority: int = 0
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+    cache_salt_offset: int = 0
+    pin_prefix: bool = False
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation to render with the chat template (in a preprocessing worker)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+
+Prompt = str | list[int] | ChatPrompt
 
 
 @dataclass
@@ -45,16 +80,45 @@ class EngineCounters:
         self.evicted_blocks += st.prefix_cache.evicted_blocks
 
 
-class RequestStream:
-    """The outputs of one request, in step order. Iterating ends after the
-    finished output; closing it early (or cancelling the consumer) aborts the request."""
+# -- commands to the engine thread ---------------------------------------------------------------
+@dataclass(frozen=True)
+class _Add:
+    states: list[_State]
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class _Wake:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Wake
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """The outputs of one engine request, in step order. Iterating ends after the
+    finished output (or raises the error that ended it); closing it early, or
+    cancelling the consumer, aborts the request. Lives on the event loop."""
+
+    engine: AsyncEngine
+    request_id: str
+    prompt_token_ids: list[int]
+    weight: int  # sequences it counts against the queue limit until its first output
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False  # the consumer has seen the end, or closed it
+    started: bool = False  # a first output arrived: it no longer counts as queued
+    ended: bool = False  # the engine has sent its last item
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -72,33 +136,38 @@ class RequestStream:
             self.close()
 
     def close(self) -> None:
-        """Abort the request unless it finished. Idempotent."""
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-        self.engine._streams.pop(self.request_id, None)
+        """Abort the request unless it ended; stop counting it. Idempotent."""
+        self.finished = True
+        self.engine._forget(self, abort=not self.ended)
 
 
 class AsyncEngine:
-    """Drives an LLMEngine on a background thread. Start it from the event loop
-    that will consume its streams."""
+    """Drives an LLMEngine on a background thread; the facade HTTP handlers use.
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+    Start it from the event loop that will consume its streams. `thread`/`go`
+    come from `load()`: a thread that built the engine and waits for `go` to
+    run the step loop."""
+
+    def __init__(self, engine: LLMEngine, limits: AdmissionConfig | None = None,
+                 thread: threading.Thread | None = None, go: threading.Event | None = None) -> None:
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
+        self.limits = limits or AdmissionConfig()
         self.counters = EngineCounters()
-        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.num_queued = 0  # sequences admitted with no output yet (event loop only)
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._not_started: set[str] = set()  # accepted, no token yet (touched on both threads under the GIL)
+        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._go = go or threading.Event()
         self._stop = threading.Event()
         self._ready = threading.Event()  # set once the engine thread has warmed the model up
+        self._workers = ThreadPoolExecutor(self.limits.preprocess_workers, thread_name_prefix="hotprefix-prep")
         self.dead: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------
     @classmethod
-    def load(cls, build: Callable[[], LLMEngine], max_queued_requests: int | None = None) -> AsyncEngine:
+    def load(cls, build: Callable[[], LLMEngine], limits: AdmissionConfig | None = None) -> AsyncEngine:
         """Build the engine on the engine thread itself and return once it is built
         (re-raising what `build` raised); `start()` then runs the loop on that thread.
 
@@ -107,52 +176,49 @@ class AsyncEngine:
         main thread's, had it loaded or warmed the model) made every step on the
         engine thread about 2x slower (decode 37 ms -> 16 ms a token without it).
         """
-        self = cls.__new__(cls)
-        built = threading.Event()
+        built, go = threading.Event(), threading.Event()
         box: dict[str, Any] = {}
-        self._go = threading.Event()
 
         def bootstrap() -> None:
             try:
-                box["engine"] = build()
-                box["engine"].warmup()
+                engine = build()
+                engine.warmup()
             except BaseException as e:  # reported to the caller
                 box["error"] = e
                 built.set()
                 return
+            box["engine"] = engine
             built.set()
-            self._go.wait()
-            if not self._stop.is_set():
-                self._run()
+            go.wait()
+            me: AsyncEngine = box["self"]
+            if not me._stop.is_set():
+                me._run()
 
         thread = threading.Thread(target=bootstrap, name="hotprefix-engine", daemon=True)
         thread.start()
         built.wait()
         if "error" in box:
             raise box["error"]
-        cls.__init__(self, box["engine"], max_queued_requests)
-        self._thread = thread
-        return self
+        box["self"] = cls(box["engine"], limits, thread, go)
+        return box["self"]
 
     def start(self) -> None:
         """Start the step loop on the engine thread (call from the running event loop)."""
         self._loop = asyncio.get_running_loop()
-        if self._thread is not None:  # built by load(): its thread waits for this
-            self._go.set()
-            return
-        self._thread = threading.Thread(target=self._run, name="hotprefix-engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hotprefix-engine", daemon=True)
+            self._thread.start()
+        self._go.set()
 
     async def shutdown(self) -> None:
-        """Stop the thread after the current step; unfinished requests are aborted."""
+        """Stop the thread after the current step; unfinished requests end with EngineDeadError."""
         self._stop.set()
-        if getattr(self, "_go", None) is not None:
-            self._go.set()
-        self._cmds.put(("wake",))
-        if self._thread is not None:
+        self._go.set()
+        self._cmds.put(_Wake())
+        if self._thread is not None and self._thread.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        for s in list(self._streams.values()):
-            s.queue.put_nowait(EngineDeadError("the server is shutting down"))
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._fail_streams(EngineDeadError("the server is shutting down"))
 
     @property
     def num_unfinished(self) -> int:
@@ -168,78 +234,212 @@ class AsyncEngine:
         """Alive and warmed up (what /health reports)."""
         return self.is_alive and self._ready.is_set()
 
+    # -- what never changes after start-up (safe from any thread) -------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.arch.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.kv.block_size
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.config.scheduler.scheduling_policy
+
+    def cache_info(self) -> dict[str, str]:
+        """The KV cache's configuration, as labels of hotprefix:cache_config_info."""
+        plan, cc = self.engine.runner.plan, self.engine.config.cache
+        return {"block_size": str(plan.block_size), "num_gpu_blocks": str(plan.num_blocks),
+                "cache_dtype": plan.dtype_name, "enable_prefix_caching": str(cc.enable_prefix_caching),
+                "prefix_caching_hash_algo": cc.prefix_caching_hash_algo}
+
     # -- requests -------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    **kwargs: Any) -> RequestStream:
-        """Validate and submit a request; returns its stream. Raises
-        InvalidRequestError (bad input), QueueFullError (too many requests
-        waiting for their first token) or EngineDeadError, before anything is queued."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
-        if request_id in self._streams:
-            from hotprefix.errors import InvalidRequestError
+    async def submit(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
+                     options: RequestOptions | None = None) -> list[RequestStream]:
+        """Admit, preprocess (off the loop) and queue one engine request per prompt;
+        returns their streams, which the caller must close (iterating to the end
+        closes them). Raises before anything is queued: InvalidRequestError (bad
+        input, or more sequences than the queue ever holds), QueueFullError (the
+        queue limit is reached now) or EngineDeadError."""
+        options = options or RequestOptions()
+        self._check_alive()
+        weight = len(prompts) * params.n
+        self._admit(weight)
+        self.num_queued += weight
+        try:
+            states = await self._preprocess(request_id, prompts, params, options)
+            if options.pin_prefix:
+                for st in states:  # early 400; enqueue checks again on the engine thread
+                    await self.call(lambda e, st=st: e.check_pin_room(st.prompt_token_ids, options.cache_salt,
+                                                                      options.cache_salt_offset))
+            self._check_alive()
+        except BaseException:
+            self.num_queued -= weight
+            raise
+        streams = [RequestStream(self, st.request_id, st.prompt_token_ids, len(st.children)) for st in states]
+        for s in streams:
+            self._streams[s.request_id] = s
+        self._cmds.put(_Add(states))
+        return streams
 
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        limit = self.max_queued_requests
-        if limit is not None and len(self._not_started) >= limit:
-            raise QueueFullError(f"the server has {len(self._not_started)} queued requests, the limit "
-                                 "(--max-num-queued-requests); try again later")
-        prepared = self.engine.prepare_request(request_id, prompt, params, **kwargs)
-        stream = RequestStream(self, request_id, prepared.prompt_token_ids)
-        self._streams[request_id] = stream
-        self._not_started.add(request_id)
-        self._cmds.put(("add", prepared))
-        return stream
-
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """add_request, then its outputs; cancelling the consumer aborts the request."""
-        async for out in self.add_request(request_id, prompt, params, **kwargs):
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       options: RequestOptions | None = None) -> AsyncIterator[RequestOutput]:
+        """submit() one prompt, then its outputs; cancelling the consumer aborts the request."""
+        (stream,) = await self.submit(request_id, [prompt], params, options)
+        async for out in stream:
             yield out
 
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+
+    def _admit(self, weight: int) -> None:
+        limit = self.limits.max_num_queued_requests
+        if weight > limit:
+            raise InvalidRequestError(f"this request asks for {weight} sequences (prompts x n), more than the "
+                                      f"{limit} the server queues at once (--max-num-queued-requests)", "n")
+        if self.num_queued + weight > limit:
+            raise QueueFullError(f"the server has {self.num_queued} sequences waiting for their first token, and "
+                                 f"this request would exceed the limit of {limit} (--max-num-queued-requests); "
+                                 "try again later")
+
+    async def _preprocess(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
+                          options: RequestOptions) -> list[_State]:
+        """Render and tokenize in a worker thread, within the time budget."""
+        base = f"{request_id}-{next(self._ids):x}"
+
+        def work() -> list[_State]:
+            return [self.engine.prepare_request(f"{base}-{i}", self._render(p), params, options.priority,
+                                                options.add_special_tokens, options.cache_salt,
+                                                options.cache_salt_offset, options.pin_prefix)
+                    for i, p in enumerate(prompts)]
+
+        return await self._in_worker(work)
+
+    def _render(self, prompt: Prompt) -> str | list[int]:
+        if isinstance(prompt, ChatPrompt):
+            return self.engine.encode_chat(prompt.messages, prompt.add_generation_prompt,
+                                           prompt.continue_final_message, prompt.chat_template)
+        return prompt
+
+    async def _in_worker(self, fn: Callable[[], Any]) -> Any:
+        """fn() on a preprocessing thread. Raises InvalidRequestError when it takes
+        longer than the budget (the thread finishes its bounded work and is discarded)."""
+        fut = asyncio.get_running_loop().run_in_executor(self._workers, fn)
+        try:
+            return await asyncio.wait_for(fut, self.limits.preprocess_timeout)
+        except asyncio.TimeoutError:
+            raise InvalidRequestError(f"preparing the prompt took longer than {self.limits.preprocess_timeout:g}s "
+                                      "(--preprocess-timeout); send a shorter prompt") from None
+
     def abort(self, request_id: str) -> None:
-        """Abort a request in any state (thread-safe; a no-op once it finished)."""
-        self._not_started.discard(request_id)
-        self._cmds.put(("abort", request_id))
+        """Ask the engine thread to abort a request in any state (a no-op once it finished)."""
+        self._cmds.put(_Abort(request_id))
+
+    def _forget(self, stream: RequestStream, abort: bool) -> None:
+        """A stream is closed: stop counting it as queued, drop it, abort it if it runs."""
+        if self._streams.pop(stream.request_id, None) is not None and not stream.started:
+            stream.started = True
+            self.num_queued -= stream.weight
+        if abort:
+            stream.ended = True
+            self.abort(stream.request_id)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps; return its result or raise its error."""
-        if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
+        self._check_alive()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._cmds.put(("call", fn, fut))
+        self._cmds.put(_Call(fn, fut))
         return await fut
+
+    # -- facade for handlers (event loop) -------------------------------------------------------------
+    async def tokenize(self, prompt: str | ChatPrompt, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text (or of a conversation, rendered), in a worker. Raises InvalidRequestError."""
+        if isinstance(prompt, ChatPrompt):
+            return await self._in_worker(lambda: list(self._render(prompt)))
+        return await self._in_worker(lambda: self.engine.tokenize(prompt, add_special_tokens))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids, in a worker. Raises InvalidRequestError for an id out of range."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {self.vocab_size}",
+                                      "tokens")
+        return await self._in_worker(lambda: self.engine.detokenize(ids))
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (cheap; for logprobs), on this thread's tokenizer copy."""
+        return self.engine.detokenize([token_id])
+
+    def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
+        """The block hashes of a prompt's full blocks (pure: no engine state)."""
+        return self.engine.prefix_hashes(ids, cache_salt, cache_salt_offset)
+
+    async def pin(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> int:
+        return await self.call(lambda e: e.pin(ids, cache_salt, cache_salt_offset))
+
+    async def unpin(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> int:
+        return await self.call(lambda e: e.unpin(ids, cache_salt, cache_salt_offset))
+
+    async def reset_prefix_cache(self) -> int:
+        return await self.call(lambda e: e.reset_prefix_cache())
 
     # -- the engine thread ----------------------------------------------------------
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """On the loop: hand an output to its stream (if it is still open)."""
         stream = self._streams.get(request_id)
-        if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if stream is None:
+            return
+        if not stream.started:
+            stream.started = True
+            self.num_queued -= stream.weight
+        if isinstance(item, BaseException) or item.finished:
+            stream.ended = True
+            del self._streams[request_id]
+        stream.queue.put_nowait(item)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        """On the loop: end every open stream with `error`."""
+        for rid in list(self._streams):
+            self._deliver(rid, error)
 
     def _set_future(self, fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
         def done() -> None:
             if not fut.done():
                 fut.set_exception(error) if error is not None else fut.set_result(value)
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(done)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(done)
 
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            prepared = cmd[1]
-            try:
-                self.engine.enqueue(prepared)
-            except Exception as e:  # queue full or duplicate id: tell the consumer
-                self._not_started.discard(prepared.request_id)
-                self._post(prepared.request_id, e)
-        elif kind == "abort":
-            self.engine.abort_request(cmd[1])
-        elif kind == "call":
-            _, fn, fut = cmd
-            try:
-                self._set_future(fut, fn(self.engine), None)
-            except Exception as e:
-                self._set_future(fut, None, e)
+    def _handle(self, cmd: _Command) -> None:
+        match cmd:
+            case _Add(states):
+                for st in states:
+                    try:
+                        self.engine.enqueue(st)
+                    except Exception as e:  # the pin limit filled up since admission
+                        self._post(st.request_id, e)
+            case _Abort(request_id):
+                self.engine.abort_request(request_id)
+            case _Call(fn, fut):
+                try:
+                    self._set_future(fut, fn(self.engine), None)
+                except Exception as e:
+                    self._set_future(fut, None, e)
+            case _Wake():
+                pass
 
     def _drain(self, block: bool) -> None:
         try:
@@ -263,19 +463,15 @@ class AsyncEngine:
                     continue
                 try:
                     outs = self.engine.step()
-                except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
-                    log.exception("engine step failed; aborting the requests in flight")
+                except Exception as e:  # a bug in scheduling: fail what is in flight, keep serving
+                    log.exception("engine step failed; failing the requests in flight")
                     self.counters.step_errors += 1
-                    for rid in list(self._streams):
-                        self.engine.abort_request(rid)
-                        self._post(rid, e)
-                    continue
+                    outs = self.engine.fail_all(e)
                 self.counters.add(self.engine.scheduler.make_stats())
                 for out in outs:
-                    self._not_started.discard(out.request_id)
                     self._post(out.request_id, out)
         except BaseException as e:  # pragma: no cover - the loop itself broke
             self.dead = e
             log.exception("the engine thread died")
-            for rid in list(self._streams):
-                self._post(rid, EngineDeadError(str(e)))
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_streams, EngineDeadError(str(e)))

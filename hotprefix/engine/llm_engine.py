@@ -22,10 +22,29 @@ from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.model.loader import LoadedModel, load_model
 from hotprefix.model.runner import ModelRunner
-from hotprefix.sampling_params import SamplingParams, TokenLogprobs
+from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
 from hotprefix.sizing import blocks_for_tokens
 
 log = logging.getLogger(__name__)
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_request_options(priority: int, cache_salt: str | None, cache_salt_offset: int) -> None:
+    """Raise InvalidRequestError for a priority, cache salt or salt offset that no
+    request may carry (the salt is hashed with every block: it must be UTF-8 text)."""
+    if not (isinstance(priority, int) and INT64_MIN <= priority <= INT64_MAX):
+        raise InvalidRequestError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}]", "priority")
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters",
+                                      "cache_salt")
+        try:
+            cache_salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("cache_salt must be valid Unicode text (it holds a lone surrogate)",
+                                      "cache_salt") from None
+    if not (isinstance(cache_salt_offset, int) and 0 <= cache_salt_offset <= INT64_MAX):
+        raise InvalidRequestError("cache_salt_offset must be >= 0", "cache_salt_offset")
 
 
 @dataclass
@@ -38,6 +57,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # why, when finish_reason is "error" (this sample alone failed)
 
     @property
     def finished(self) -> bool:
@@ -92,10 +112,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  warmup: bool = True) -> None:
-        self.config = config or EngineConfig()
-        mc = self.config.model
+        config = config or EngineConfig()
+        mc = config.model
         t0 = time.monotonic()
         loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer)
+        self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
+        self.config = replace(config, scheduler=config.scheduler.resolved(self.max_model_len))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.encoder = PromptEncoder(self.tokenizer)
@@ -106,7 +128,6 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.runner.eos_token_ids = tuple(sorted(eos))
-        self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
         plan = self.runner.plan
         cc = self.config.cache
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
@@ -136,6 +157,13 @@ class LLMEngine:
         return self.encoder.apply_chat_template(messages, add_generation_prompt, continue_final_message,
                                                 chat_template)
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        """The token ids of a conversation through the chat template (the template's
+        own special tokens included; no others added). Raises InvalidRequestError."""
+        return self.tokenize(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                      chat_template), False)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
                     cache_salt_offset: int = 0, pin_prefix: bool = False) -> list[int]:
@@ -154,22 +182,27 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                         priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
                         cache_salt_offset: int = 0, pin_prefix: bool = False) -> _State:
-        """Tokenize and validate without touching the queues (safe to call from
-        another thread than the one stepping the engine). Raises InvalidRequestError."""
+        """Tokenize and validate without touching the queues or the pool (safe to
+        call from another thread than the one stepping the engine: it reads only
+        what never changes after start-up). Raises InvalidRequestError, never
+        another error, for any input."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special_tokens)
             text: str | None = prompt
         else:
             ids, text = list(prompt), None
         self._validate(ids, params)
-        if cache_salt_offset < 0:
-            raise InvalidRequestError("cache_salt_offset must be >= 0", "cache_salt_offset")
-        if pin_prefix:
-            self._check_pin_room(ids, cache_salt, cache_salt_offset)
+        check_request_options(priority, cache_salt, cache_salt_offset)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens "
+                                      "left in the context after the prompt", "min_tokens")
         children = []
         for i in range(params.n):
-            cp = replace(params.for_child(i) if params.n > 1 else params, max_tokens=max_tokens)
+            try:
+                cp = replace(params.for_child(i) if params.n > 1 else params, max_tokens=max_tokens)
+            except ValueError as e:  # SamplingParams' own checks
+                raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                           priority=priority, cache_salt=cache_salt, cache_salt_offset=cache_salt_offset,
@@ -179,11 +212,14 @@ class LLMEngine:
         return _State(request_id, text, ids, children, time.monotonic())
 
     def enqueue(self, state: _State) -> None:
-        """Queue a prepared request. Raises InvalidRequestError for an id in use
-        and QueueFullError at the queue limit; nothing is queued then."""
+        """Queue a prepared request. Raises InvalidRequestError for an id in use or
+        a pin_prefix the pin limit has no room for; nothing is queued then."""
         rid = state.request_id
         if rid in self._states:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        first = state.children[0].request
+        if first.pin_prefix:
+            self.check_pin_room(state.prompt_token_ids, first.cache_salt, first.cache_salt_offset)
         added = []
         try:
             for c in state.children:
@@ -200,11 +236,15 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.arch.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {vocab}", "prompt")
-        if len(ids) > self.max_model_len:
+        if len(ids) >= self.max_model_len:  # no room left for a single output token
             raise PromptTooLongError(self.max_model_len, len(ids))
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop_token_ids: token id {bad} is out of range for vocabulary size {vocab}",
+                                      "stop_token_ids")
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(self.max_model_len, len(ids), params.max_tokens)
         if params.logprobs is not None and params.logprobs > vocab:
@@ -232,7 +272,9 @@ class LLMEngine:
         """The block hashes a request with this prompt would get (full blocks only)."""
         return self.kv.hasher.hashes_of(ids, cache_salt, cache_salt_offset)
 
-    def _check_pin_room(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> None:
+    def check_pin_room(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> None:
+        """Raise InvalidRequestError unless pinning this prompt's full blocks stays
+        within --max-pinned-fraction (reads the pool: call on the engine thread)."""
         hashes = self.prefix_hashes(ids, cache_salt, cache_salt_offset)
         if not hashes:
             raise InvalidRequestError("pin_prefix needs a prompt of at least one full block "
@@ -273,16 +315,33 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, and return the requests that progressed."""
+        """Schedule, run the model, and return the requests that progressed.
+
+        Faults stay with their request: a sampling error fails that request, a
+        failed forward pass fails the requests of this step (their KV may be half
+        written; the cache entries the step made are rolled back), and an error
+        while turning one request's tokens into text fails that request. Only an
+        error in scheduling itself (a bug) reaches the caller, which then calls
+        `fail_all`."""
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for sr in sched.requests:
             st = self._states.get(self._child_to_parent.get(sr.request_id, ""))
             if st is not None and st.first_scheduled_time is None:
                 st.first_scheduled_time = now
-        result = self.runner.execute(sched)
-        core_outputs = self.scheduler.update(sched, result)
-        return self._process(core_outputs)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            log.exception("the model step failed; failing the %d requests it held", len(sched.requests))
+            self.runner.forget_step_state()
+            return self._process(self.scheduler.fail_step(sched, f"the model step failed: {e}"))
+        return self._process(self.scheduler.update(sched, result))
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """Fail every unfinished request (the engine loop calls this after a bug in
+        scheduling); their blocks return to the pool and nothing half-made stays cached."""
+        self.runner.forget_step_state()
+        return self._process(self.scheduler.fail_all(f"internal error: {error}"))
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         touched: dict[str, _State] = {}
@@ -294,25 +353,35 @@ class LLMEngine:
             if st is None:
                 continue
             child = next(c for c in st.children if c.request.request_id == co.request_id)
-            st.first_token_time = st.first_token_time or now
-            out = child.out
-            added = new_ids.setdefault(co.request_id, [])
-            for tok in co.new_token_ids:
-                out.token_ids.append(tok)
-                added.append(tok)
-                stop = child.detok.append(tok)
-                if co.logprobs:
-                    out.logprobs = (out.logprobs or []) + co.logprobs
-                if stop is not None and not co.finished:
-                    self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
-                    out.finish_reason, out.stop_reason = "stop", stop
-                    break
-            if co.finished and out.finish_reason is None:
-                out.finish_reason = co.finished_status.finish_reason
-                out.stop_reason = co.stop_reason
-            out.text = child.detok.text
+            try:
+                self._append(st, child, co, new_ids.setdefault(co.request_id, []), now)
+            except Exception as e:  # detokenizing or stop strings failed: this request alone
+                log.exception("request %s: its output could not be processed", co.request_id)
+                self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_ERROR)
+                child.out.finish_reason, child.out.error = "error", f"its output could not be processed: {e}"
             touched[st.request_id] = st
         return [self._output(st, new_ids, now) for st in touched.values()]
+
+    def _append(self, st: _State, child: _Child, co: EngineCoreOutput, added: list[int], now: float) -> None:
+        """Add one step's tokens to a sample: text, stop strings, finish reason."""
+        out = child.out
+        if co.new_token_ids:
+            st.first_token_time = st.first_token_time or now
+        for tok in co.new_token_ids:
+            out.token_ids.append(tok)
+            added.append(tok)
+            stop = child.detok.append(tok)
+            if co.logprobs:
+                out.logprobs = (out.logprobs or []) + co.logprobs
+            if stop is not None and not co.finished:
+                self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
+                out.finish_reason, out.stop_reason = "stop", stop
+                break
+        if co.finished and out.finish_reason is None:
+            out.finish_reason = co.finished_status.finish_reason
+            out.stop_reason = co.stop_reason
+            out.error = co.error
+        out.text = child.detok.text
 
     def _output(self, st: _State, new_ids: dict[str, list[int]], now: float) -> RequestOutput:
         finished = st.finished

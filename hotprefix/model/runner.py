@@ -70,7 +70,7 @@ def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig
         n = cache.num_blocks_override
     elif device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
-        act = activation_bytes_estimate(sched.max_num_batched_tokens, arch.hidden_size, arch.intermediate_size,
+        act = activation_bytes_estimate(sched.token_budget, arch.hidden_size, arch.intermediate_size,
                                         arch.vocab_size, sched.max_num_seqs, torch.finfo(dtype).bits // 8)
         n = num_blocks_in_budget(gpu_kv_budget(total, cache.gpu_memory_utilization, weight_bytes, act),
                                  arch.kv_shape, name, cache.block_size)
@@ -225,12 +225,42 @@ class ModelRunner:
         g = self.generators.get(r.request_id)
         if g is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(r.sampling_params.seed)
+            g.manual_seed(r.sampling_params.seed % 2**64)  # any int64, negative ones included
             self.generators[r.request_id] = g
         return g
 
+    def forget_step_state(self) -> None:
+        """After a failed step: drop what was kept for the next step (gathered
+        cascade K/V), which the failed step may have left half made."""
+        self._gathered = {}
+
+    def _sample_rows(self, sched: SchedulerOutput, out: ModelRunnerOutput
+                     ) -> tuple[list[int], list[str], list[SampleRow]]:
+        """(flat index of each sampled row's last token, its request id, its row).
+        A request whose row cannot be built (its generator) is put in out.failed."""
+        ends, rids, rows = [], [], []
+        end = 0
+        for r in sched.requests:
+            end += len(r.token_ids)
+            if not r.sample:
+                continue
+            p = r.sampling_params
+            stop_ids = () if p.ignore_eos else self.eos_token_ids
+            try:
+                row = SampleRow(p, r.prompt_token_ids, r.output_token_ids, tuple(stop_ids) + p.stop_token_ids,
+                                self._generator(r))
+            except Exception as e:
+                out.failed[r.request_id] = f"sampling could not start: {e}"
+                continue
+            ends.append(end - 1)
+            rids.append(r.request_id)
+            rows.append(row)
+        return ends, rids, rows
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step. Raises only if the forward pass fails (the whole step's
+        fault); a row whose sampling fails lands in the output's `failed`."""
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
         out = ModelRunnerOutput()
@@ -240,23 +270,35 @@ class ModelRunner:
         if not sched.requests:
             return out
         hidden = self.forward(sched)
-        ends, rows, rids = [], [], []
-        end = 0
-        for r in sched.requests:
-            end += len(r.token_ids)
-            if r.sample:
-                ends.append(end - 1)
-                rids.append(r.request_id)
-                p = r.sampling_params
-                stop_ids = () if p.ignore_eos else self.eos_token_ids
-                rows.append(SampleRow(p, r.prompt_token_ids, r.output_token_ids,
-                                      tuple(stop_ids) + p.stop_token_ids, self._generator(r)))
+        ends, rids, rows = self._sample_rows(sched, out)
         if not rows:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])  # [B, V]
-        tokens, lps = self.sampler(logits, rows)
+        last = hidden[torch.tensor(ends, device=self.device)]  # [B, E]
+        try:
+            tokens, lps = self.sampler(self.model.compute_logits(last), rows)  # logits [B, V]
+        except Exception:  # one row's parameters broke the batch: sample each row alone to find it
+            tokens, lps = self._sample_alone(last, rids, rows, out)
         for rid, tok, lp in zip(rids, tokens, lps):
+            if tok is None:
+                continue
             out.sampled_token_ids[rid] = tok
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
+
+    def _sample_alone(self, last: torch.Tensor, rids: list[str], rows: list[SampleRow], out: ModelRunnerOutput
+                      ) -> tuple[list[int | None], list]:
+        """Sample row by row (fresh logits each: the batch call changed them in
+        place); a row that raises gets no token and its request lands in out.failed."""
+        tokens: list[int | None] = []
+        lps: list = []
+        for i, (rid, row) in enumerate(zip(rids, rows)):
+            try:
+                (tok,), (lp,) = self.sampler(self.model.compute_logits(last[i:i + 1]), [row])
+            except Exception as e:
+                log.warning("request %s: sampling failed: %s", rid, e)
+                out.failed[rid] = f"sampling failed: {e}"
+                tok, lp = None, None
+            tokens.append(tok)
+            lps.append(lp)
+        return tokens, lps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,17 +41,21 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def install_common_handlers(app: FastAPI) -> None:
+def install_common_handlers(app: FastAPI, on_reject: Callable[[str], None] | None = None) -> None:
     """400 for invalid bodies and parameters, the status of HTTP exceptions, 500
-    (logged) for anything unexpected: always as an OpenAI error object."""
+    (logged) for anything unexpected: always as an OpenAI error object.
+    on_reject("invalid") is called for each 400 (a rejection metric)."""
+    reject = on_reject or (lambda _reason: None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        reject("invalid")
         msg, param = validation_message(exc)
         return error_response(400, msg, "BadRequestError", param)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        reject("invalid")
         return error_response(400, str(exc), "BadRequestError", exc.param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -21,10 +21,9 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     t0 = time.monotonic()
     log.info("loading %s ...", engine_cfg.model.model or "the default model (SmolLM2-135M-Instruct)")
     # The engine thread loads, warms up and runs the model: it alone runs torch (see AsyncEngine.load).
-    async_engine = AsyncEngine.load(lambda: LLMEngine(engine_cfg, warmup=False), cfg.max_num_queued_requests)
-    engine = async_engine.engine
-    if cfg.chat_template is not None:
-        engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
+    async_engine = AsyncEngine.load(lambda: LLMEngine(engine_cfg, warmup=False), cfg.admission)
+    if cfg.chat_template is not None:  # a broken --chat-template fails the start, not the first request
+        async_engine.engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
     app = build_app(async_engine, cfg)
     log.info("ready to serve after %.1fs", time.monotonic() - t0)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,

@@ -92,6 +92,13 @@ class ServerMetrics:
         self.gen_len = Histogram(P + N.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", lbl,
                                  buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
                                  registry=r)
+        self.rejections = Counter(P + N.REQUEST_REJECTIONS, "Requests refused before reaching the engine, by "
+                                  "reason: invalid, body_too_large, unauthorized, queue_full, engine_not_running.",
+                                  ["model_name", "reason"], registry=r)
+
+    def rejected(self, reason: str) -> None:
+        """Count one refused request (see REJECTION_REASONS)."""
+        self.rejections.labels(self.model_name, reason).inc()
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)

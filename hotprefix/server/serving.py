@@ -1,10 +1,13 @@
 """Handlers for /v1/completions and /v1/chat/completions.
 
 Both go the same way: check the request, build sampling params, submit one
-engine request per prompt (each with n samples), then either stream SSE chunks
-or collect the final outputs while watching for a client disconnect. Any way
-a request ends (finished, failed, client gone) is logged and counted, and an
-unfinished request is aborted so its blocks return to the pool.
+engine request per prompt (each with n samples; the engine renders and
+tokenizes off the event loop), then either stream SSE chunks or collect the
+final outputs while watching for a client disconnect. Any way a request ends
+(finished, failed, client gone, even before the first byte) is logged and
+counted exactly once, and an unfinished request is aborted so its blocks return
+to the pool. An error that belongs to one request (RequestFailedError) ends that
+request alone: a 500, or an error event in its stream.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from hotprefix.engine.async_engine import AsyncEngine, RequestStream
+from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
-from hotprefix.errors import InvalidRequestError
+from hotprefix.errors import InvalidRequestError, RequestFailedError
 from hotprefix.sampling_params import TokenLogprobs
 from hotprefix.server.http_errors import error_body
 from hotprefix.server.metrics import ServerMetrics
@@ -33,6 +36,7 @@ from hotprefix.server.protocol import (
     now,
     random_id,
 )
+from hotprefix.server.responses import ClosingStreamingResponse
 
 log = logging.getLogger("hotprefix.requests")
 
@@ -65,6 +69,25 @@ class Tracker:
     start: float = field(default_factory=time.monotonic)
     last: dict[str, RequestOutput] = field(default_factory=dict)
     last_token_at: dict[str, float] = field(default_factory=dict)
+    done: bool = False  # the log line is written
+
+
+def failure(out: RequestOutput) -> str | None:
+    """Why a sample of this output failed inside the engine, if one did."""
+    return next((o.error or "internal error" for o in out.outputs if o.finish_reason == "error"), None)
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """chat_template: the server's override of the model's template.
+    scheduling_policy: the engine's (priority is refused unless it is "priority").
+    max_n: the most samples one request may ask for (n, best_of).
+    trust_request_chat_template: accept a request's own `chat_template`."""
+
+    chat_template: str | None = None
+    scheduling_policy: str = "fcfs"
+    max_n: int = 16
+    trust_request_chat_template: bool = False
 
 
 @dataclass
@@ -73,29 +96,21 @@ class Serving:
     model_name: str
     metrics: ServerMetrics
     request_log: RequestLog
-    chat_template: str | None = None
-    scheduling_policy: str = "fcfs"
+    options: ServingOptions = field(default_factory=ServingOptions)
 
     # -- shared -------------------------------------------------------------------
-    def _submit(self, body: SamplingFields, prompts: list[str | list[int]], max_tokens: int | None,
-                logprobs: int | None, add_special_tokens: bool, base_id: str) -> list[RequestStream]:
-        """Validate and submit one engine request per prompt. Raises before
-        anything is left queued (already submitted ones are aborted)."""
-        if body.priority != 0 and self.scheduling_policy != "priority":
+    async def _submit(self, body: SamplingFields, prompts: list[Prompt], max_tokens: int | None,
+                      logprobs: int | None, add_special_tokens: bool, base_id: str) -> list[RequestStream]:
+        """Validate and submit one engine request per prompt (see AsyncEngine.submit).
+        Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
+        if body.priority != 0 and self.options.scheduling_policy != "priority":
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
+        if body.n > self.options.max_n:
+            raise InvalidRequestError(f"n must be <= {self.options.max_n} (--max-n), got {body.n}", "n")
         params = body.sampling_params(max_tokens, logprobs)
-        streams: list[RequestStream] = []
-        try:
-            for i, p in enumerate(prompts):
-                streams.append(self.engine.add_request(
-                    f"{base_id}-{i}", p, params, priority=body.priority, add_special_tokens=add_special_tokens,
-                    cache_salt=body.cache_salt, cache_salt_offset=body.cache_salt_offset,
-                    pin_prefix=body.pin_prefix))
-        except Exception:
-            for s in streams:
-                s.close()
-            raise
-        return streams
+        options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
+                                 body.pin_prefix)
+        return await self.engine.submit(base_id, prompts, params, options)
 
     def _observe(self, t: Tracker, out: RequestOutput) -> None:
         stamp = time.monotonic()
@@ -109,7 +124,10 @@ class Serving:
             self.metrics.observe_finished(out)
 
     def _finish(self, t: Tracker, streams: list[RequestStream], status: str) -> None:
-        """Abort what is unfinished, count aborted ones, write the log line."""
+        """Abort what is unfinished, count aborted ones, write the log line (once)."""
+        if t.done:
+            return
+        t.done = True
         for s in streams:
             if not s.finished:
                 s.close()
@@ -140,11 +158,15 @@ class Serving:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _collect(self, streams: list[RequestStream], t: Tracker, raw: Request) -> list[RequestOutput]:
-        """Final outputs of every stream; aborts them all if the client goes away."""
+        """Final outputs of every stream. Raises RequestFailedError when the engine
+        failed one of them; aborts them all if the client goes away (or this is
+        cancelled); however it ends, every stream is closed and the request logged."""
         async def consume(s: RequestStream) -> RequestOutput:
             final = None
             async for out in s:
                 self._observe(t, out)
+                if (why := failure(out)) is not None:
+                    raise RequestFailedError(why)
                 final = out
             assert final is not None and final.finished
             return final
@@ -153,23 +175,21 @@ class Serving:
             while not await raw.is_disconnected():
                 await asyncio.sleep(0.25)
 
+        status = "client_disconnected"
         work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
         watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise asyncio.CancelledError("client disconnected")
+            status = "error"
+            finals = work.result()
+            status = "ok"
+            return finals
         finally:
             watch.cancel()
-        if not work.done():
             work.cancel()
-            self._finish(t, streams, "client_disconnected")
-            raise asyncio.CancelledError("client disconnected")
-        try:
-            finals = work.result()
-        except Exception:
-            self._finish(t, streams, "error")
-            raise
-        self._finish(t, streams, "ok")
-        return finals
+            self._finish(t, streams, status)
 
     async def _merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all streams as they come, tagged with the stream's index."""
@@ -200,10 +220,11 @@ class Serving:
 
     def _sse(self, streams: list[RequestStream], t: Tracker, body: SamplingFields, obj_type: str,
              chunk: Callable[[int, RequestOutput, int], list[dict[str, Any]]],
-             head: Callable[[], list[dict[str, Any]]] | None = None) -> StreamingResponse:
+             head: Callable[[], list[dict[str, Any]]] | None = None) -> ClosingStreamingResponse:
         """Stream chunks as server-sent events: head() gives the first chunk's
         choices (if any), chunk(stream index, output, n) those of one step;
-        then a usage chunk if asked; then [DONE]."""
+        then a usage chunk if asked; then [DONE]. A failure ends the stream with
+        one error event and [DONE]."""
         opts = body.stream_options
         base = {"id": t.request_id, "object": obj_type, "created": now(), "model": self.model_name}
 
@@ -217,6 +238,8 @@ class Serving:
                     yield event({**base, "choices": choices})
                 async for i, out in self._merge(streams):
                     self._observe(t, out)
+                    if (why := failure(out)) is not None:
+                        raise RequestFailedError(why)
                     choices = chunk(i, out, body.n)
                     if not choices:
                         continue
@@ -230,17 +253,18 @@ class Serving:
                 status = "ok"
             except Exception as e:  # an engine failure after the response started: report it in-band
                 status = "error"
-                log.exception("stream %s failed", t.request_id)
+                log.warning("stream %s failed: %s", t.request_id, e)
                 yield event(error_body(str(e), "InternalServerError", 500))
                 yield "data: [DONE]\n\n"
             finally:
                 self._finish(t, streams, status)
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return ClosingStreamingResponse(gen(), lambda: self._finish(t, streams, "client_disconnected"),
+                                        media_type="text/event-stream")
 
     def _logprobs_of(self, lps: list[TokenLogprobs] | None) -> tuple[list[str], list[TokenLogprobs]]:
         lps = lps or []
-        return [self.engine.engine.detokenize([lp.sampled.token_id]) for lp in lps], lps
+        return [self.engine.token_text(lp.sampled.token_id) for lp in lps], lps
 
     def completion_logprobs(self, lps: list[TokenLogprobs] | None, k: int, offset: int) -> dict[str, Any]:
         toks, lps = self._logprobs_of(lps)
@@ -248,20 +272,20 @@ class Serving:
         for s in toks:
             offsets.append(pos)
             pos += len(s)
-        dt = self.engine.engine.detokenize
+        dt = self.engine.token_text
         return {"tokens": toks, "token_logprobs": [lp.sampled.logprob for lp in lps],
-                "top_logprobs": [{dt([a.token_id]): a.logprob for a in lp.top[:k]} for lp in lps],
+                "top_logprobs": [{dt(a.token_id): a.logprob for a in lp.top[:k]} for lp in lps],
                 "text_offset": offsets}
 
     def chat_logprobs(self, lps: list[TokenLogprobs] | None, k: int) -> dict[str, Any]:
         toks, lps = self._logprobs_of(lps)
-        dt = self.engine.engine.detokenize
+        dt = self.engine.token_text
 
         def entry(tok: str, lp: float) -> dict[str, Any]:
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
         return {"content": [{**entry(s, lp.sampled.logprob),
-                             "top_logprobs": [entry(dt([a.token_id]), a.logprob) for a in lp.top[:k]]}
+                             "top_logprobs": [entry(dt(a.token_id), a.logprob) for a in lp.top[:k]]}
                             for s, lp in zip(toks, lps)]}
 
     # -- /v1/completions -------------------------------------------------------------
@@ -269,7 +293,7 @@ class Serving:
         body.check()
         rid = body.request_id or random_id("cmpl")
         prompts = body.prompts()
-        streams = self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid)
+        streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid)
         t = Tracker(rid, "completions", body.user)
         k = body.logprobs or 0
         if body.stream:
@@ -296,7 +320,7 @@ class Serving:
         finals = await self._collect(streams, t, raw)
         choices = []
         for i, (p, out) in enumerate(zip(prompts, finals)):
-            prefix = (p if isinstance(p, str) else self.engine.engine.detokenize(p)) if body.echo else ""
+            prefix = (p if isinstance(p, str) else await self.engine.detokenize(p)) if body.echo else ""
             for o in out.outputs:
                 choices.append({
                     "index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
@@ -309,15 +333,17 @@ class Serving:
     # -- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         body.check()
+        if body.chat_template is not None and not self.options.trust_request_chat_template:
+            raise InvalidRequestError("a request's own chat_template is refused: the server runs it; start the "
+                                      "server with --trust-request-chat-template to allow it", "chat_template")
         rid = body.request_id or random_id("chatcmpl")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
-        prompt = self.engine.engine.apply_chat_template(
-            messages, body.add_generation_prompt, body.continue_final_message,
-            body.chat_template or self.chat_template)
+        prompt = ChatPrompt(messages, body.add_generation_prompt, body.continue_final_message,
+                            body.chat_template or self.options.chat_template)
         k = body.top_logprobs or 0
         logprobs = k if body.logprobs else None
-        streams = self._submit(body, [prompt], body.limit(), logprobs, False, rid)
+        streams = await self._submit(body, [prompt], body.limit(), logprobs, False, rid)
         t = Tracker(rid, "chat.completions", body.user)
         if body.stream:
             def head() -> list[dict[str, Any]]:

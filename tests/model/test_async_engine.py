@@ -1,4 +1,5 @@
-"""The async engine: streaming, early errors, aborts, and 1,000 requests with random aborts."""
+"""The async engine: streaming, early errors, admission, aborts, fault isolation,
+and 1,000 requests with random aborts."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import random
 import pytest
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.core.scheduler import QueueFullError
+from hotprefix.config import AdmissionConfig
 from hotprefix.engine.async_engine import AsyncEngine
-from hotprefix.errors import InvalidRequestError, PromptTooLongError
+from hotprefix.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 
 
 def make_engine(folder, **kw) -> AsyncEngine:
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks_override", 64)
-    max_queued = kw.pop("max_queued", None)
-    return AsyncEngine(LLM(model=str(folder), **kw).engine, max_queued_requests=max_queued)
+    max_queued = kw.pop("max_queued", 1024)
+    return AsyncEngine(LLM(model=str(folder), **kw).engine, AdmissionConfig(max_queued))
 
 
 async def idle(engine: AsyncEngine) -> None:
@@ -58,31 +59,131 @@ def test_stream_matches_offline_and_deltas_add_up(tiny_llama):
 
 def test_bad_requests_fail_before_anything_is_queued(tiny_llama):
     async def main():
-        eng = make_engine(tiny_llama[0], max_model_len=16, max_queued=2)
+        eng = make_engine(tiny_llama[0], max_model_len=16, max_queued=3)
         eng.start()
         with pytest.raises(PromptTooLongError):
-            eng.add_request("long", list(range(3, 30)), SamplingParams(max_tokens=1))
+            await eng.submit("long", [list(range(3, 30))], SamplingParams(max_tokens=1))
+        with pytest.raises(PromptTooLongError):  # 16 tokens leave no room for one output token
+            await eng.submit("full", [list(range(3, 19))], SamplingParams(max_tokens=None))
         with pytest.raises(InvalidRequestError):
-            eng.add_request("empty", [], SamplingParams())
-        a = eng.add_request("a", [5, 6], SamplingParams(max_tokens=3))
-        with pytest.raises(InvalidRequestError, match="already in use"):
-            eng.add_request("a", [5, 6], SamplingParams(max_tokens=3))
-        b = eng.add_request("b", [5, 7], SamplingParams(max_tokens=3))
-        with pytest.raises(QueueFullError):
-            eng.add_request("c", [5, 8], SamplingParams(max_tokens=3))
-        assert [o async for o in a][-1].finished and [o async for o in b][-1].finished
-        eng.add_request("c", [5, 8], SamplingParams(max_tokens=3)).close()  # room again
+            await eng.submit("empty", [[]], SamplingParams())
+        with pytest.raises(InvalidRequestError, match="more than the 3 the server queues"):
+            await eng.submit("wide", [[5, 6]], SamplingParams(max_tokens=3, n=4))
+        assert eng.num_queued == 0 and eng.num_unfinished == 0
+        (a,) = await eng.submit("a", [[5, 6]], SamplingParams(max_tokens=3))
+        (a2,) = await eng.submit("a", [[5, 6]], SamplingParams(max_tokens=3))  # a client id may repeat
+        assert a.request_id != a2.request_id
+        assert eng.num_queued == 2
+        with pytest.raises(QueueFullError, match="2 sequences waiting"):
+            await eng.submit("c", [[5, 8]], SamplingParams(max_tokens=3, n=2))
+        assert eng.num_queued == 2  # the refused request reserved nothing
+        assert [o async for o in a][-1].finished and [o async for o in a2][-1].finished
+        assert eng.num_queued == 0
+        (c,) = await eng.submit("c", [[5, 8]], SamplingParams(max_tokens=3, n=2))  # room again
+        c.close()
+        assert eng.num_queued == 0
         await idle(eng)
         await eng.shutdown()
 
     asyncio.run(main())
 
 
+def test_a_request_id_reused_after_an_abort_never_gets_the_old_requests_outputs(tiny_llama):
+    """The engine's ids are its own: closing a stream and submitting the same client
+    id at once (while the old request's step is still running) cannot cross outputs."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref_new = LLM(model=str(tiny_llama[0]), num_blocks_override=64).generate([[40, 41, 42]], sp)[0].outputs[0]
+
+    async def main():
+        eng = make_engine(tiny_llama[0])
+        eng.start()
+        for _ in range(20):
+            (old,) = await eng.submit("same", [[7, 8, 9]], SamplingParams(max_tokens=200, ignore_eos=True))
+            await old.queue.get()  # running
+            old.close()
+            (new,) = await eng.submit("same", [[40, 41, 42]], sp)
+            toks = [t async for o in new for t in o.new_token_ids[0]]
+            assert toks == ref_new.token_ids
+        await idle(eng)
+        await eng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_stream_closed_before_it_was_read_frees_its_request(tiny_llama):
+    async def main():
+        eng = make_engine(tiny_llama[0])
+        eng.start()
+        streams = await eng.submit("r", [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=50, ignore_eos=True))
+        for s in streams:
+            s.close()
+        await idle(eng)
+        assert eng.num_unfinished == 0 and eng.num_queued == 0
+        await eng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_sampling_error_fails_its_request_alone(tiny_llama):
+    """A row that breaks the sampler (here a stop id the engine's check was bypassed
+    for) fails that request with finish_reason "error"; the request stepping beside
+    it produces exactly its tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = LLM(model=str(tiny_llama[0]), num_blocks_override=64).generate([[20, 21, 22]], sp)[0].outputs[0]
+
+    async def main():
+        eng = make_engine(tiny_llama[0])
+        eng.start()
+        (good,) = await eng.submit("good", [[20, 21, 22]], sp)
+        (bad,) = await eng.submit("bad", [[5, 6]], SamplingParams(max_tokens=4, min_tokens=2))
+        state = await eng.call(lambda e: e._states[bad.request_id])
+        poisoned = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(10**6,))
+        await eng.call(lambda e: setattr(state.children[0].request, "sampling_params", poisoned))
+        bad_outs = [o async for o in bad]
+        good_outs = [o async for o in good]
+        await idle(eng)
+        await eng.shutdown()
+        return bad_outs, good_outs
+
+    bad_outs, good_outs = asyncio.run(main())
+    last = bad_outs[-1].outputs[0]
+    assert last.finish_reason == "error" and "sampling failed" in last.error
+    assert [t for o in good_outs for t in o.new_token_ids[0]] == ref.token_ids
+
+
+def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(tiny_llama):
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ref = LLM(model=str(tiny_llama[0]), num_blocks_override=64).generate([[30, 31, 32, 33, 34]], sp)[0].outputs[0]
+
+    async def main():
+        eng = make_engine(tiny_llama[0])
+        eng.start()
+        runner = eng.engine.runner
+        real = runner.forward
+
+        def broken(sched):
+            runner.forward = real  # fail once
+            raise RuntimeError("device error")
+
+        await eng.call(lambda e: setattr(runner, "forward", broken))
+        (doomed,) = await eng.submit("doomed", [list(range(50, 70))], sp)
+        outs = [o async for o in doomed]
+        assert outs[-1].outputs[0].finish_reason == "error" and "device error" in outs[-1].outputs[0].error
+        assert await eng.call(lambda e: e.kv.pool.cached) == {}  # its 5 full blocks were rolled back
+        (after,) = await eng.submit("after", [[30, 31, 32, 33, 34]], sp)
+        toks = [t async for o in after for t in o.new_token_ids[0]]
+        await idle(eng)
+        await eng.shutdown()
+        return toks
+
+    assert asyncio.run(main()) == ref.token_ids
+
+
 def test_closing_a_stream_aborts_the_request(tiny_llama):
     async def main():
         eng = make_engine(tiny_llama[0])
         eng.start()
-        stream = eng.add_request("r", list(range(5, 25)), SamplingParams(max_tokens=200, ignore_eos=True))
+        (stream,) = await eng.submit("r", [list(range(5, 25))], SamplingParams(max_tokens=200, ignore_eos=True))
         n = 0
         async for _ in stream:
             n += 1

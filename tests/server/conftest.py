@@ -67,7 +67,7 @@ def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
     engine = LLMEngine(cfg)
     port = free_port()
     scfg = ServerConfig(port=port, served_model_name="tiny", **(server_kw or {}))
-    app = build_app(AsyncEngine(engine, scfg.max_num_queued_requests), scfg)
+    app = build_app(AsyncEngine(engine, scfg.admission), scfg)
     url, server, thread = serve_in_thread(app, port)
     return LiveServer(url, engine, server, thread)
 

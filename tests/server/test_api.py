@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from hotprefix import LLM, SamplingParams
+from hotprefix.config import AdmissionConfig
 from tests.server.conftest import start_server
 
 PROMPT = "Prefix caching reuses the blocks"
@@ -268,7 +269,7 @@ def test_openai_client_raises_the_right_error_types(client):
 
 
 def test_api_key_and_queue_limit(tiny_llama):
-    s = start_server(tiny_llama[0], server_kw={"api_key": "sk-test", "max_num_queued_requests": 1},
+    s = start_server(tiny_llama[0], server_kw={"api_key": "sk-test", "admission": AdmissionConfig(1)},
                      max_num_seqs=1)
     try:
         r = httpx.post(s.v1 + "/completions", json={"prompt": "x", "max_tokens": 1})

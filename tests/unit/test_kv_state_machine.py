@@ -1,7 +1,8 @@
 """A Hypothesis state machine over the KV cache manager: allocate (with hits),
-append, free, abort, preempt, pin, unpin, reset; integrity after every step,
-and a model-based check that a shared block always holds exactly the tokens
-the sharing request expects."""
+append, free, abort, preempt, pin, unpin, reset, and steps that fail (their cache
+entries rolled back, their requests freed); integrity after every step, and a
+model-based check that a shared block always holds exactly the tokens the
+sharing request expects (a block whose KV was never written is never a hit)."""
 
 from __future__ import annotations
 
@@ -47,9 +48,35 @@ class KVMachine(RuleBasedStateMachine):
         n = req.num_tokens - len(hits) * BS
         if self.kv.allocate_slots(req, n, hits) is None:
             return
+        self.kv.commit()
         req.num_computed_tokens = req.num_tokens
         self.running[req.request_id] = req
         self._record(req)
+
+    @rule(prompts=st.lists(prompts, min_size=1, max_size=3))
+    def failed_step(self, prompts):
+        """Requests scheduled together (later ones may hit earlier ones' new blocks),
+        then the step fails: whatever it wrote into its new blocks is garbage."""
+        step, written = [], set()
+        for prompt in prompts:
+            self.n += 1
+            req = make_request(f"r{self.n}", 0, prompt=prompt, max_tokens=50)
+            hits = self.kv.get_computed_blocks(req)
+            for i, b in enumerate(hits):
+                assert self.contents.get(b.block_id) == (None, tuple(prompt[i * BS:(i + 1) * BS])) or \
+                    b.block_id in written  # a same-step hit on a block this step is computing
+            new = self.kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits)
+            if new is not None:
+                step.append(req)
+                written.update(b.block_id for b in new)
+        undone = self.kv.rollback()
+        assert {b.block_id for b in undone} <= written
+        for req in step:
+            self.kv.free(req)
+        for block_id in written:
+            self.contents.pop(block_id, None)
+        for b in self.kv.pool.blocks:  # none of them is findable any more
+            assert b.block_id not in written or b.block_hash is None
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), token=st.integers(0, 2))
@@ -59,6 +86,7 @@ class KVMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(req, 1) is None:
             req.output_token_ids.pop()
             return
+        self.kv.commit()
         req.num_computed_tokens += 1
         self._record(req)
 
@@ -80,6 +108,7 @@ class KVMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits) is None:
             del self.running[req.request_id]
             return
+        self.kv.commit()
         req.num_computed_tokens = req.num_tokens
         self._record(req)
 

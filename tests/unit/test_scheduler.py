@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hotprefix.config import SchedulerConfig
+from hotprefix.config import ConfigError, SchedulerConfig
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.outputs import ModelRunnerOutput, SchedulerOutput
 from hotprefix.core.request import RequestStatus
-from hotprefix.core.scheduler import QueueFullError, Scheduler
+from hotprefix.core.scheduler import Scheduler
 from tests.unit.builders import make_request
 
 
@@ -285,14 +285,109 @@ def test_long_prefill_threshold_caps_each_request_per_step():
     assert plan(out) == [("long", 5, 5), ("short", 3, 1)]
 
 
-def test_queue_limit_refuses_with_a_typed_error():
-    s = make_scheduler(max_num_queued_requests=2)
-    s.add_request(make_request("a", 2))
-    s.add_request(make_request("b", 2))
-    with pytest.raises(QueueFullError, match="2 queued requests"):
-        s.add_request(make_request("c", 2))
-    step(s)  # both admitted: the queue has room again
-    s.add_request(make_request("c", 2))
+def cached_ids(s: Scheduler) -> set[int]:
+    return {b.block_id for b in s.kv.pool.cached.values()}
+
+
+def test_a_failed_step_forgets_its_cache_entries_and_fails_only_its_requests():
+    s = make_scheduler(max_tokens=64, max_seqs=3)
+    shared = list(range(500, 508))
+    s.add_request(make_request("a", 0, prompt=shared + [1], max_tokens=5))
+    step(s)  # a's two full blocks are computed and committed
+    committed = cached_ids(s)
+    assert committed == {0, 1}
+    s.add_request(make_request("b", 0, prompt=shared + list(range(600, 609)), max_tokens=3))  # hits a's blocks
+    s.add_request(make_request("c", 9, max_tokens=3))
+    s.add_request(make_request("d", 5, max_tokens=3))  # max_seqs: stays waiting
+    out = s.schedule()
+    assert [r.request_id for r in out.requests] == ["a", "b", "c"]
+    # a holds 0-2 (9 tokens); b hits 0, 1 and fills 3, 4 (5 is partial); c fills 6, 7 (8 is partial)
+    assert cached_ids(s) == committed | {3, 4, 6, 7}
+    outs = s.fail_step(out, "the model step failed: boom")
+    assert {(o.request_id, o.finished_status, o.error) for o in outs} == {
+        (r, RequestStatus.FINISHED_ERROR, "the model step failed: boom") for r in ("a", "b", "c")}
+    assert cached_ids(s) == committed  # nothing the failed step made stays cached
+    assert list(s.requests) == ["d"] and s.requests["d"].status == RequestStatus.WAITING
+    s.check_integrity()
+    assert s.kv.pool.num_free_blocks == 32
+    s.add_request(make_request("e", 0, prompt=shared + list(range(600, 609)), max_tokens=1))
+    out = s.schedule()
+    e = next(r for r in out.requests if r.request_id == "e")
+    assert e.start_pos == 8  # a hit on a's committed blocks only, not on b's forgotten ones
+
+
+def test_same_step_hits_on_a_failed_step_are_rolled_back_too():
+    s = make_scheduler(max_tokens=64)
+    prompt = list(range(700, 709))
+    s.add_request(make_request("x", 0, prompt=prompt, max_tokens=2))
+    s.add_request(make_request("y", 0, prompt=prompt, max_tokens=2))
+    out = s.schedule()
+    assert plan(out) == [("x", 0, 9), ("y", 8, 1)]  # y hit x's blocks in the same step
+    s.fail_step(out, "boom")
+    assert s.kv.pool.cached == {} and s.kv.pool.num_free_blocks == 32
+    s.check_integrity()
+
+
+def test_a_successful_step_commits_and_a_sampling_failure_fails_that_request_alone():
+    s = make_scheduler(max_tokens=64)
+    s.add_request(make_request("a", 8, max_tokens=3))
+    s.add_request(make_request("b", 8, max_tokens=3))
+    out = s.schedule()
+    res = s.update(out, ModelRunnerOutput({"a": 7}, failed={"b": "sampling failed: bad seed"}))
+    s.check_integrity()
+    assert [(o.request_id, o.finished_status, o.error) for o in res] == [
+        ("b", RequestStatus.FINISHED_ERROR, "sampling failed: bad seed"), ("a", None, None)]
+    # committed: b's KV was computed (only its sampling failed), so its freed blocks stay cached
+    assert cached_ids(s) == {0, 1, 2, 3}
+    assert [b.ref_cnt for b in s.kv.pool.blocks[:4]] == [1, 1, 0, 0]
+    assert list(s.requests) == ["a"] and s.requests["a"].output_token_ids == [7]
+    step(s)
+    assert s.requests["a"].output_token_ids == [7, 7]
+
+
+def test_a_bug_in_schedule_rolls_back_then_fail_all_frees_everything():
+    s = make_scheduler(max_tokens=64)
+    s.add_request(make_request("a", 8, max_tokens=3))
+    s.add_request(make_request("b", 8, max_tokens=3))
+    real = s.kv.get_computed_blocks
+
+    def broken(req):
+        if req.request_id == "b":
+            raise RuntimeError("a bug")
+        return real(req)
+
+    s.kv.get_computed_blocks = broken
+    with pytest.raises(RuntimeError, match="a bug"):
+        s.schedule()  # a was scheduled (its blocks cached) before b broke
+    assert s.kv.pool.cached == {}
+    outs = s.fail_all("internal error: a bug")
+    assert sorted(o.request_id for o in outs) == ["a", "b"] and not s.requests
+    s.check_integrity()
+    assert s.kv.pool.num_free_blocks == 32
+
+
+def test_without_chunked_prefill_the_budget_holds_any_prompt_the_model_takes():
+    cfg = SchedulerConfig(enable_chunked_prefill=False)
+    assert cfg.resolved(8192).max_num_batched_tokens == 8192
+    assert cfg.resolved(512).max_num_batched_tokens == 2048
+    assert SchedulerConfig().resolved(8192).max_num_batched_tokens == 2048
+    with pytest.raises(ConfigError, match="smaller than --max-model-len 4096"):
+        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=1000).resolved(4096)
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, long_prefill_token_threshold=8)
+
+
+def test_without_chunked_prefill_a_prompt_of_the_whole_budget_runs_once_the_step_is_free():
+    s = make_scheduler(max_tokens=16, chunked=False)
+    s.add_request(make_request("a", 4, max_tokens=3))
+    step(s)
+    s.add_request(make_request("big", 16, max_tokens=1))
+    out, _ = step(s)  # a's decode takes one token of the budget: big does not fit whole yet
+    assert plan(out) == [("a", 4, 1)]
+    out, _ = step(s)
+    assert plan(out) == [("a", 5, 1)]
+    out, _ = step(s)  # a is done: big runs whole
+    assert plan(out) == [("big", 0, 16)]
 
 
 def test_step_stats():
