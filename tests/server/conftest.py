@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -30,6 +31,27 @@ class LiveServer:
     engine: LLMEngine
     server: uvicorn.Server
     thread: threading.Thread
+    async_engine: AsyncEngine
+
+    def on_engine(self, fn, timeout: float = 30.0):
+        """fn(engine) run on the server's engine thread between steps; its result."""
+        ae = self.async_engine
+        return asyncio.run_coroutine_threadsafe(ae.call(fn), ae._loop).result(timeout)
+
+    def check_drained(self) -> None:
+        """Nothing runs, waits or is held: no request, no queued sequence, no KV
+        block (pins aside), and the scheduler's and pool's bookkeeping is whole."""
+        self.wait_idle()
+        ae = self.async_engine
+
+        def check(e):
+            e.scheduler.check_integrity()
+            return e.has_unfinished_requests(), e.kv.pool.num_free_blocks + e.kv.num_pinned_blocks
+
+        busy, free = self.on_engine(check)
+        assert not busy and free == self.engine.kv.num_blocks
+        assert ae.num_unfinished == 0 and ae.num_queued == 0
+        assert self.metric("kv_cache_usage_perc") == self.engine.kv.num_pinned_blocks / self.engine.kv.num_blocks
 
     @property
     def v1(self) -> str:
@@ -67,9 +89,10 @@ def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
     engine = LLMEngine(cfg)
     port = free_port()
     scfg = ServerConfig(port=port, served_model_name="tiny", **(server_kw or {}))
-    app = build_app(AsyncEngine(engine, scfg.admission), scfg)
+    async_engine = AsyncEngine(engine, scfg.admission)
+    app = build_app(async_engine, scfg)
     url, server, thread = serve_in_thread(app, port)
-    return LiveServer(url, engine, server, thread)
+    return LiveServer(url, engine, server, thread, async_engine)
 
 
 def serve_in_thread(app, port: int | None = None) -> tuple[str, uvicorn.Server, threading.Thread]:
