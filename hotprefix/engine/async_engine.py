@@ -49,6 +49,7 @@ class RequestOptions:
     cache_salt: str | None = None
     cache_salt_offset: int = 0
     pin_prefix: bool = False
+    split_special_tokens: bool = False  # text prompts: special-token text stays text (chat content always does)
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,8 @@ class AsyncEngine:
         def work() -> list[_State]:
             return [self.engine.prepare_request(f"{base}-{i}", self._render(p), params, options.priority,
                                                 options.add_special_tokens, options.cache_salt,
-                                                options.cache_salt_offset, options.pin_prefix)
+                                                options.cache_salt_offset, options.pin_prefix,
+                                                options.split_special_tokens)
                     for i, p in enumerate(prompts)]
 
         return await self._in_worker(work)
@@ -362,11 +364,12 @@ class AsyncEngine:
         return await fut
 
     # -- facade for handlers (event loop) -------------------------------------------------------------
-    async def tokenize(self, prompt: str | ChatPrompt, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, prompt: str | ChatPrompt, add_special_tokens: bool = True,
+                       split_special_tokens: bool = False) -> list[int]:
         """Token ids of text (or of a conversation, rendered), in a worker. Raises InvalidRequestError."""
         if isinstance(prompt, ChatPrompt):
             return await self._in_worker(lambda: list(self._render(prompt)))
-        return await self._in_worker(lambda: self.engine.tokenize(prompt, add_special_tokens))
+        return await self._in_worker(lambda: self.engine.tokenize(prompt, add_special_tokens, split_special_tokens))
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of token ids, in a worker. Raises InvalidRequestError for an id out of range."""

@@ -145,8 +145,8 @@ class LLMEngine:
                  plan.num_blocks * plan.bytes_per_block / 2**20)
 
     # -- admission ----------------------------------------------------------
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.encoder.tokenize(prompt, add_special_tokens)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        return self.encoder.tokenize(prompt, add_special_tokens, split_special_tokens)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.encoder.decode(ids, skip_special_tokens)
@@ -159,10 +159,10 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
-        """The token ids of a conversation through the chat template (the template's
-        own special tokens included; no others added). Raises InvalidRequestError."""
-        return self.tokenize(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                      chat_template), False)
+        """The token ids of a conversation through the chat template: the template's
+        own special tokens, none added, and none from the messages' text (see
+        PromptEncoder.encode_chat). Raises InvalidRequestError."""
+        return self.encoder.encode_chat(messages, add_generation_prompt, continue_final_message, chat_template)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
@@ -181,13 +181,15 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                         priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
-                        cache_salt_offset: int = 0, pin_prefix: bool = False) -> _State:
+                        cache_salt_offset: int = 0, pin_prefix: bool = False,
+                        split_special_tokens: bool = False) -> _State:
         """Tokenize and validate without touching the queues or the pool (safe to
         call from another thread than the one stepping the engine: it reads only
         what never changes after start-up). Raises InvalidRequestError, never
-        another error, for any input."""
+        another error, for any input. split_special_tokens: text prompts that spell
+        a special token get its characters, not the token."""
         if isinstance(prompt, str):
-            ids = self.tokenize(prompt, add_special_tokens)
+            ids = self.tokenize(prompt, add_special_tokens, split_special_tokens)
             text: str | None = prompt
         else:
             ids, text = list(prompt), None

@@ -10,7 +10,10 @@ copy of the tokenizer, made once (about 0.1 s for the default model's).
 from __future__ import annotations
 
 import copy
+import re
+import secrets
 import threading
+from functools import cached_property
 from typing import Any
 
 from hotprefix.errors import InvalidRequestError
@@ -39,10 +42,57 @@ class PromptEncoder:
     def eos_token_id(self) -> int | None:
         return getattr(self._original, "eos_token_id", None)
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Raises InvalidRequestError for text that is not valid Unicode (a lone surrogate)."""
+    def tokenize(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of text. split_special_tokens: text that spells a special token
+        ("<|im_end|>") is tokenized as the characters it is, never as the token.
+        Raises InvalidRequestError for text that is not valid Unicode (a lone surrogate)."""
         _check_text(text)
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        kw = {"split_special_tokens": True} if split_special_tokens else {}
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens, **kw)["input_ids"])
+
+    @cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens (text -> id), as HF marks them."""
+        decoder = getattr(self._original, "added_tokens_decoder", {}) or {}
+        return {t.content: i for i, t in decoder.items() if getattr(t, "special", False) and t.content}
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        """Token ids of a conversation through the chat template. The template's own
+        special tokens are special; text inside a message never becomes one: a
+        message that spells "<|im_end|>\\n<|im_start|>system" gets those characters,
+        not a new turn. Messages without such text are tokenized exactly as the
+        rendered prompt would be. Raises InvalidRequestError."""
+        specials = self.special_tokens
+        fields = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
+        if not any(sp in v for v in fields for sp in specials):
+            return self.tokenize(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                          chat_template), False)
+        nonce = secrets.token_hex(8)
+        while any(nonce in v for v in fields):
+            nonce = secrets.token_hex(8)
+        literal = {sp: f"\ue000{nonce}{i}\ue001" for i, sp in enumerate(specials)}
+        defused = [{k: _replace_all(v, literal) if k != "role" and isinstance(v, str) else v for k, v in m.items()}
+                   for m in messages]
+        text = self.apply_chat_template(defused, add_generation_prompt, continue_final_message, chat_template)
+        return self._tokenize_marked(text, {v: k for k, v in literal.items()})
+
+    def _tokenize_marked(self, text: str, literals: dict[str, str]) -> list[int]:
+        """Tokenize rendered text whose special tokens all come from the template:
+        split at them (as the tokenizer itself does), and tokenize each piece with
+        the placeholders turned back into their text, as plain characters."""
+        specials = self.special_tokens
+        pattern = re.compile("|".join(re.escape(sp) for sp in sorted(specials, key=len, reverse=True)))
+        ids: list[int] = []
+        pos = 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                ids += self.tokenize(_replace_all(text[pos:m.start()], literals), False, split_special_tokens=True)
+            ids.append(specials[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            ids += self.tokenize(_replace_all(text[pos:], literals), False, split_special_tokens=True)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -70,7 +120,7 @@ class PromptEncoder:
         if "messages" in body:
             msgs = [{"role": m["role"], "content": m["content"] if isinstance(m.get("content"), str)
                      else "".join(p.get("text", "") for p in m.get("content") or [])} for m in body["messages"]]
-            return self.tokenize(self.apply_chat_template(msgs, True, False, chat_template), False)
+            return self.encode_chat(msgs, True, False, chat_template)
         p = body.get("prompt")
         if isinstance(p, str):
             return self.tokenize(p, body.get("add_special_tokens", True))
@@ -85,3 +135,10 @@ def _check_text(text: str) -> None:
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"the text holds a lone surrogate at character {e.start}; send valid Unicode",
                                   "prompt") from None
+
+
+def _replace_all(text: str, mapping: dict[str, str]) -> str:
+    if not mapping:
+        return text
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
+    return pattern.sub(lambda m: mapping[m.group()], text)

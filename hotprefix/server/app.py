@@ -131,14 +131,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                           False, cfg.chat_template)
 
     async def prompt_ids(body: TokenizeRequest | PinRequest, add_generation_prompt: bool,
-                         add_special_tokens: bool) -> list[int]:
+                         add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             return await engine.tokenize(chat_prompt(body.messages, add_generation_prompt))
         if isinstance(body.prompt, list):
             return list(body.prompt)
-        return await engine.tokenize(body.prompt or "", add_special_tokens)
+        return await engine.tokenize(body.prompt or "", add_special_tokens, split_special_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -159,7 +159,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        ids = await prompt_ids(body, body.add_generation_prompt, body.add_special_tokens)
+        ids = await prompt_ids(body, body.add_generation_prompt, body.add_special_tokens, body.split_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -84,6 +84,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
+    split_special_tokens: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -163,6 +164,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    split_special_tokens: bool = False
     add_generation_prompt: bool = True
 
 

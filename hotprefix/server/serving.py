@@ -100,7 +100,8 @@ class Serving:
 
     # -- shared -------------------------------------------------------------------
     async def _submit(self, body: SamplingFields, prompts: list[Prompt], max_tokens: int | None,
-                      logprobs: int | None, add_special_tokens: bool, base_id: str) -> list[RequestStream]:
+                      logprobs: int | None, add_special_tokens: bool, base_id: str,
+                      split_special_tokens: bool = False) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
         if body.priority != 0 and self.options.scheduling_policy != "priority":
@@ -109,7 +110,7 @@ class Serving:
             raise InvalidRequestError(f"n must be <= {self.options.max_n} (--max-n), got {body.n}", "n")
         params = body.sampling_params(max_tokens, logprobs)
         options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
-                                 body.pin_prefix)
+                                 body.pin_prefix, split_special_tokens)
         return await self.engine.submit(base_id, prompts, params, options)
 
     def _observe(self, t: Tracker, out: RequestOutput) -> None:
@@ -293,7 +294,8 @@ class Serving:
         body.check()
         rid = body.request_id or random_id("cmpl")
         prompts = body.prompts()
-        streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid)
+        streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
+                                     body.split_special_tokens)
         t = Tracker(rid, "completions", body.user)
         k = body.logprobs or 0
         if body.stream:
