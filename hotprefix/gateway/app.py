@@ -1,10 +1,13 @@
 """The gateway app: one `build_gateway_app()` factory; state on `app.state`.
 
 Client side: /v1/chat/completions, /v1/completions, /v1/models (a gateway key
-in `Authorization: Bearer sk-hp-...`), /health, /metrics. Admin side, under
-/admin (the admin key): tenants, the prompt pool, keys, usage, backends, warm-up.
+in `Authorization: Bearer sk-hp-...`), /health. Operator side: /admin (the admin
+key): tenants, the prompt pool, keys, usage, backends, warm-up; /metrics (the
+metrics key, else the admin key). Operator keys are checked before any body is
+read; every body is bounded and checked (server.body_guard) before a handler.
 A background loop health-checks the backends; a backend that comes (back) up
-is probed (hotprefix or another OpenAI-compatible server) and warmed.
+is probed (hotprefix or another OpenAI-compatible server) and warmed. Another
+beats for the requests in flight (gateway.usage).
 """
 
 from __future__ import annotations
@@ -17,20 +20,24 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 import hotprefix
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.proxy import GatewayError, Proxy
 from hotprefix.gateway.ratelimit import Limiter
 from hotprefix.gateway.routing import Backend, Router
-from hotprefix.gateway.store import USAGE_GROUPS, NotFound, Store, StoreError
+from hotprefix.gateway.store import MAX_GRACE_S, USAGE_GROUPS, NotFound, Store, StoreError
+from hotprefix.gateway.usage import Accounting
 from hotprefix.gateway.warmup import warm_backend, warm_items
+from hotprefix.server.body_guard import BodyGuard
 from hotprefix.server.http_errors import error_response as _error
 from hotprefix.server.http_errors import install_common_handlers
+
+MAX_EXPIRES_S = 10 * 365 * 86400.0  # a new key's lifetime: at most ten years
 
 log = logging.getLogger(__name__)
 
@@ -81,61 +88,99 @@ class NewPrompt(Strict):
 class NewKey(Strict):
     tenant: str
     name: str | None = None
-    expires_in_s: float | None = None
+    expires_in_s: float | None = Field(None, gt=0, le=MAX_EXPIRES_S)
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
 
 
 class Rotation(Strict):
-    grace_s: float = 0.0
+    grace_s: float = Field(0.0, ge=0, le=MAX_GRACE_S)
 
 
 async def probe(client: httpx.AsyncClient, backend: Backend, headers: dict[str, str]) -> None:
-    """Learn the backend's kind (hotprefix or other) and its first model id."""
+    """Learn the backend's kind (hotprefix or other), its first model id and context."""
     try:
         v = await client.get(backend.url + "/version", headers=headers, timeout=5)
         backend.kind = "hotprefix" if v.status_code == 200 and v.json().get("server") == "hotprefix" else "openai"
     except (httpx.HTTPError, ValueError, AttributeError):
         backend.kind = "openai"
     try:
-        m = await client.get(backend.url + "/v1/models", headers=headers, timeout=5)
-        backend.model = m.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        backend.model = None
+        m = (await client.get(backend.url + "/v1/models", headers=headers, timeout=5)).json()["data"][0]
+        backend.model = m["id"]
+        n = m.get("max_model_len")
+        backend.max_model_len = n if isinstance(n, int) and n > 0 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        backend.model = backend.max_model_len = None
+
+
+class OperatorGuard:
+    """ASGI middleware: /admin needs the admin key; /metrics the metrics key (else the
+    admin key). Checked before any body is read; a key that is not configured turns
+    its endpoints off (403)."""
+
+    def __init__(self, app, admin_key: str | None, metrics_key: str | None) -> None:
+        self.app = app
+        self.keys = {"/admin": admin_key, "/metrics": metrics_key or admin_key}
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        area = next((a for a in self.keys if path == a or path.startswith(a + "/")), None)
+        if area is None:
+            await self.app(scope, receive, send)
+            return
+        key = self.keys[area]
+        given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+        if key is None:
+            flag = "--admin-key" if area == "/admin" else "--metrics-key or --admin-key"
+            resp = _error(403, f"{area} is off: start the gateway with {flag}", "PermissionDeniedError")
+        elif not hmac.compare_digest(given, f"Bearer {key}".encode()):
+            resp = _error(401, f"invalid or missing {area[1:]} key", "AuthenticationError")
+        else:
+            await self.app(scope, receive, send)
+            return
+        await resp(scope, receive, send)
 
 
 def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: Limiter) -> FastAPI:
     """The gateway over `cfg.backends`. The store must be migrated. Starting the app
-    starts the health loop; stopping it closes the HTTP client and the limiter."""
+    starts the health and usage loops; stopping it lets the requests' ends finish,
+    then closes the HTTP client and the limiter."""
     router = Router([Backend(u) for u in cfg.backends], cfg.load_factor, cfg.min_cap)
     counters = Counters(router)
     headers = {"authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else {}
     state: dict[str, Any] = {"warmups": 0}
+    client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.backend_timeout, connect=5.0),
+                               limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+    acct = Accounting(store, limiter, counters, cfg.gateway_id, cfg.heartbeat_s, cfg.orphan_after_s)
+    proxy = Proxy(cfg, store, secret, router, client, acct)
+    background: set[asyncio.Task] = set()
+
+    def spawn(coro) -> None:
+        task = asyncio.create_task(coro)
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     async def warm(backend: Backend) -> None:
         items = await asyncio.to_thread(warm_items, store)
-        n = await warm_backend(proxy.client, router, backend, items, secret, headers)
+        n = await warm_backend(client, router, backend, items, secret, headers)
         state["warmups"] += 1
         log.info("warm-up of %s done: %d prompt(s)", backend.url, n)
 
     async def check(backend: Backend) -> None:
         try:
-            r = await proxy.client.get(backend.url + "/health", headers=headers,
-                                       timeout=min(5.0, cfg.health_interval * 2))
+            r = await client.get(backend.url + "/health", headers=headers, timeout=min(5.0, cfg.health_interval * 2))
             ok = r.status_code == 200
             err = None if ok else f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
             ok, err = False, f"{type(e).__name__}: {e}"
         if ok and not backend.healthy:
-            await probe(proxy.client, backend, headers)
+            await probe(client, backend, headers)
             backend.healthy, backend.last_error = True, None
             backend.token_counts.clear()  # it may have restarted with another model or template
             log.info("backend %s is up (%s, model %s)", backend.url, backend.kind, backend.model)
             if cfg.warmup:
-                task = asyncio.create_task(warm(backend))
-                proxy.tasks.add(task)
-                task.add_done_callback(proxy.tasks.discard)
+                spawn(warm(backend))
         elif not ok:
             if backend.healthy:
                 log.warning("backend %s is down: %s", backend.url, err)
@@ -148,20 +193,18 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        proxy.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout, connect=5.0),
-                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
         await asyncio.gather(*(check(b) for b in router.backends))
-        loop = asyncio.create_task(health_loop())
-        log.info("gateway on http://%s:%d over %s", cfg.host, cfg.port,
+        spawn(health_loop())
+        spawn(acct.run())
+        log.info("gateway %s on http://%s:%d over %s", cfg.gateway_id, cfg.host, cfg.port,
                  ", ".join(f"{b.url} ({'up' if b.healthy else 'down'})" for b in router.backends))
         yield
-        loop.cancel()
-        for t in list(proxy.tasks):
+        for t in list(background):
             t.cancel()
-        await proxy.client.aclose()
+        await acct.drain()
+        await client.aclose()
         await limiter.close()
 
-    proxy = Proxy(cfg, store, secret, limiter, router, None, counters)  # client is made in lifespan
     app = FastAPI(title="hotprefix gateway", version=hotprefix.__version__, lifespan=lifespan)
     app.state.proxy = proxy
     app.state.router = router
@@ -192,7 +235,7 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
         await proxy.authenticate(request)
         for b in router.ranking(""):
             try:
-                r = await proxy.client.get(b.url + "/v1/models", headers=headers, timeout=10)
+                r = await client.get(b.url + "/v1/models", headers=headers, timeout=10)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except httpx.HTTPError as e:
                 proxy.mark_down(b, e)
@@ -212,21 +255,15 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
     async def metrics() -> Response:
         return PlainTextResponse(generate_latest(counters.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    app.include_router(admin_router(cfg, store, secret, proxy, router, warm))
+    app.include_router(admin_router(store, secret, proxy, router, warm))
+    app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes)
+    app.add_middleware(OperatorGuard, admin_key=cfg.admin_key, metrics_key=cfg.metrics_key)
     return app
 
 
-def admin_router(cfg: GatewayConfig, store: Store, secret: bytes, proxy: Proxy, router: Router, warm) -> APIRouter:
-    """/admin/*: guarded by the admin key (absent: the admin API answers 403)."""
-
-    async def guard(request: Request) -> None:
-        if cfg.admin_key is None:
-            raise GatewayError(403, "the admin API is off: start the gateway with --admin-key", "PermissionDeniedError")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {cfg.admin_key}".encode()):
-            raise GatewayError(401, "invalid or missing admin key", "AuthenticationError")
-
-    api = APIRouter(prefix="/admin", dependencies=[Depends(guard)])
+def admin_router(store: Store, secret: bytes, proxy: Proxy, router: Router, warm) -> APIRouter:
+    """/admin/*: the admin key is checked by OperatorGuard before any body is read."""
+    api = APIRouter(prefix="/admin")
 
     def run(fn, *args, **kw):
         return asyncio.to_thread(fn, *args, **kw)
@@ -308,7 +345,6 @@ def admin_router(cfg: GatewayConfig, store: Store, secret: bytes, proxy: Proxy, 
 def make_limiter(cfg: GatewayConfig) -> Limiter:
     from hotprefix.gateway.ratelimit import MemoryLimiter, RedisLimiter
 
-    lease = cfg.upstream_timeout + 60
-    return RedisLimiter(cfg.redis_url, lease) if cfg.redis_url else MemoryLimiter(lease)
+    return RedisLimiter(cfg.redis_url, cfg.lease_s) if cfg.redis_url else MemoryLimiter(cfg.lease_s)
 
 

@@ -7,10 +7,13 @@ import datetime as dt
 import json
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
-from hotprefix.config import ConfigError
+from hotprefix.config import ConfigError, parse_size
+
+MAX_DURATION_S = 10 * 365 * 86400.0
 
 ADMIN_ENV = "HOTPREFIX_ADMIN_KEY"
 
@@ -20,7 +23,10 @@ def parse_duration(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if not m:
         raise ConfigError(f"not a duration: {text!r} (examples: 90s, 15m, 12h, 30d)")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if seconds > MAX_DURATION_S:
+        raise ConfigError(f"a duration of at most ten years, not {text!r}")
+    return seconds
 
 
 def _store_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +169,11 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                         health_interval=a.health_interval, load_factor=a.load_factor, min_cap=a.min_cap,
                         default_rpm=a.default_rpm, default_tpm=a.default_tpm,
                         default_max_concurrent=a.default_max_concurrent,
-                        reserve_max_tokens=a.reserve_max_tokens, auth_cache_s=a.auth_cache_s,
+                        default_max_tokens=a.default_max_tokens, auth_cache_s=a.auth_cache_s,
+                        backend_timeout=a.backend_timeout,
+                        gateway_id=a.gateway_id or f"{socket.gethostname()}:{a.port}",
+                        heartbeat_s=a.heartbeat, metrics_key=a.metrics_key,
+                        max_request_body_bytes=parse_size(a.max_request_body_bytes),
                         warmup=a.warmup, log_level="debug" if a.verbose else "info")
     store = _open(a)
     secret = load_secret(a.secret_file)
@@ -205,8 +215,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     gw.add_argument("--default-tpm", type=int, default=None, help="tokens per minute for keys that set none")
     gw.add_argument("--default-max-concurrent", type=int, default=None,
                     help="concurrent requests for keys that set none")
-    gw.add_argument("--reserve-max-tokens", type=int, default=512,
-                    help="output tokens reserved against the tokens-per-minute limit when a request sets no max_tokens")
+    gw.add_argument("--default-max-tokens", type=int, default=512,
+                    help="max_tokens of a request that sets none (every forwarded request carries one, also cut to "
+                         "the key's token budget and the model's context)")
+    gw.add_argument("--backend-timeout", type=float, default=600.0,
+                    help="seconds a backend may take to send its next bytes; then 504 (the backend is not marked "
+                         "down and the request is not sent again)")
+    gw.add_argument("--gateway-id", default=None,
+                    help="this gateway's name in usage rows (default HOST:PORT); restarted with the same id, it "
+                         "closes the rows its previous run left running")
+    gw.add_argument("--heartbeat", type=float, default=5.0,
+                    help="seconds between renewals of running requests' leases and usage checkpoints")
+    gw.add_argument("--metrics-key", default=os.environ.get("HOTPREFIX_METRICS_KEY"),
+                    help="bearer key of /metrics (env HOTPREFIX_METRICS_KEY; default: the admin key)")
+    gw.add_argument("--max-request-body-bytes", default="4MiB", help="a larger request body gets 413")
     gw.add_argument("--auth-cache-s", type=float, default=5.0,
                     help="seconds a key lookup is reused (revocations by other processes apply within this)")
     gw.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -11,9 +11,16 @@ from hotprefix.config import ConfigError
 class GatewayConfig:
     """backends: base URLs of OpenAI-compatible servers (hotprefix, vLLM, llama.cpp).
     default_*: limits for keys that set none (None: unlimited).
-    reserve_max_tokens: tokens reserved for the output when a request sets no max_tokens.
+    default_max_tokens: the max_tokens of a request that sets none (every forwarded
+    request carries an explicit one, also cut to the key's token budget and the model).
     auth_cache_s: how long a looked-up key is trusted before the database is asked again
     (revocation through another process takes effect within this time).
+    backend_timeout: seconds a backend may take to send the next bytes (then 504).
+    gateway_id: this gateway's name in usage rows; a restarted gateway with the same
+    id closes the rows its previous run left running.
+    heartbeat_s: how often running requests renew their leases and checkpoint usage.
+    metrics_key: bearer key of /metrics (default: the admin key; neither: /metrics is off).
+    max_request_body_bytes: a larger request body gets 413.
     """
 
     backends: tuple[str, ...]
@@ -30,11 +37,26 @@ class GatewayConfig:
     default_rpm: int | None = None
     default_tpm: int | None = None
     default_max_concurrent: int | None = None
-    reserve_max_tokens: int = 512
+    default_max_tokens: int = 512
     auth_cache_s: float = 5.0
-    upstream_timeout: float = 600.0
+    backend_timeout: float = 600.0
+    gateway_id: str = "gateway"
+    heartbeat_s: float = 5.0
+    metrics_key: str | None = None
+    max_request_body_bytes: int = 4 << 20
     warmup: bool = True
     log_level: str = "info"
+
+    @property
+    def lease_s(self) -> float:
+        """How long a concurrency lease lives without a heartbeat (a dead gateway's
+        leases end after this)."""
+        return 6 * self.heartbeat_s + 30
+
+    @property
+    def orphan_after_s(self) -> float:
+        """A `started` usage row no heartbeat touched for this long belongs to a dead gateway."""
+        return 12 * self.heartbeat_s + 60
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -54,5 +76,11 @@ class GatewayConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        if self.admin_key is not None and len(self.admin_key) < 16:
-            raise ConfigError("--admin-key must be at least 16 characters")
+        for flag, key in (("--admin-key", self.admin_key), ("--metrics-key", self.metrics_key)):
+            if key is not None and len(key) < 16:
+                raise ConfigError(f"{flag} must be at least 16 characters")
+        for flag, v in (("--backend-timeout", self.backend_timeout), ("--heartbeat", self.heartbeat_s)):
+            if not v > 0:
+                raise ConfigError(f"{flag} must be > 0, got {v}")
+        if self.default_max_tokens < 1 or self.max_request_body_bytes < 1:
+            raise ConfigError("--default-max-tokens and --max-request-body-bytes must be >= 1")

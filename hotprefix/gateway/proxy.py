@@ -1,19 +1,27 @@
-"""One request through the gateway: authenticate, force the tenant's system
-prompt, salt the cache, admit under the key's limits, route, forward, stream
-back, settle the limits and write the usage row.
+"""One request through the gateway: authenticate, rebuild the request from what a
+tenant may send, admit it under the key's limits (with a durable usage row), route,
+forward, relay the answer, end it exactly once.
 
-What a request becomes on its way to a backend:
-- chat: every system/developer message the client sent is dropped and the
-  tenant's prompt placed first; completions: the prompt text is prefixed with it.
-- `cache_salt` is the tenant's (HMAC of the gateway secret), never the client's
-  (a client's `cache_salt` is refused). Private prompts are salted from token 0.
-  Public prompts are salted from the first token that depends on the client's
-  input, found once per backend and prompt by tokenizing two probe requests
-  that differ only in the client's part (hotprefix backends; other backends get
-  the salt from token 0, which isolates tenants but shares nothing).
+What a request becomes on its way to a backend (see tenant_api):
+- a new body built from the allow-listed fields the client set, with the tenant's
+  prompt in force (chat: first, the client's system/developer messages dropped;
+  completions: before each prompt) and an explicit `max_tokens`: the client's (or
+  --default-max-tokens), cut to the key's remaining token budget and to the
+  backend's max_model_len;
+- `cache_salt` is the tenant's (HMAC of the gateway secret). Private prompts are
+  salted from token 0; public prompts from the first token that depends on the
+  client's input, found once per backend and prompt by tokenizing two probe
+  requests (hotprefix backends; other backends get the salt from token 0);
+- to hotprefix backends, completions also carry `split_special_tokens` (chat
+  content never becomes special tokens on hotprefix at all);
 - streams always ask the backend for usage on every chunk, so a client that
   disconnects is billed for exactly the tokens the gateway received; chunks and
   fields the client did not ask for are removed before they reach it.
+
+A client that goes away, streaming or not, closes the upstream connection, so
+the backend aborts too. A backend that does not answer within --backend-timeout
+is a 504 (not a dead backend: it is not marked down, and the request is not sent
+again); only a backend that cannot be connected to is skipped for the next one.
 """
 
 from __future__ import annotations
@@ -25,23 +33,40 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from hotprefix.gateway import keys as K
 from hotprefix.gateway.config import GatewayConfig
-from hotprefix.gateway.ratelimit import Limiter, Limits
+from hotprefix.gateway.ratelimit import Limits, Refusal
 from hotprefix.gateway.routing import Backend, Router, route_key
-from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, utcnow
+from hotprefix.gateway.store import Prompt, Store, UsageStatus, utcnow
+from hotprefix.gateway.tenant_api import (
+    TenantChat,
+    TenantCompletion,
+    TenantRequestError,
+    backend_body,
+    join_prompt,
+    num_sequences,
+    parse_tenant_request,
+)
+from hotprefix.gateway.usage import Accounting, Caller, InFlight
+from hotprefix.server.body_guard import BodyRejected, parse_json_object
+from hotprefix.server.responses import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 PROBES = ("A", "z")  # two client inputs that share no first character
+REFUSALS = {Refusal.TOO_LARGE: "this request needs at least {least} tokens, more than the key's {tpm} tokens per "
+                               "minute",
+            Refusal.REQUESTS: "rate limit of {rpm} requests per minute reached",
+            Refusal.TOKENS: "rate limit of {tpm} tokens per minute reached",
+            Refusal.CONCURRENCY: "limit of {max_concurrent} concurrent requests reached"}
 
 
 class GatewayError(Exception):
@@ -53,75 +78,6 @@ class GatewayError(Exception):
         self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
 
 
-@dataclass(frozen=True)
-class Caller:
-    """The authenticated key, its tenant, the tenant's prompt and the limits that apply."""
-
-    key: KeyRecord
-    tenant: Tenant
-    prompt: Prompt | None
-    limits: Limits
-
-
-@dataclass
-class Outcome:
-    """What the usage row of one request says."""
-
-    status: str = "backend_error"
-    http_status: int = 502
-    backend: str | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_s: float | None = None
-    chunks: int = 0
-    error: str | None = None  # why no backend answered (not stored)
-
-    def take_usage(self, usage: dict[str, Any] | None) -> None:
-        if not usage:
-            return
-        self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
-        self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens = details.get("cached_tokens", self.cached_tokens)
-
-    def take_choices(self, choices: list[dict[str, Any]] | None) -> None:
-        for c in choices or ():
-            if c.get("finish_reason"):
-                self.finish_reason = c["finish_reason"]
-                return
-
-    def used(self, reserved: int) -> int:
-        """Tokens to charge against the key's tokens-per-minute limit."""
-        if self.prompt_tokens is None and self.completion_tokens is None:
-            return reserved if self.status in ("ok", "client_aborted") else 0
-        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
-
-
-@dataclass
-class Ending:
-    """Ends one admitted request exactly once: settles its reservation and writes its usage row."""
-
-    proxy: Proxy
-    caller: Caller
-    endpoint: str
-    body: dict[str, Any]
-    stream: bool
-    reserved: int
-    rid: str
-    t0: float
-    done: bool = False
-
-    async def __call__(self, outcome: Outcome) -> None:
-        if self.done:
-            return
-        self.done = True
-        await self.proxy.limiter.settle(self.caller.key.id, self.caller.limits, self.reserved,
-                                        outcome.used(self.reserved), self.rid)
-        await self.proxy.record(self.caller, self.endpoint, self.body, self.stream, outcome, self.t0)
-
-
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """A deliberately high guess (UTF-8 bytes / 3, plus a few per message); the
     reservation is settled with the backend's real count when the request ends."""
@@ -131,55 +87,6 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     p = body.get("prompt")
     texts = p if isinstance(p, list) else [p or ""]
     return sum(math.ceil(len(str(t).encode()) / 3) + 1 for t in texts)
-
-
-def join_prompt(system: str, user: str) -> str:
-    """A tenant prompt before a completions prompt: a blank line between them unless
-    the tenant's text already ends in whitespace."""
-    return system + user if not system or system[-1].isspace() else system + "\n\n" + user
-
-
-def force_prompt(endpoint: str, body: dict[str, Any], prompt: Prompt | None) -> dict[str, Any]:
-    """The body with the tenant's prompt in force (a new dict). Raises GatewayError(400)
-    for a body the gateway cannot rewrite."""
-    body = dict(body)
-    for k in ("cache_salt", "cache_salt_offset"):
-        if k in body:
-            raise GatewayError(400, f"'{k}' is set by the gateway, per tenant; remove it from the request",
-                               "BadRequestError", k)
-    if endpoint == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-            raise GatewayError(400, "'messages' must be a list of message objects", "BadRequestError", "messages")
-        kept = [m for m in msgs if m.get("role") not in ("system", "developer")]
-        body["messages"] = ([{"role": "system", "content": prompt.text}] if prompt else []) + kept
-        return body
-    p = body.get("prompt")
-    if isinstance(p, str):
-        texts, single = [p], True
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        texts, single = p, False
-    else:
-        raise GatewayError(400, "the gateway accepts 'prompt' as a string or a list of strings (token-id prompts "
-                           "cannot be prefixed with the tenant's system prompt)", "BadRequestError", "prompt")
-    if prompt:
-        texts = [join_prompt(prompt.text, t) for t in texts]
-    body["prompt"] = texts[0] if single else texts
-    return body
-
-
-class RelayResponse(StreamingResponse):
-    """A streaming response that calls `on_close` when it is over, however it ended."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 def trim_chunk(obj: dict[str, Any], want_usage: bool, want_continuous: bool) -> dict[str, Any] | None:
@@ -196,9 +103,9 @@ def trim_chunk(obj: dict[str, Any], want_usage: bool, want_continuous: bool) -> 
     return obj
 
 
-def sse_error(message: str) -> str:
+def sse_error(message: str, status: int = 502) -> str:
     return "data: " + json.dumps({"error": {"message": message, "type": "BadGatewayError", "param": None,
-                                            "code": 502}}) + "\n\n"
+                                            "code": status}}) + "\n\n"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -210,20 +117,43 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass(eq=False)
+class Upstream:
+    """A backend's response being read, counted in the backend's in-flight load
+    until closed (once)."""
+
+    resp: httpx.Response
+    backend: Backend
+    closed: bool = False
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.backend.inflight -= 1
+            await self.resp.aclose()
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+
+
 @dataclass
 class Proxy:
-    """The per-request pipeline. Holds no per-request state itself; `tasks` keeps
-    finishing work alive after a client disconnects."""
+    """The per-request pipeline. Holds no per-request state itself."""
 
     cfg: GatewayConfig
     store: Store
     secret: bytes
-    limiter: Limiter
     router: Router
     client: httpx.AsyncClient
-    counters: Any
+    acct: Accounting
     auth_cache: dict[str, tuple[float, Caller]] = field(default_factory=dict)  # digest -> (expiry, caller)
-    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def backend_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.cfg.backend_api_key}"} if self.cfg.backend_api_key else {}
 
     # --- who is asking ------------------------------------------------------------------------------
 
@@ -270,12 +200,13 @@ class Proxy:
         counts = []
         for probe in PROBES:
             req = ({"messages": [{"role": "system", "content": prompt.text}, {"role": "user", "content": probe}]}
-                   if endpoint == "chat" else {"prompt": join_prompt(prompt.text, probe)})
+                   if endpoint == "chat" else {"prompt": join_prompt(prompt.text, probe), "split_special_tokens": True})
             try:
-                r = await self.client.post(backend.url + "/tokenize", json=req, timeout=10)
+                r = await self.client.post(backend.url + "/tokenize", json=req, headers=self.backend_headers,
+                                           timeout=10)
                 r.raise_for_status()
                 counts.append(r.json()["tokens"])
-            except (httpx.HTTPError, KeyError, ValueError) as e:
+            except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
                 log.warning("tokenize on %s failed (%s): salting the whole prompt", backend.url, e)
                 return 0
         n = _common_prefix(*counts)
@@ -283,9 +214,17 @@ class Proxy:
         return n
 
     async def body_for(self, backend: Backend, endpoint: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        """`body` for one backend: salted, capped to its context, asking for usage when streamed."""
         out = dict(body, cache_salt=K.tenant_salt(self.secret, caller.tenant.name))
         if backend.supports_salt and caller.prompt is not None and caller.prompt.public:
             out["cache_salt_offset"] = await self._salt_offset(backend, endpoint, caller.prompt)
+        if backend.supports_salt and endpoint == "completions":
+            out["split_special_tokens"] = True
+        if backend.max_model_len:
+            out["max_tokens"] = min(out["max_tokens"], backend.max_model_len)
+        if out.get("stream"):
+            out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True,
+                                     "continuous_usage_stats": True}
         return out
 
     # --- one request --------------------------------------------------------------------------------
@@ -294,114 +233,88 @@ class Proxy:
         """Serve one /v1/chat/completions or /v1/completions request. Raises GatewayError."""
         t0 = time.monotonic()
         caller = await self.authenticate(request)
-        raw: dict[str, Any] = {}
-        try:
-            raw, body, reserved = await self._admissible(request, endpoint, caller)
-        except GatewayError as e:  # refused before it reached a backend: recorded all the same
-            await self.record(caller, endpoint, raw, bool(raw.get("stream")), Outcome("invalid", e.status), t0)
-            raise
-        stream = bool(body.get("stream"))
         rid = "gw-" + uuid.uuid4().hex
-        decision = await self.limiter.acquire(caller.key.id, caller.limits, reserved, rid)
-        if not decision.admitted:
-            await self.record(caller, endpoint, body, stream, Outcome("rate_limited", 429), t0)
+        row: dict[str, Any] = {"key_id": caller.key.id, "tenant": caller.tenant.name, "endpoint": endpoint,
+                               "stream": False, "prompt_name": caller.prompt.name if caller.prompt else None,
+                               "prompt_version": caller.prompt.version if caller.prompt else None}
+        try:
+            try:
+                raw = parse_json_object(await request.body())  # whatever its content type says
+            except BodyRejected as e:
+                raise TenantRequestError(str(e)) from None
+            req = parse_tenant_request(endpoint, raw)
+        except TenantRequestError as e:
+            await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
+            raise GatewayError(400, str(e), "BadRequestError", e.param) from None
+        row |= {"stream": req.stream, "model": req.model[:256] if req.model else None}
+        system = caller.prompt.text if caller.prompt else None
+        body = backend_body(endpoint, req, system, 0)
+        seqs, estimate = num_sequences(req), estimate_prompt_tokens(body)
+        cap = min(req.wanted_max_tokens() or self.cfg.default_max_tokens, self.router.max_model_len() or 2**31)
+        decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0)
+        if flight is None:
             retry = max(1, math.ceil(decision.retry_after))
-            what = {"too_large": f"this request may use {reserved} tokens, more than the key's "
-                                 f"{caller.limits.tpm} tokens per minute",
-                    "requests": f"rate limit of {caller.limits.rpm} requests per minute reached",
-                    "tokens": f"rate limit of {caller.limits.tpm} tokens per minute reached",
-                    "concurrency": f"limit of {caller.limits.max_concurrent} concurrent requests reached"}
-            raise GatewayError(429, what[decision.reason] + f"; retry after {retry}s", "RateLimitError",
+            lim = caller.limits
+            what = REFUSALS[decision.reason].format(least=estimate + seqs, tpm=lim.tpm, rpm=lim.rpm,
+                                                    max_concurrent=lim.max_concurrent)
+            raise GatewayError(429, f"{what}; retry after {retry}s", "RateLimitError",
                                headers={**decision.headers, "Retry-After": str(retry)})
+        body["max_tokens"] = max(1, (decision.granted - estimate) // seqs)
         headers = {**decision.headers, "x-request-id": rid}
-        finish = Ending(self, caller, endpoint, body, stream, reserved, rid, t0)
         try:
-            upstream, backend, outcome = await self._send(endpoint, body, caller, rid)
-        except BaseException:
-            await finish(Outcome())
+            up = await self._send(endpoint, body, caller, flight)
+            if req.stream and up.resp.status_code == 200:
+                return ClosingStreamingResponse(self._relay(request, up, req, flight), flight.end_soon,
+                                                media_type="text/event-stream", headers=headers)
+            return await self._answer(request, up, flight, headers)
+        except BaseException as e:
+            ending = flight.end_soon()
+            if not isinstance(e, asyncio.CancelledError):  # the error answer goes out once the row is complete
+                await asyncio.shield(ending)
             raise
-        if upstream is None:
-            await finish(outcome)
-            raise GatewayError(503, "no backend could serve the request: " + (outcome.error or "none is up"),
-                               "ServiceUnavailableError", headers=headers)
-        if stream and upstream.status_code == 200:
-            return RelayResponse(self._relay(request, upstream, backend, raw, outcome, t0, finish),
-                                 lambda: self._ensure_ended(upstream, backend, outcome, finish),
-                                 media_type="text/event-stream", headers=headers)
-        try:
-            data = await upstream.aread()
-        finally:
-            await upstream.aclose()
-            backend.inflight -= 1
-        outcome.http_status = upstream.status_code
-        outcome.status = "ok" if upstream.status_code == 200 else "error"
-        outcome.ttft_s = time.monotonic() - t0
-        try:
-            parsed = json.loads(data)
-            if upstream.status_code == 200:
-                outcome.take_usage(parsed.get("usage"))
-                outcome.take_choices(parsed.get("choices"))
-        except (ValueError, AttributeError):
-            pass
-        await finish(outcome)
-        return Response(data, status_code=upstream.status_code, headers=headers,
-                        media_type=upstream.headers.get("content-type", "application/json"))
 
-    async def _admissible(self, request: Request, endpoint: str, caller: Caller
-                          ) -> tuple[dict[str, Any], dict[str, Any], int]:
-        """(the client's body, the body with the tenant's prompt in force, tokens to
-        reserve). Raises GatewayError(400) for a body the gateway will not forward."""
-        try:
-            raw = await request.json()
-        except ValueError as e:
-            raise GatewayError(400, f"invalid JSON body: {e}", "BadRequestError") from None
-        if not isinstance(raw, dict):
-            raise GatewayError(400, "the request body must be a JSON object", "BadRequestError")
-        body = force_prompt(endpoint, raw, caller.prompt)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.cfg.reserve_max_tokens
-        n = body.get("n") or 1
-        if not isinstance(max_tokens, int) or not isinstance(n, int) or max_tokens < 1 or n < 1:
-            raise GatewayError(400, "max_tokens and n must be positive integers", "BadRequestError", "max_tokens")
-        return raw, body, estimate_prompt_tokens(body) + max_tokens * n
-
-    async def _send(self, endpoint: str, body: dict[str, Any], caller: Caller, rid: str
-                    ) -> tuple[httpx.Response | None, Backend | None, Outcome]:
-        """Try backends in routing order until one answers with less than 500.
-        The returned backend's in-flight count has been raised; the caller lowers it."""
+    async def _send(self, endpoint: str, body: dict[str, Any], caller: Caller, flight: InFlight) -> Upstream:
+        """Try backends in routing order until one answers with less than 500. Only a
+        backend that cannot be connected to is skipped (the request never reached
+        it); a timeout or a broken answer ends the request. Raises GatewayError."""
         key = route_key(caller.prompt.text if caller.prompt else None, bool(caller.prompt and caller.prompt.public),
                         caller.tenant.name)
-        outcome = Outcome()
-        fwd = {"x-request-id": rid}
-        if self.cfg.backend_api_key:
-            fwd["authorization"] = f"Bearer {self.cfg.backend_api_key}"
+        outcome = flight.outcome
+        fwd = {"x-request-id": flight.request_id, **self.backend_headers}
         errors = []
         for backend in self.router.order(key):
             b = await self.body_for(backend, endpoint, body, caller)
-            if b.get("stream"):
-                b["stream_options"] = {**(b.get("stream_options") or {}), "include_usage": True,
-                                       "continuous_usage_stats": True}
+            req = self.client.build_request("POST", backend.url + ENDPOINTS[endpoint], json=b, headers=fwd)
             backend.inflight += 1
             try:
-                req = self.client.build_request("POST", backend.url + ENDPOINTS[endpoint], json=b, headers=fwd)
                 resp = await self.client.send(req, stream=True)
-            except httpx.TransportError as e:
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 backend.inflight -= 1
                 self.mark_down(backend, e)
                 errors.append(f"{backend.url}: {type(e).__name__}")
                 continue
+            except httpx.TimeoutException:
+                backend.inflight -= 1
+                outcome.backend, outcome.status, outcome.http_status = backend.url, UsageStatus.TIMEOUT, 504
+                raise GatewayError(504, f"the backend did not answer within {self.cfg.backend_timeout:g}s "
+                                        "(--backend-timeout)", "GatewayTimeoutError") from None
+            except httpx.TransportError as e:
+                backend.inflight -= 1
+                outcome.backend = backend.url
+                raise GatewayError(502, f"the backend failed: {type(e).__name__}", "BadGatewayError") from None
             except BaseException:
                 backend.inflight -= 1
                 raise
-            if resp.status_code >= 500:  # nothing reached the client yet: try the next backend
+            if resp.status_code >= 500:  # it answered, with an error: nothing reached the client yet
                 await resp.aclose()
                 backend.inflight -= 1
                 errors.append(f"{backend.url}: HTTP {resp.status_code}")
                 continue
             outcome.backend = backend.url
-            self.counters.routed(backend.url)
-            return resp, backend, outcome
-        outcome.error = "; ".join(errors) or None
-        return None, None, outcome
+            self.acct.counters.routed(backend.url)
+            return Upstream(resp, backend)
+        raise GatewayError(503, "no backend could serve the request: " + ("; ".join(errors) or "none is up"),
+                           "ServiceUnavailableError")
 
     def mark_down(self, backend: Backend, err: BaseException) -> None:
         if backend.healthy:
@@ -409,27 +322,65 @@ class Proxy:
         backend.healthy = False
         backend.last_error = f"{type(err).__name__}: {err}"
 
-    async def _relay(self, request: Request, upstream: httpx.Response, backend: Backend, raw: dict[str, Any],
-                     outcome: Outcome, t0: float, finish: Ending) -> AsyncIterator[str]:
-        """The backend's SSE stream, trimmed to what the client asked for. Ends the
-        request (limits, usage row) when the stream ends or the client goes away:
-        a watcher notices a disconnect even while the backend sends nothing, and
-        closes the upstream connection so that the backend aborts too."""
-        opts = raw.get("stream_options") or {}
-        want_usage, want_continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
-        outcome.status, outcome.http_status = "client_aborted", 200
+    async def _answer(self, request: Request, up: Upstream, flight: InFlight, headers: dict[str, str]) -> Response:
+        """A non-streamed answer: read it while watching the client; a client that
+        goes away closes the upstream connection (the backend aborts)."""
+        o = flight.outcome
+        read = asyncio.ensure_future(up.resp.aread())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                o.status, o.http_status = UsageStatus.CLIENT_ABORTED, 499
+                return Response(status_code=499)  # nobody reads it
+            try:
+                data = read.result()
+            except httpx.TimeoutException:
+                o.status, o.http_status = UsageStatus.TIMEOUT, 504
+                raise GatewayError(504, f"the backend did not finish within {self.cfg.backend_timeout:g}s",
+                                   "GatewayTimeoutError") from None
+            except httpx.HTTPError as e:
+                raise GatewayError(502, f"the backend failed mid-answer: {type(e).__name__}",
+                                   "BadGatewayError") from None
+        finally:
+            read.cancel()
+            gone.cancel()
+            await up.close()
+        o.http_status = up.resp.status_code
+        o.status = UsageStatus.OK if o.http_status == 200 else UsageStatus.ERROR
+        o.ttft_s = time.monotonic() - flight.t0
+        try:
+            parsed = json.loads(data)
+            if o.http_status == 200 and isinstance(parsed, dict):
+                o.take_usage(parsed.get("usage"))
+                o.take_choices(parsed.get("choices"))
+        except ValueError:
+            pass
+        await flight.end()
+        return Response(data, status_code=o.http_status, headers=headers,
+                        media_type=up.resp.headers.get("content-type", "application/json"))
+
+    async def _relay(self, request: Request, up: Upstream, req: TenantChat | TenantCompletion,
+                     flight: InFlight) -> AsyncIterator[str]:
+        """The backend's SSE stream, trimmed to what the client asked for. A watcher
+        notices a disconnect even while the backend sends nothing, and closes the
+        upstream connection so that the backend aborts too."""
+        opts = req.stream_options
+        want_usage, want_continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+        o = flight.outcome
+        o.status, o.http_status = UsageStatus.CLIENT_ABORTED, 200
         gone = asyncio.Event()
 
         async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.1)
+            await wait_disconnect(request)
             gone.set()
-            await self._abort(upstream, backend, outcome, finish)
+            await up.close()
+            flight.end_soon()
 
         watcher = asyncio.get_running_loop().create_task(watch())
         done = False
         try:
-            async for line in upstream.aiter_lines():
+            async for line in up.resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 if line[6:].strip() == "[DONE]":
@@ -438,71 +389,28 @@ class Proxy:
                 try:
                     obj = json.loads(line[6:])
                 except ValueError:
-                    yield line + "\n\n"
                     continue
-                outcome.take_usage(obj.get("usage"))
-                outcome.take_choices(obj.get("choices"))
+                if not isinstance(obj, dict):
+                    continue
+                o.take_usage(obj.get("usage"))
+                o.take_choices(obj.get("choices"))
                 if obj.get("choices"):
-                    outcome.chunks += 1
-                    if outcome.ttft_s is None:
-                        outcome.ttft_s = time.monotonic() - t0
+                    o.chunks += 1
+                    o.ttft_s = o.ttft_s or time.monotonic() - flight.t0
                 obj = trim_chunk(obj, want_usage, want_continuous)
                 if obj is not None:
                     yield f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-            watcher.cancel()
-            outcome.status = "ok" if done else "backend_error"
-            await self._close(upstream, backend)
-            await finish(outcome)
+            o.status = UsageStatus.OK if done else UsageStatus.BACKEND_ERROR
+            await up.close()
+            await flight.end()
             yield "data: [DONE]\n\n" if done else sse_error("the backend ended the stream early")
-        except Exception as e:
-            watcher.cancel()
+        except httpx.HTTPError as e:
             if gone.is_set():  # the watcher closed the upstream under us: the client's abort
                 return
-            if not isinstance(e, httpx.HTTPError):
-                raise
-            outcome.status = "backend_error"
-            self.mark_down(backend, e)
-            await self._close(upstream, backend)
-            await finish(outcome)
-            yield sse_error(f"the backend failed mid-stream: {e}")
+            o.status = UsageStatus.TIMEOUT if isinstance(e, httpx.TimeoutException) else UsageStatus.BACKEND_ERROR
+            await up.close()
+            await flight.end()
+            yield sse_error(f"the backend failed mid-stream: {type(e).__name__}")
         finally:
             watcher.cancel()
-
-    def _ensure_ended(self, upstream: httpx.Response, backend: Backend, outcome: Outcome, finish: Ending) -> None:
-        """After the response is over, however it ended (the client went away, even
-        before the first chunk): end the request if nothing else did, in a task of
-        its own (the caller may be in a cancelled scope)."""
-        if finish.done:
-            return
-        task = asyncio.get_running_loop().create_task(self._abort(upstream, backend, outcome, finish))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _close(self, upstream: httpx.Response, backend: Backend) -> None:
-        if not upstream.is_closed:
-            await upstream.aclose()
-            backend.inflight -= 1
-
-    async def _abort(self, upstream: httpx.Response, backend: Backend, outcome: Outcome, finish: Ending) -> None:
-        outcome.status = "client_aborted"
-        await self._close(upstream, backend)  # the backend sees the disconnect and aborts the request
-        await finish(outcome)
-
-    async def record(self, caller: Caller, endpoint: str, body: dict[str, Any], stream: bool, o: Outcome,
-                     t0: float) -> None:
-        """Write the usage row (never raises: a lost row is logged, the answer still goes out)."""
-        row = {"key_id": caller.key.id, "tenant": caller.tenant.name, "endpoint": endpoint,
-               "model": body.get("model") if isinstance(body.get("model"), str) else None,
-               "prompt_name": caller.prompt.name if caller.prompt else None,
-               "prompt_version": caller.prompt.version if caller.prompt else None,
-               "backend": o.backend, "stream": stream, "status": o.status, "http_status": o.http_status,
-               "finish_reason": o.finish_reason,
-               "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
-               "completion_tokens": o.completion_tokens if o.completion_tokens is not None else (o.chunks or None),
-               "ttft_s": o.ttft_s, "latency_s": time.monotonic() - t0}
-        self.counters.finished(caller.tenant.name, o.status)
-        try:
-            await asyncio.to_thread(self.store.record_usage, row)
-        except Exception:
-            log.exception("could not write the usage row of a %s request", caller.tenant.name)
-
+            await up.close()

@@ -26,6 +26,7 @@ class Backend:
     inflight: int = 0
     kind: str = "unknown"  # "hotprefix" (salt offsets, /pin, /tokenize) or "openai" (anything else)
     model: str | None = None
+    max_model_len: int | None = None  # from its /v1/models, when it says
     last_error: str | None = None
     token_counts: dict[str, int] = field(default_factory=dict)  # prompt text hash -> tokens, per backend
 
@@ -56,6 +57,11 @@ class Router:
         self.backends = backends
         self.load_factor = load_factor
         self.min_cap = min_cap
+
+    def max_model_len(self) -> int | None:
+        """The smallest context any healthy backend reports (None: none reports one)."""
+        known = [b.max_model_len for b in self.backends if b.healthy and b.max_model_len]
+        return min(known) if known else None
 
     def ranking(self, key: str, healthy_only: bool = True) -> list[Backend]:
         """Backends in rendezvous order for `key` (the first is the key's home)."""

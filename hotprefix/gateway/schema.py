@@ -80,7 +80,14 @@ usage = Table(
     Column("completion_tokens", Integer, nullable=True),
     Column("ttft_s", Float, nullable=True),
     Column("latency_s", Float, nullable=False),
+    # 0002: written at admission as `started`, completed when the request ends
+    Column("request_id", String(64), nullable=True),
+    Column("gateway_id", String(128), nullable=True),
+    Column("reserved_tokens", Integer, nullable=True),
+    Column("updated_at", DateTime, nullable=True),
 )
 Index("ix_usage_created_at", usage.c.created_at)
 Index("ix_usage_key_id", usage.c.key_id)
 Index("ix_usage_tenant", usage.c.tenant)
+Index("ix_usage_request_id", usage.c.request_id, unique=True)
+Index("ix_usage_status", usage.c.status)

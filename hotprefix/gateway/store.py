@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hmac
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,21 @@ class KeyRecord:
 
 
 USAGE_GROUPS = ("key", "tenant", "day")
+MAX_GRACE_S = 365 * 86400.0  # a rotated key's grace period: at most a year
+
+
+class UsageStatus(str, Enum):
+    """A usage row's status. `started` is written at admission; every other one ends it."""
+
+    STARTED = "started"
+    OK = "ok"  # the backend answered 200 and the response reached the client
+    CLIENT_ABORTED = "client_aborted"  # the client went away; the backend was told
+    ERROR = "error"  # the backend answered 4xx
+    BACKEND_ERROR = "backend_error"  # no backend answered, or one failed mid-way
+    TIMEOUT = "timeout"  # the backend did not answer within --backend-timeout
+    RATE_LIMITED = "rate_limited"
+    INVALID = "invalid"  # refused by the gateway before any backend
+    INTERRUPTED = "interrupted"  # its gateway died; closed by a gateway that saw it orphaned
 
 
 class Store:
@@ -211,19 +227,25 @@ class Store:
 
     def create_key(self, secret: bytes, tenant: str, name: str | None = None,
                    expires_at: dt.datetime | None = None, rpm: int | None = None, tpm: int | None = None,
-                   max_concurrent: int | None = None, rotated_from: str | None = None) -> tuple[str, KeyRecord]:
+                   max_concurrent: int | None = None) -> tuple[str, KeyRecord]:
         """A new key for `tenant`: returns (the key, shown this once; its record)."""
+        with self.engine.begin() as c:
+            key, kid = self._insert_key(c, secret, tenant, name, expires_at, rpm, tpm, max_concurrent, None)
+        return key, self.key(kid)
+
+    def _insert_key(self, c, secret: bytes, tenant: str, name: str | None, expires_at: dt.datetime | None,
+                    rpm: int | None, tpm: int | None, max_concurrent: int | None,
+                    rotated_from: str | None) -> tuple[str, str]:
         t = self.tenant(tenant)
         for v, flag in ((rpm, "rpm"), (tpm, "tpm"), (max_concurrent, "max-concurrent")):
             if v is not None and v < 1:
                 raise StoreError(f"--{flag} must be >= 1")
         key, kid = K.new_key(), K.new_key_id()
-        with self.engine.begin() as c:
-            c.execute(api_keys.insert().values(id=kid, digest=K.digest(secret, key), hint=key[-4:], tenant_id=t.id,
-                                               name=name, created_at=utcnow(), expires_at=expires_at,
-                                               rotated_from=rotated_from, rpm=rpm, tpm=tpm,
-                                               max_concurrent=max_concurrent))
-        return key, self.key(kid)
+        c.execute(api_keys.insert().values(id=kid, digest=K.digest(secret, key), hint=key[-4:], tenant_id=t.id,
+                                           name=name, created_at=utcnow(), expires_at=expires_at,
+                                           rotated_from=rotated_from, rpm=rpm, tpm=tpm,
+                                           max_concurrent=max_concurrent))
+        return key, kid
 
     def _keys_query(self):
         return sa.select(api_keys, tenants.c.name.label("tenant")).join(tenants, tenants.c.id == api_keys.c.tenant_id)
@@ -268,28 +290,74 @@ class Store:
 
     def rotate_key(self, secret: bytes, key_id: str, grace_s: float = 0.0) -> tuple[str, KeyRecord]:
         """A new key with the old one's tenant, name and limits; the old one stops
-        working after `grace_s` seconds (now when 0). Raises StoreError for an
-        unknown or inactive key."""
+        working after `grace_s` seconds (now when 0), at most MAX_GRACE_S. Both
+        happen in one transaction. Raises StoreError for an unknown or inactive
+        key or a grace out of range (then nothing changed)."""
+        if not 0 <= grace_s <= MAX_GRACE_S:
+            raise StoreError(f"the grace period must be between 0 and {MAX_GRACE_S:.0f} seconds, got {grace_s}")
         old = self.key(key_id)
         now = utcnow()
         if not old.active(now):
             raise StoreError(f"key {key_id!r} is revoked or expired")
-        key, rec = self.create_key(secret, old.tenant, old.name, old.expires_at, old.rpm, old.tpm,
-                                   old.max_concurrent, rotated_from=old.id)
         ends = now + dt.timedelta(seconds=grace_s)
+        change = {"expires_at": ends} if grace_s > 0 else {"revoked_at": now}
         with self.engine.begin() as c:
-            if grace_s > 0:
-                c.execute(api_keys.update().where(api_keys.c.id == key_id).values(expires_at=ends))
-            else:
-                c.execute(api_keys.update().where(api_keys.c.id == key_id).values(revoked_at=now))
-        return key, rec
+            key, kid = self._insert_key(c, secret, old.tenant, old.name, old.expires_at, old.rpm, old.tpm,
+                                        old.max_concurrent, old.id)
+            c.execute(api_keys.update().where(api_keys.c.id == key_id).values(**change))
+        return key, self.key(kid)
 
     # --- usage --------------------------------------------------------------------------------------
 
     def record_usage(self, row: dict[str, Any]) -> None:
-        """Insert one usage row (the columns of schema.usage; created_at defaults to now)."""
+        """Insert one finished usage row (the columns of schema.usage; created_at defaults to now)."""
         with self.engine.begin() as c:
             c.execute(usage.insert().values({"created_at": utcnow(), **row}))
+
+    def start_usage(self, row: dict[str, Any]) -> None:
+        """Insert the row of an admitted request, status `started` (one transaction).
+        row holds request_id, key_id, tenant, endpoint, stream, reserved_tokens, ..."""
+        now = utcnow()
+        with self.engine.begin() as c:
+            c.execute(usage.insert().values({"created_at": now, "updated_at": now, "http_status": 0,
+                                             "latency_s": 0.0, **row, "status": UsageStatus.STARTED.value}))
+
+    def finish_usage(self, request_id: str, fields: dict[str, Any]) -> bool:
+        """Complete a started row (one transaction). False if it is not started
+        (unknown, or already finished: a request ends once)."""
+        with self.engine.begin() as c:
+            n = c.execute(usage.update().where(usage.c.request_id == request_id,
+                                               usage.c.status == UsageStatus.STARTED.value)
+                          .values({**fields, "updated_at": utcnow()})).rowcount
+        return n == 1
+
+    def heartbeat_usage(self, progress: dict[str, dict[str, Any]]) -> None:
+        """Mark running requests alive, with their usage so far (request_id -> the
+        token columns, possibly empty); one transaction for all."""
+        if not progress:
+            return
+        now = utcnow()
+        with self.engine.begin() as c:
+            for rid, fields in progress.items():
+                c.execute(usage.update().where(usage.c.request_id == rid,
+                                               usage.c.status == UsageStatus.STARTED.value)
+                          .values({**fields, "updated_at": now}))
+
+    def close_orphans(self, gateway_id: str | None = None, silent_since: dt.datetime | None = None) -> int:
+        """End as `interrupted` the started rows of `gateway_id` (a restarted gateway's
+        former self) and those no heartbeat touched since `silent_since` (their
+        gateway died). They keep the usage last reported. Returns how many."""
+        conds = []
+        if gateway_id is not None:
+            conds.append(usage.c.gateway_id == gateway_id)
+        if silent_since is not None:
+            conds.append(usage.c.updated_at < silent_since)
+        if not conds:
+            return 0
+        with self.engine.begin() as c:
+            return c.execute(usage.update().where(usage.c.status == UsageStatus.STARTED.value, sa.or_(*conds))
+                             .values(status=UsageStatus.INTERRUPTED.value, http_status=0,
+                                     updated_at=utcnow())).rowcount
 
     def usage_rows(self, key_id: str | None = None) -> list[dict[str, Any]]:
         q = sa.select(usage).order_by(usage.c.id)
@@ -307,7 +375,7 @@ class Store:
         col = {"key": usage.c.key_id, "tenant": usage.c.tenant,
                "day": sa.func.date(usage.c.created_at)}[group_by].label(group_by)
         q = sa.select(col, sa.func.count().label("requests"),
-                      sa.func.sum(sa.case((usage.c.status == "ok", 1), else_=0)).label("ok"),
+                      sa.func.sum(sa.case((usage.c.status == UsageStatus.OK.value, 1), else_=0)).label("ok"),
                       sa.func.coalesce(sa.func.sum(usage.c.prompt_tokens), 0).label("prompt_tokens"),
                       sa.func.coalesce(sa.func.sum(usage.c.cached_tokens), 0).label("cached_tokens"),
                       sa.func.coalesce(sa.func.sum(usage.c.completion_tokens), 0).label("completion_tokens"),

@@ -112,7 +112,8 @@ def test_openai_client_through_the_gateway(setup):
 
 
 def usage_rows(store, key_id):
-    return [r for r in store.usage_rows(key_id) if r["status"] != "rate_limited"]
+    """The key's finished rows of admitted requests."""
+    return [r for r in store.usage_rows(key_id) if r["status"] not in ("rate_limited", "started")]
 
 
 def test_usage_rows_equal_the_backend_usage(setup):

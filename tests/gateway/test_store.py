@@ -9,13 +9,13 @@ import pytest
 import sqlalchemy as sa
 
 from hotprefix.gateway import keys as K
-from hotprefix.gateway.store import StoreError, utcnow
+from hotprefix.gateway.store import MIGRATIONS, Store, StoreError, UsageStatus, utcnow
 from tests.gateway.conftest import SECRET
 
 
 def test_migrations_create_exactly_the_schema_and_are_idempotent(store):
-    assert store.migrate() == "0001"
-    assert store.migrate() == "0001"
+    assert store.migrate() == "0002"
+    assert store.migrate() == "0002"
     assert store.schema_diff() == []
     names = set(sa.inspect(store.engine).get_table_names())
     assert {"tenants", "system_prompts", "api_keys", "usage", "alembic_version"} <= names
@@ -105,3 +105,41 @@ def test_usage_report_groups(store):
         {"key": "k1", "requests": 1, "ok": 1, "prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 5}]
     with pytest.raises(StoreError):
         store.usage_report("model")
+
+
+def test_a_usage_row_is_started_at_admission_and_ended_once(store):
+    base = {"key_id": "key_1", "tenant": "acme", "endpoint": "chat", "stream": True, "reserved_tokens": 600}
+    store.start_usage(base | {"request_id": "gw-a", "gateway_id": "gw1"})
+    store.start_usage(base | {"request_id": "gw-b", "gateway_id": "gw1"})
+    store.start_usage(base | {"request_id": "gw-c", "gateway_id": "gw2"})
+    store.heartbeat_usage({"gw-b": {"prompt_tokens": 40, "completion_tokens": 7}, "gw-c": {}})
+    assert store.finish_usage("gw-a", {"status": "ok", "http_status": 200, "prompt_tokens": 40,
+                                       "completion_tokens": 9, "latency_s": 1.5})
+    assert not store.finish_usage("gw-a", {"status": "error", "http_status": 500})  # ends once
+    assert store.close_orphans(gateway_id="gw1") == 1  # gw1 restarted: its running row is orphaned
+    assert store.close_orphans(silent_since=utcnow() - dt.timedelta(seconds=60)) == 0  # gw2 beat just now
+    assert store.close_orphans(silent_since=utcnow() + dt.timedelta(seconds=1)) == 1
+    rows = {r["request_id"]: r for r in store.usage_rows()}
+    got = [(rows[k]["status"], rows[k]["prompt_tokens"], rows[k]["completion_tokens"])
+           for k in ("gw-a", "gw-b", "gw-c")]
+    assert got == [("ok", 40, 9), ("interrupted", 40, 7), ("interrupted", None, None)]
+    assert all(r["reserved_tokens"] == 600 for r in rows.values())
+    assert {s.value for s in UsageStatus} >= {r["status"] for r in rows.values()}
+
+
+def test_migration_0002_upgrades_a_database_with_rows(tmp_path):
+    from alembic import command
+    from alembic.config import Config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    st = Store(url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with st.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    st.record_usage({"key_id": "k", "tenant": "t", "endpoint": "chat", "stream": False, "status": "ok",
+                     "http_status": 200, "latency_s": 0.1})
+    assert st.migrate() == "0002" and st.schema_diff() == []
+    (row,) = st.usage_rows()
+    assert row["status"] == "ok" and row["request_id"] is None

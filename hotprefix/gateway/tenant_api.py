@@ -1,0 +1,157 @@
+"""What a tenant may send through the gateway, and the request a backend gets instead.
+
+The gateway never forwards a body as received: it validates the client's JSON
+against these models (an allow-list of the OpenAI fields users need, plus vLLM's
+harmless sampling extras), then builds a new body from the validated fields,
+the tenant's forced system prompt, the tenant's cache salt and an explicit
+`max_tokens`. Fields that belong to the operator are refused by name; any other
+unknown field is refused as unsupported; roles are OpenAI's, matched exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Fields a backend honours but only the operator may set: they change the prompt's
+# construction (templates, special tokens, the forced prompt), the cache (salts,
+# pins), the queue (priority), or reveal other requests (ids, echo of the prompt).
+OPERATOR_FIELDS = frozenset({
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "split_special_tokens", "echo", "suffix", "priority", "pin_prefix", "request_id",
+    "cache_salt", "cache_salt_offset", "documents", "mm_processor_kwargs", "return_tokens_as_token_ids",
+    "truncate_prompt_tokens", "kv_transfer_params", "vllm_xargs",
+})
+
+
+class TenantRequestError(ValueError):
+    """The client's body cannot go through the gateway (HTTP 400): message and param."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
+
+
+class _Sampling(_Strict):
+    """Sampling fields a tenant may set (OpenAI's and vLLM's harmless extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TenantChat(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TenantCompletion(_Sampling):
+    prompt: str | list[str] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+
+
+MODELS: dict[str, type[_Sampling]] = {"chat": TenantChat, "completions": TenantCompletion}
+
+
+def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
+    """The client's body as the model of its endpoint. Raises TenantRequestError
+    naming an operator-only field, an unsupported one, or the first invalid value."""
+    for k in raw:
+        if k in OPERATOR_FIELDS:
+            raise TenantRequestError(f"'{k}' is set by the operator; the gateway does not accept it from clients", k)
+    try:
+        return MODELS[endpoint].model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":
+            raise TenantRequestError(f"unsupported parameter '{loc}'", loc.split(".")[0]) from None
+        if err.get("type") == "prompt" or (loc.startswith("prompt") and endpoint == "completions"):
+            raise TenantRequestError("the gateway accepts 'prompt' as a string or a list of strings (token-id "
+                                     "prompts cannot be prefixed with the tenant's system prompt)", "prompt") from None
+        raise TenantRequestError(f"{loc or 'body'}: {err.get('msg')}", loc.split(".")[0] if loc else None) from None
+
+
+def join_prompt(system: str, user: str) -> str:
+    """A tenant prompt before a completions prompt: a blank line between them unless
+    the tenant's text already ends in whitespace."""
+    return system + user if not system or system[-1].isspace() else system + "\n\n" + user
+
+
+def backend_body(endpoint: str, req: _Sampling, system: str | None, max_tokens: int) -> dict[str, Any]:
+    """The body a backend gets: the validated fields the client set (nothing else),
+    the tenant's prompt in force and an explicit max_tokens. The caller adds the
+    cache salt. Chat: the client's system and developer messages are dropped and the
+    tenant's prompt goes first; completions: each prompt is prefixed with it."""
+    body = req.model_dump(exclude_unset=True, exclude_none=True,
+                          exclude={"messages", "prompt", "max_completion_tokens", "max_tokens"})
+    body["max_tokens"] = max_tokens
+    if isinstance(req, TenantChat):
+        kept = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages if m.role not in ("system", "developer")]
+        body["messages"] = ([{"role": "system", "content": system}] if system else []) + kept
+    else:
+        assert isinstance(req, TenantCompletion)
+        texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        texts = [join_prompt(system, t) if system else t for t in texts]
+        body["prompt"] = texts[0] if isinstance(req.prompt, str) else texts
+    return body
+
+
+def num_sequences(req: _Sampling) -> int:
+    """Output sequences the request asks for (prompts x n): what max_tokens multiplies."""
+    prompts = len(req.prompt) if isinstance(req, TenantCompletion) and isinstance(req.prompt, list) else 1
+    return prompts * req.n

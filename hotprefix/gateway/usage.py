@@ -1,0 +1,209 @@
+"""Accounting of requests through the gateway: every admitted request has a usage
+row from admission on, a reservation and a concurrency lease, and ends exactly once.
+
+- Admission writes the row (`started`) in its own transaction before anything is
+  sent to a backend; a store that cannot take it refuses the request (503): no
+  request is served unaccounted.
+- While a request runs, a heartbeat renews its lease and checkpoints its usage
+  so far into its row (one transaction for all running requests).
+- The end (`InFlight.end`) settles the reservation with what the backend
+  reported, releases the lease and completes the row: each step guarded, so a
+  Redis error cannot lose the row nor a database error the lease; it runs as a
+  task of its own, so a cancelled caller cannot stop it.
+- Rows a dead gateway left `started` are closed as `interrupted` with the usage
+  last checkpointed: at start-up by the same gateway (`--gateway-id`), and by any
+  gateway once no heartbeat touched them for `orphan_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hotprefix.gateway.ratelimit import Decision, Limiter, Limits
+from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, UsageStatus, utcnow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated key, its tenant, the tenant's prompt and the limits that apply."""
+
+    key: KeyRecord
+    tenant: Tenant
+    prompt: Prompt | None
+    limits: Limits
+
+
+@dataclass
+class Outcome:
+    """What the usage row of one request says (filled in as the request goes)."""
+
+    status: UsageStatus = UsageStatus.BACKEND_ERROR
+    http_status: int = 502
+    backend: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    chunks: int = 0
+
+    def take_usage(self, usage: dict[str, Any] | None) -> None:
+        if not isinstance(usage, dict):
+            return
+        for name in ("prompt_tokens", "completion_tokens"):
+            if isinstance(usage.get(name), int):
+                setattr(self, name, usage[name])
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.cached_tokens = details["cached_tokens"]
+
+    def take_choices(self, choices: Any) -> None:
+        for c in choices if isinstance(choices, list) else ():
+            if isinstance(c, dict) and c.get("finish_reason"):
+                self.finish_reason = str(c["finish_reason"])[:32]
+                return
+
+    def used(self, reserved: int) -> int:
+        """Tokens to charge against the key's tokens-per-minute limit: what the backend
+        reported, else the whole reservation once a backend had the request."""
+        if self.prompt_tokens is None and self.completion_tokens is None:
+            return reserved if self.backend is not None else 0
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+
+    def progress(self) -> dict[str, Any]:
+        """The token columns known so far (for checkpoints)."""
+        return {k: v for k, v in (("prompt_tokens", self.prompt_tokens), ("cached_tokens", self.cached_tokens),
+                                  ("completion_tokens", self.completion_tokens or self.chunks or None))
+                if v is not None}
+
+    def columns(self, latency_s: float) -> dict[str, Any]:
+        return {"status": self.status.value, "http_status": self.http_status, "backend": self.backend,
+                "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "latency_s": latency_s,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens if self.completion_tokens is not None
+                else (self.chunks or None)}
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One admitted request, from admission to its one end. `outcome` is filled in by
+    the proxy; `end()`/`end_soon()` may be called any number of times, from anywhere."""
+
+    acct: Accounting
+    request_id: str
+    caller: Caller
+    reserved: int
+    t0: float
+    outcome: Outcome = field(default_factory=Outcome)
+    _ending: asyncio.Task | None = None
+
+    def end_soon(self) -> asyncio.Task:
+        """Start ending the request (once) in a task of its own; returns that task."""
+        if self._ending is None:
+            self._ending = asyncio.get_running_loop().create_task(self.acct._end(self))
+            self.acct.tasks.add(self._ending)
+            self._ending.add_done_callback(self.acct.tasks.discard)
+        return self._ending
+
+    async def end(self) -> None:
+        """End the request and wait for it; a cancelled caller does not stop the end."""
+        await asyncio.shield(self.end_soon())
+
+
+class Accounting:
+    """Admission, the in-flight registry and its heartbeat. Lives on the event loop."""
+
+    def __init__(self, store: Store, limiter: Limiter, counters: Any, gateway_id: str, heartbeat_s: float = 5.0,
+                 orphan_after_s: float = 60.0) -> None:
+        self.store = store
+        self.limiter = limiter
+        self.counters = counters
+        self.gateway_id = gateway_id
+        self.heartbeat_s = heartbeat_s
+        self.orphan_after_s = orphan_after_s
+        self.inflight: dict[str, InFlight] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    async def admit(self, caller: Caller, request_id: str, row: dict[str, Any], want: int, least: int,
+                    t0: float) -> tuple[Decision, InFlight | None]:
+        """Ask the limiter; if admitted, write the `started` row (if that fails, the
+        reservation is returned and the error raised: nothing runs unaccounted)."""
+        decision = await self.limiter.acquire(caller.key.id, caller.limits, want, least, request_id)
+        if not decision.admitted:
+            await self.record_refused(caller, row, UsageStatus.RATE_LIMITED, 429, t0)
+            return decision, None
+        flight = InFlight(self, request_id, caller, decision.granted, t0)
+        try:
+            await asyncio.to_thread(self.store.start_usage, row | {
+                "request_id": request_id, "gateway_id": self.gateway_id, "reserved_tokens": decision.granted})
+        except BaseException:
+            await self.limiter.settle(caller.key.id, caller.limits, decision.granted, 0, request_id)
+            raise
+        self.inflight[request_id] = flight
+        return decision, flight
+
+    async def record_refused(self, caller: Caller, row: dict[str, Any], status: UsageStatus, http_status: int,
+                             t0: float) -> None:
+        """The row of a request refused before admission (never raises: logged)."""
+        self.counters.finished(caller.tenant.name, status.value)
+        try:
+            await asyncio.to_thread(self.store.record_usage, row | {
+                "status": status.value, "http_status": http_status, "latency_s": time.monotonic() - t0})
+        except Exception:
+            log.exception("could not write the usage row of a refused %s request", caller.tenant.name)
+
+    async def _end(self, f: InFlight) -> None:
+        self.inflight.pop(f.request_id, None)
+        o, k = f.outcome, f.caller
+        try:
+            await self.limiter.settle(k.key.id, k.limits, f.reserved, o.used(f.reserved), f.request_id)
+        except Exception:  # the lease then ends by itself after lease_s
+            log.exception("could not settle request %s with the limiter", f.request_id)
+        try:
+            await asyncio.to_thread(self.store.finish_usage, f.request_id, o.columns(time.monotonic() - f.t0))
+        except Exception:  # the row stays `started` and is closed as interrupted later
+            log.exception("could not complete the usage row of request %s", f.request_id)
+        self.counters.finished(k.tenant.name, o.status.value)
+
+    async def heartbeat(self) -> None:
+        """Renew the leases of running requests and checkpoint their usage; close
+        orphaned rows. Never raises (each failure is logged)."""
+        flights = list(self.inflight.values())
+        for f in flights:
+            try:
+                await self.limiter.renew(f.caller.key.id, f.request_id)
+            except Exception:
+                log.exception("could not renew the lease of request %s", f.request_id)
+        try:
+            await asyncio.to_thread(self.store.heartbeat_usage, {f.request_id: f.outcome.progress() for f in flights})
+            silent = utcnow() - dt.timedelta(seconds=self.orphan_after_s)
+            n = await asyncio.to_thread(self.store.close_orphans, None, silent)
+            if n:
+                log.warning("closed %d usage rows left running by a gateway that stopped", n)
+        except Exception:
+            log.exception("usage heartbeat failed")
+
+    async def run(self) -> None:
+        """At start, close this gateway's own orphans (left by its previous run); then beat."""
+        try:
+            n = await asyncio.to_thread(self.store.close_orphans, self.gateway_id, None)
+            if n:
+                log.warning("closed %d usage rows left running when this gateway (%s) last stopped", n,
+                            self.gateway_id)
+        except Exception:
+            log.exception("could not close this gateway's orphaned usage rows")
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await self.heartbeat()
+
+    async def drain(self) -> None:
+        """At shutdown: wait for the ends already under way."""
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
