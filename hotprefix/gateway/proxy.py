@@ -55,7 +55,7 @@ from hotprefix.gateway.tenant_api import (
     num_sequences,
     parse_tenant_request,
 )
-from hotprefix.gateway.usage import Accounting, Caller, InFlight
+from hotprefix.gateway.usage import Accounting, Caller, InFlight, UsageStoreUnavailable
 from hotprefix.server.body_guard import BodyRejected, parse_json_object
 from hotprefix.server.responses import ClosingStreamingResponse
 
@@ -251,7 +251,11 @@ class Proxy:
         body = backend_body(endpoint, req, system, 0)
         seqs, estimate = num_sequences(req), estimate_prompt_tokens(body)
         cap = min(req.wanted_max_tokens() or self.cfg.default_max_tokens, self.router.max_model_len() or 2**31)
-        decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0)
+        try:
+            decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0)
+        except UsageStoreUnavailable as e:
+            raise GatewayError(503, f"{e}; try again later", "ServiceUnavailableError",
+                               headers={"Retry-After": "1"}) from None
         if flight is None:
             retry = max(1, math.ceil(decision.retry_after))
             lim = caller.limits
@@ -262,16 +266,39 @@ class Proxy:
         body["max_tokens"] = max(1, (decision.granted - estimate) // seqs)
         headers = {**decision.headers, "x-request-id": rid}
         try:
-            up = await self._send(endpoint, body, caller, flight)
-            if req.stream and up.resp.status_code == 200:
-                return ClosingStreamingResponse(self._relay(request, up, req, flight), flight.end_soon,
-                                                media_type="text/event-stream", headers=headers)
-            return await self._answer(request, up, flight, headers)
+            return await self._forward(request, endpoint, req, body, caller, flight, headers)
         except BaseException as e:
             ending = flight.end_soon()
             if not isinstance(e, asyncio.CancelledError):  # the error answer goes out once the row is complete
                 await asyncio.shield(ending)
             raise
+
+    async def _forward(self, request: Request, endpoint: str, req: TenantChat | TenantCompletion,
+                       body: dict[str, Any], caller: Caller, flight: InFlight, headers: dict[str, str]) -> Response:
+        """Send and answer, while watching the client: one that goes away before the
+        answer (or the stream) starts cancels the upstream call, which closes its
+        connection, so the backend aborts too."""
+        async def work() -> Response:
+            up = await self._send(endpoint, body, caller, flight)
+            if req.stream and up.resp.status_code == 200:
+                return ClosingStreamingResponse(self._relay(request, up, req, flight), flight.end_soon,
+                                                media_type="text/event-stream", headers=headers)
+            return await self._answer(up, flight, headers)
+
+        task = asyncio.ensure_future(work())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled() or not task.done():
+            flight.outcome.status, flight.outcome.http_status = UsageStatus.CLIENT_ABORTED, 499
+            await asyncio.gather(task, return_exceptions=True)
+            await flight.end()
+            return Response(status_code=499)  # nobody reads it
+        return task.result()
 
     async def _send(self, endpoint: str, body: dict[str, Any], caller: Caller, flight: InFlight) -> Upstream:
         """Try backends in routing order until one answers with less than 500. Only a
@@ -322,29 +349,18 @@ class Proxy:
         backend.healthy = False
         backend.last_error = f"{type(err).__name__}: {err}"
 
-    async def _answer(self, request: Request, up: Upstream, flight: InFlight, headers: dict[str, str]) -> Response:
-        """A non-streamed answer: read it while watching the client; a client that
-        goes away closes the upstream connection (the backend aborts)."""
+    async def _answer(self, up: Upstream, flight: InFlight, headers: dict[str, str]) -> Response:
+        """A non-streamed answer, read whole and passed on."""
         o = flight.outcome
-        read = asyncio.ensure_future(up.resp.aread())
-        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not read.done():
-                o.status, o.http_status = UsageStatus.CLIENT_ABORTED, 499
-                return Response(status_code=499)  # nobody reads it
-            try:
-                data = read.result()
-            except httpx.TimeoutException:
-                o.status, o.http_status = UsageStatus.TIMEOUT, 504
-                raise GatewayError(504, f"the backend did not finish within {self.cfg.backend_timeout:g}s",
-                                   "GatewayTimeoutError") from None
-            except httpx.HTTPError as e:
-                raise GatewayError(502, f"the backend failed mid-answer: {type(e).__name__}",
-                                   "BadGatewayError") from None
+            data = await up.resp.aread()
+        except httpx.TimeoutException:
+            o.status, o.http_status = UsageStatus.TIMEOUT, 504
+            raise GatewayError(504, f"the backend did not finish within {self.cfg.backend_timeout:g}s",
+                               "GatewayTimeoutError") from None
+        except httpx.HTTPError as e:
+            raise GatewayError(502, f"the backend failed mid-answer: {type(e).__name__}", "BadGatewayError") from None
         finally:
-            read.cancel()
-            gone.cancel()
             await up.close()
         o.http_status = up.resp.status_code
         o.status = UsageStatus.OK if o.http_status == 200 else UsageStatus.ERROR

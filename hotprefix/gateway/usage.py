@@ -30,6 +30,10 @@ from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, UsageStatu
 log = logging.getLogger(__name__)
 
 
+class UsageStoreUnavailable(RuntimeError):
+    """The `started` row could not be written: the request is refused (HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class Caller:
     """The authenticated key, its tenant, the tenant's prompt and the limits that apply."""
@@ -133,8 +137,8 @@ class Accounting:
 
     async def admit(self, caller: Caller, request_id: str, row: dict[str, Any], want: int, least: int,
                     t0: float) -> tuple[Decision, InFlight | None]:
-        """Ask the limiter; if admitted, write the `started` row (if that fails, the
-        reservation is returned and the error raised: nothing runs unaccounted)."""
+        """Ask the limiter; if admitted, write the `started` row. If that fails, the
+        reservation is returned and UsageStoreUnavailable raised: nothing runs unaccounted."""
         decision = await self.limiter.acquire(caller.key.id, caller.limits, want, least, request_id)
         if not decision.admitted:
             await self.record_refused(caller, row, UsageStatus.RATE_LIMITED, 429, t0)
@@ -143,9 +147,13 @@ class Accounting:
         try:
             await asyncio.to_thread(self.store.start_usage, row | {
                 "request_id": request_id, "gateway_id": self.gateway_id, "reserved_tokens": decision.granted})
-        except BaseException:
-            await self.limiter.settle(caller.key.id, caller.limits, decision.granted, 0, request_id)
-            raise
+        except Exception as e:
+            log.exception("could not write the usage row of request %s: refusing it", request_id)
+            try:
+                await self.limiter.settle(caller.key.id, caller.limits, decision.granted, 0, request_id)
+            except Exception:  # its lease then ends by itself after lease_s
+                log.exception("could not return the reservation of refused request %s", request_id)
+            raise UsageStoreUnavailable(f"the usage store is unavailable ({type(e).__name__})") from None
         self.inflight[request_id] = flight
         return decision, flight
 

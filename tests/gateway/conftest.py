@@ -62,16 +62,17 @@ class Live:
         self.thread.join(timeout=30)
 
 
-def start_fake(name: str = "fake") -> Live:
-    app = make_app(name)
+def start_fake(name: str = "fake", kind: str = "openai") -> Live:
+    app = make_app(name, kind)
     url, server, thread = serve_in_thread(app)
     return Live(url, server, thread, app)
 
 
 def start_gateway(backends: list[str], store: Store, **kw) -> Live:
     kw.setdefault("health_interval", 0.2)
+    kw.setdefault("admin_key", ADMIN)
     limiter = kw.pop("limiter", None) or MemoryLimiter()
-    cfg = GatewayConfig(backends=tuple(backends), admin_key=ADMIN, **kw)
+    cfg = GatewayConfig(backends=tuple(backends), **kw)
     app = build_gateway_app(cfg, store, SECRET, limiter)
     url, server, thread = serve_in_thread(app)
     return Live(url, server, thread, app)

@@ -5,7 +5,11 @@ deterministic usage: prompt_tokens = words in the prompt (all message contents
 joined), completion_tokens = max_tokens (default 4), one chunk per token when
 streaming, usage on every chunk when asked (`continuous_usage_stats`). Markers
 in the prompt change its behaviour: `FAIL500` answers 500; `HOLD:n` streams n
-chunks and then waits for the client to go away, recording what it sent.
+chunks and then waits for the client to go away, recording what it sent;
+`WAIT:s` (not streamed) waits s seconds before answering, recording "aborted"
+if the client goes away first; `DROP` sends its headers and part of a body, then
+drops the connection. It also answers /tokenize (a token per word) and records
+the Authorization header of every call.
 
 Runs in-process (`make_app`) or as a process: python -m tests.gateway.fake_backend --port P.
 """
@@ -20,7 +24,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -30,7 +34,21 @@ def prompt_text(body: dict[str, Any]) -> str:
     return " ".join(p) if isinstance(p, list) else str(p)
 
 
-def make_app(name: str = "fake") -> FastAPI:
+class DroppedResponse(Response):
+    """Headers that promise a body, a part of it, then the connection is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]})
+        await send({"type": "http.response.body", "body": b'{"id": "x", "choi', "more_body": True})
+        raise ConnectionResetError("dropped on purpose")
+
+
+def make_app(name: str = "fake", kind: str = "openai") -> FastAPI:
+    """kind "hotprefix": /version says so, and the gateway treats it as a hotprefix backend."""
     app = FastAPI()
     records: list[dict[str, Any]] = []
     app.state.records = records
@@ -41,7 +59,7 @@ def make_app(name: str = "fake") -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": "0-fake"}
+        return {"version": "0-fake", **({"server": "hotprefix"} if kind == "hotprefix" else {})}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -51,11 +69,20 @@ def make_app(name: str = "fake") -> FastAPI:
     async def requests() -> list[dict[str, Any]]:
         return records
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        records.append({"backend": name, "endpoint": "tokenize", "body": body, "status": "done",
+                        "authorization": request.headers.get("authorization")})
+        words = prompt_text(body).split()
+        return {"count": len(words), "tokens": [sum(map(ord, w)) for w in words]}
+
     async def generate(request: Request, endpoint: str) -> Any:
         body = await request.json()
         text = prompt_text(body)
-        rec = {"backend": name, "endpoint": endpoint, "body": body,
-               "request_id": request.headers.get("x-request-id"), "status": "started", "usage": None}
+        rec = {"backend": name, "endpoint": endpoint, "body": body, "status": "started", "usage": None,
+               "authorization": request.headers.get("authorization"),
+               "request_id": request.headers.get("x-request-id")}
         records.append(rec)
         if "FAIL500" in text:
             rec["status"] = "failed"
@@ -76,6 +103,16 @@ def make_app(name: str = "fake") -> FastAPI:
             c |= {"delta": {"content": piece}} if endpoint == "chat" else {"text": piece}
             return c
 
+        if "DROP" in text:
+            return DroppedResponse()
+        wait = re.search(r"WAIT:([0-9.]+)", text)
+        if wait and not body.get("stream"):
+            end = time.monotonic() + float(wait.group(1))
+            while time.monotonic() < end:
+                if await request.is_disconnected():
+                    rec["status"] = "aborted"
+                    return JSONResponse({}, status_code=499)
+                await asyncio.sleep(0.02)
         if not body.get("stream"):
             rec["status"], rec["usage"] = "done", usage(max_tokens)
             msg = {"message": {"role": "assistant", "content": "".join(f"t{i} " for i in range(max_tokens))}} \
