@@ -98,25 +98,6 @@ class ModelShape:
         return self.num_layers * per_layer + embed + h
 
 
-def shape_from_hf_config(cfg: dict) -> ModelShape:
-    """Read a HF config.json (any Llama-like decoder; `text_config` of multimodal
-    configs too). head_dim from the config when present, else hidden / heads.
-    Raises ValueError naming a missing key."""
-    cfg = cfg.get("text_config", cfg)
-    try:
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        return ModelShape(
-            num_layers=cfg["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads, hidden_size=hidden,
-            intermediate_size=cfg.get("intermediate_size", 4 * hidden), vocab_size=cfg.get("vocab_size", 0),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings"))
-    except KeyError as e:
-        raise ValueError(f"config lacks {e.args[0]!r}") from None
-
-
 @dataclass(frozen=True)
 class SizeReport:
     """The answers of `hotprefix size` for one dtype. Byte counts are exact integers."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotprefix.sizing import KVShape
+from hotprefix.sizing import KVShape, ModelShape
 
 # HF `architectures` entry -> our family name.
 HF_ARCHITECTURES = {
@@ -49,6 +49,13 @@ class ModelArch:
     @property
     def kv_shape(self) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def shape(self) -> ModelShape:
+        """What sizing needs (`hotprefix size` reads a config.json through this parser too)."""
+        return ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size,
+                          self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
+                          self.max_position_embeddings)
 
     @property
     def rope_type(self) -> str:

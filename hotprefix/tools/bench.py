@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -146,11 +147,13 @@ def _rss_peak(pid: int | None) -> int | None:
 
 
 async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.0, max_tokens: int = 32,
-                       pid: int | None = None, progress: bool = False) -> dict[str, Any]:
-    """Run one workload against url; return its measurements."""
+                       pid: int | None = None, progress: bool = False, api_key: str | None = None) -> dict[str, Any]:
+    """Run one workload against url (with `Authorization: Bearer api_key` if given);
+    return its measurements."""
     url = url.rstrip("/")
     jobs, concurrency, turns = build(workload, seed, scale)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers) as client:
         try:
             model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
@@ -279,6 +282,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--pid", type=int, default=None, help="server process id, for its peak RSS")
     p.add_argument("--pid2", type=int, default=None, help="the --compare server's process id")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key of the server (a hotprefix --api-key, a gateway key; env OPENAI_API_KEY)")
+    p.add_argument("--compare-api-key", default=None, help="bearer key of the --compare server (default: --api-key)")
     p.add_argument("--json", default=None, help="write all results as JSON to this file")
     p.set_defaults(func=run)
 
@@ -287,9 +293,10 @@ def run(a: argparse.Namespace) -> int:
     out = []
     progress = sys.stderr.isatty()
     for w in a.workload or WORKLOADS:
-        res = [asyncio.run(run_workload(a.url, w, a.seed, a.scale, a.max_tokens, a.pid, progress))]
+        res = [asyncio.run(run_workload(a.url, w, a.seed, a.scale, a.max_tokens, a.pid, progress, a.api_key))]
         if a.compare:
-            res.append(asyncio.run(run_workload(a.compare, w, a.seed, a.scale, a.max_tokens, a.pid2, progress)))
+            res.append(asyncio.run(run_workload(a.compare, w, a.seed, a.scale, a.max_tokens, a.pid2, progress,
+                                                a.compare_api_key or a.api_key)))
         ratio = ratios(res[0], res[1]) if a.compare else None
         print(render(res, ratio) + "\n")
         out.append({"workload": w, "results": res, "ratios": ratio})

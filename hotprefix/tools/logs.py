@@ -77,13 +77,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "prompt_tokens; report percentiles and a --max-model-len.")
     p.add_argument("file", help="JSONL file")
     p.add_argument("--model", default=None, help="model for the KV size (preset, config, folder, .gguf, hub id)")
-    p.add_argument("--kv-dtype", default="fp16", choices=("fp32", "fp16", "bf16", "fp8"))
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", type=kv_dtype_or_auto,
+                   help="the server's KV dtype: auto (serve's default on the CPU, float32), float16, bfloat16, fp8")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--current-max-model-len", type=int, default=None,
                    help="the --max-model-len in use now (default: the model's context length)")
     p.add_argument("--concurrency", type=int, default=1, help="requests running at once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
+
+
+def kv_dtype_or_auto(name: str) -> str:
+    """serve's --kv-cache-dtype names; auto is what serve picks on the CPU (float32)."""
+    from hotprefix.tools.size import kv_dtype
+
+    return "float32" if name == "auto" else kv_dtype(name)
 
 
 def run(a: argparse.Namespace) -> int:

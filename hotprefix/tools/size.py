@@ -12,25 +12,49 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hotprefix.config import ConfigError, parse_size
-from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, shape_from_hf_config, size_report
+from hotprefix.model.arch import ModelLoadError, arch_from_hf_config
+from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, size_report
 
 # Published configs (the fields that matter for sizing).
+LLAMA, MISTRAL, QWEN2, QWEN3 = (["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen2ForCausalLM"],
+                                ["Qwen3ForCausalLM"])
 PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
-                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072),
-    "llama-3.1-70b": dict(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, hidden_size=8192,
-                          intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072),
-    "mistral-7b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
-                       intermediate_size=14336, vocab_size=32768, max_position_embeddings=32768),
-    "qwen2.5-7b": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584,
-                       intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768),
-    "qwen3-32b": dict(num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                      hidden_size=5120, intermediate_size=25600, vocab_size=151936, max_position_embeddings=40960),
-    "smollm2-135m": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
-                         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+    "llama-3.1-8b": dict(architectures=LLAMA, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+                         max_position_embeddings=131072),
+    "llama-3.1-70b": dict(architectures=LLAMA, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                          hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+                          max_position_embeddings=131072),
+    "mistral-7b": dict(architectures=MISTRAL, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       hidden_size=4096, intermediate_size=14336, vocab_size=32768, max_position_embeddings=32768),
+    "qwen2.5-7b": dict(architectures=QWEN2, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       hidden_size=3584, intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768),
+    "qwen3-32b": dict(architectures=QWEN3, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, hidden_size=5120, intermediate_size=25600, vocab_size=151936,
+                      max_position_embeddings=40960),
+    "smollm2-135m": dict(architectures=LLAMA, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         hidden_size=576, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
                          tie_word_embeddings=True),
 }
-DTYPES = ("fp32", "fp16", "bf16", "fp8")
+DTYPES = ("float32", "float16", "bfloat16", "fp8")  # serve's --kv-cache-dtype names
+SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # older spellings, still accepted
+
+
+def kv_dtype(name: str) -> str:
+    """A --kv-cache-dtype name as serve spells it (fp32/fp16/bf16 accepted too)."""
+    name = SHORT.get(name, name)
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(DTYPES)}")
+    return name
+
+
+def shape_of_config(cfg: dict) -> ModelShape:
+    """The shape of a config.json, read by the parser serve uses (so size refuses what
+    serve refuses). Raises ConfigError."""
+    try:
+        return arch_from_hf_config(cfg).shape
+    except ModelLoadError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_shape(source: str | None) -> tuple[str, ModelShape]:
@@ -38,9 +62,9 @@ def load_shape(source: str | None) -> tuple[str, ModelShape]:
     file, a hub id (config.json only is downloaded), or None for the default
     model. Raises ConfigError with a one-line message."""
     if source is None:
-        return "smollm2-135m", shape_from_hf_config(PRESETS["smollm2-135m"])
+        return "smollm2-135m", shape_of_config(PRESETS["smollm2-135m"])
     if source.lower() in PRESETS:
-        return source.lower(), shape_from_hf_config(PRESETS[source.lower()])
+        return source.lower(), shape_of_config(PRESETS[source.lower()])
     p = Path(source).expanduser()
     if p.is_dir():
         p = p / "config.json"
@@ -48,14 +72,13 @@ def load_shape(source: str | None) -> tuple[str, ModelShape]:
         from hotprefix.model.gguf_loader import read_gguf_arch
 
         a, _ = read_gguf_arch(p)
-        return p.stem, ModelShape(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size,
-                                  a.intermediate_size, a.vocab_size, a.tie_word_embeddings, a.max_position_embeddings)
+        return p.stem, a.shape
     if p.is_file():
         try:
-            return p.parent.name or p.name, shape_from_hf_config(json.loads(p.read_text()))
+            return p.parent.name or p.name, shape_of_config(json.loads(p.read_text()))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: invalid JSON ({e})") from None
-        except ValueError as e:
+        except ConfigError as e:
             raise ConfigError(f"{p}: {e}") from None
     if source.count("/") == 1 and not source.startswith((".", "/", "~")):
         try:
@@ -64,7 +87,7 @@ def load_shape(source: str | None) -> tuple[str, ModelShape]:
             cfg = hf_hub_download(source, "config.json")
         except Exception as e:  # network, 404, auth
             raise ConfigError(f"cannot download the config of {source!r}: {type(e).__name__}") from None
-        return source, shape_from_hf_config(json.loads(Path(cfg).read_text()))
+        return source, shape_of_config(json.loads(Path(cfg).read_text()))
     raise ConfigError(f"not a preset ({', '.join(PRESETS)}), file, folder or hub id: {source}")
 
 
@@ -115,17 +138,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help=f"preset ({', '.join(PRESETS)}), config.json, HF folder, .gguf file or hub id "
                         "(default: the bundled SmolLM2-135M)")
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="KV dtype (repeatable; default: all)")
+    p.add_argument("--kv-cache-dtype", "--dtype", action="append", type=kv_dtype, dest="dtype", metavar="DTYPE",
+                   help=f"KV dtype as serve names it: {', '.join(DTYPES)} (repeatable; default: all)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=1000, help="tokens of each distinct (shared) prompt")
     p.add_argument("--num-prompts", type=int, default=1, help="distinct prompts to keep cached")
     p.add_argument("--concurrency", type=int, default=1, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per request (default: the model's)")
-    p.add_argument("--memory", default=None, help="total memory, e.g. 80GiB (GPU) or the CPU share for KV")
-    p.add_argument("--utilization", type=float, default=0.9, help="share of --memory the server may use")
+    p.add_argument("--kv-cache-memory", "--memory", dest="memory", default=None,
+                   help="total memory, e.g. 80GiB (a GPU's) or the CPU share for KV")
+    p.add_argument("--gpu-memory-utilization", "--utilization", dest="utilization", type=float, default=0.9,
+                   help="share of --kv-cache-memory the server may use (serve's --gpu-memory-utilization)")
     p.add_argument("--weights", default=None,
                    help="weight bytes to subtract (default: parameters x --weight-dtype bytes)")
-    p.add_argument("--weight-dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--weight-dtype", type=kv_dtype, default="bfloat16", metavar="DTYPE",
+                   help=f"bytes per weight: {', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=run)
 

@@ -61,3 +61,17 @@ def test_bench_compare_two_servers(two_servers, tmp_path):
     chat = res["chat"]["results"][0]
     assert chat["requests"] == 6 and chat["prefix_cache_hit_rate"] > 0.3  # history is re-sent each turn
     assert chat["ttft_s"]["p50"] > 0 and chat["itl_s"]["p50"] > 0
+
+
+def test_bench_against_a_keyed_server(tiny_llama):
+    s = start_server(tiny_llama[0], server_kw={"api_key": "sk-bench-key"}, max_model_len=256)
+    try:
+        cmd = [sys.executable, "-m", "hotprefix.cli", "bench", s.url, "--scale", "0.05", "--max-tokens", "2",
+               "--workload", "unique"]
+        refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "cannot list models" in refused.stderr
+        ok = subprocess.run(cmd + ["--api-key", "sk-bench-key"], capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stderr
+        assert "workload unique" in ok.stdout and "3 (0 failed)" in ok.stdout
+    finally:
+        s.stop()

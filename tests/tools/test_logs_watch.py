@@ -49,7 +49,12 @@ def test_logs_on_a_real_request_log(logged_server):
     p99 = percentile(sizes, 99)
     assert rep["total_tokens"]["p99"] == p99 and rep["based_on"] == "prompt+completion"
     assert rep["recommended_max_model_len"] == -(-int(-(-p99 * 12 // 10)) // 16) * 16
-    assert rep["kv_bytes_freed"] == (8192 - rep["recommended_max_model_len"]) * 4 * 23_040  # SmolLM2, fp16
+    # SmolLM2 at serve's CPU default KV dtype (float32): 46,080 bytes a token
+    assert rep["kv_bytes_freed"] == (8192 - rep["recommended_max_model_len"]) * 4 * 46_080
+    half = subprocess.run([sys.executable, "-m", "hotprefix.cli", "logs", str(path), "--json", "--concurrency", "4",
+                           "--current-max-model-len", "8192", "--kv-cache-dtype", "float16"],
+                          capture_output=True, text=True)
+    assert json.loads(half.stdout)["kv_bytes_freed"] == rep["kv_bytes_freed"] // 2
     text = subprocess.run([sys.executable, "-m", "hotprefix.cli", "logs", str(path)], capture_output=True,
                           text=True).stdout
     assert "recommended --max-model-len" in text

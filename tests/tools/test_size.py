@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from hotprefix.sizing import shape_from_hf_config, size_report
+from hotprefix.model.arch import arch_from_hf_config
+from hotprefix.sizing import size_report
 from hotprefix.tools.size import load_shape
 
 # The published config.json contents (the fields that decide the KV size, verbatim).
@@ -46,7 +47,7 @@ DTYPE_FACTOR = {"fp32": 2.0, "fp16": 1.0, "bf16": 1.0, "fp8": 0.5}
 @pytest.mark.parametrize("dtype", sorted(DTYPE_FACTOR))
 def test_bytes_per_token_block_and_prompt(name, dtype):
     assert FP16_BYTES_PER_TOKEN[name] == WRITTEN_OUT[name]
-    shape = shape_from_hf_config(CONFIGS[name])
+    shape = arch_from_hf_config(CONFIGS[name]).shape
     r = size_report(shape, dtype, block_size=16, prompt_tokens=1000, num_prompts=20)
     expect = int(WRITTEN_OUT[name] * DTYPE_FACTOR[dtype])
     assert r.bytes_per_token == expect
@@ -57,7 +58,7 @@ def test_bytes_per_token_block_and_prompt(name, dtype):
 
 
 def test_budget_fit_and_concurrency_llama_8b_fp16_on_80gib():
-    shape = shape_from_hf_config(CONFIGS["Llama-3.1-8B"])
+    shape = arch_from_hf_config(CONFIGS["Llama-3.1-8B"]).shape
     weights = 16_060_522_496  # 8,030,261,248 params x 2 bytes
     assert shape.num_params() * 2 == weights
     budget = int(80 * 2**30 * 0.9) - weights  # 77,309,411,328 - 16,060,522,496 = 61,248,888,832
@@ -99,3 +100,16 @@ def test_cli_table_json_and_errors():
     bad = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", "no-such-model"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("hotprefix: error: not a preset")
+
+
+def test_serve_spelling_of_the_flags_and_the_same_parser_as_serve(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", "llama-3.1-8b", "--kv-cache-dtype", "bfloat16",
+                        "--kv-cache-dtype", "fp8", "--kv-cache-memory", "80GiB", "--gpu-memory-utilization", "0.5",
+                        "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    reps = json.loads(r.stdout)["reports"]
+    assert [x["dtype"] for x in reps] == ["bfloat16", "fp8"] and reps[0]["bytes_per_token"] == 131_072
+    cfg = tmp_path / "config.json"  # serve refuses this architecture: so does size
+    cfg.write_text(json.dumps({**CONFIGS["Llama-3.1-8B"], "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    bad = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", str(cfg)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unsupported architecture" in bad.stderr
