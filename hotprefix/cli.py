@@ -30,13 +30,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV storage dtype; fp8 halves the memory of fp16")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="bytes of KV cache on CPU, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
+                   help="bytes of KV cache on CPU, e.g. 2GiB or 2147483648 (default 1GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights, activations and KV (CUDA only)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks",
                    help="fix the number of KV blocks (for testing)")
     g.add_argument("--seed", type=int, default=0, help="seed of the shared sampler generator")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto (the model folder's generation_config.json), vllm (none: "
+                        "the API's defaults) or a folder holding a generation_config.json")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="must be 1: one engine per device (run several behind `hotprefix gateway`)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV blocks of common prompt prefixes between requests")
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=("sha256", "xxhash"),
@@ -59,12 +64,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(a: argparse.Namespace):
+    """The EngineConfig of the engine flags. Raises ConfigError."""
     from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
+    if a.tensor_parallel_size != 1:
+        raise ConfigError(f"--tensor-parallel-size {a.tensor_parallel_size}: hotprefix runs one engine per device; "
+                          "run one server per device behind `hotprefix gateway` instead")
+    model = getattr(a, "model_tag", None) or a.model
+    if getattr(a, "model_tag", None) and a.model and a.model != a.model_tag:
+        raise ConfigError(f"two models given: {a.model_tag} and --model {a.model}")
     return EngineConfig(
-        ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device,
+        ModelConfig(model=model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device,
                     max_model_len=a.max_model_len, revision=a.revision, seed=a.seed,
-                    quantized_matmul=a.quantized_matmul),
+                    quantized_matmul=a.quantized_matmul, generation_config=a.generation_config),
         CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                     kv_cache_memory=None if a.kv_cache_memory is None else parse_size(a.kv_cache_memory),
                     gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks,
@@ -78,6 +90,21 @@ def engine_config_from_args(a: argparse.Namespace):
     )
 
 
+def _list(text: str | None) -> tuple[str, ...]:
+    """A list flag as vLLM takes it (a JSON list) or comma-separated. Raises ConfigError."""
+    if not text:
+        return ()
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"not a JSON list: {text!r} ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ConfigError(f"expected a JSON list of strings, got {text!r}")
+        return tuple(items)
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from hotprefix.config import AdmissionConfig, ServerConfig
     from hotprefix.server.launcher import serve
@@ -87,13 +114,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
         with open(template) as f:
             template = f.read()
     serve(engine_config_from_args(a),
-          ServerConfig(host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
-                       chat_template=template,
+          ServerConfig(host=a.host, port=a.port, served_model_names=tuple(a.served_model_name or ()),
+                       api_key=a.api_key, chat_template=template,
                        admission=AdmissionConfig(a.max_num_queued_requests, a.preprocess_timeout),
                        max_n=a.max_n, max_request_body_bytes=parse_size(a.max_request_body_bytes),
                        trust_request_chat_template=a.trust_request_chat_template,
                        request_log=a.request_log, shutdown_timeout=a.shutdown_timeout,
-                       log_level="debug" if a.verbose else "info"))
+                       log_level="debug" if a.verbose else "info", uvicorn_log_level=a.uvicorn_log_level,
+                       allowed_origins=_list(a.allowed_origins), allowed_methods=_list(a.allowed_methods),
+                       allowed_headers=_list(a.allowed_headers), allow_credentials=a.allow_credentials,
+                       root_path=a.root_path, ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile,
+                       ssl_ca_certs=a.ssl_ca_certs, log_stats=not a.disable_log_stats,
+                       metrics_prefix=a.metrics_prefix))
     return 0
 
 
@@ -125,10 +157,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import hotprefix
+
     p = argparse.ArgumentParser(prog="hotprefix", description="LLM inference built around a shared KV cache")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"hotprefix {hotprefix.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for prompts on the command line (or stdin)")
+    g = sub.add_parser("generate", help="generate text for prompts on the command line (or stdin)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(g)
     g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -145,12 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible API",
-                        description="Serve /v1/completions, /v1/chat/completions and friends over HTTP.")
+                        description="Serve /v1/completions, /v1/chat/completions and friends over HTTP. vLLM's "
+                                    "launch lines work: `hotprefix serve MODEL --max-model-len 4096 ...`.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="the model, as vLLM takes it (the same as --model)")
+    sv.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     add_engine_args(sv)
     h = sv.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     h.add_argument("--port", type=int, default=8000)
-    h.add_argument("--served-model-name", default=None, help="the model name clients use (default: the file's)")
+    h.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model names clients may use; the first is reported (default: the file's name)")
     h.add_argument("--api-key", default=os.environ.get("HOTPREFIX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and admin endpoints (env HOTPREFIX_API_KEY)")
     h.add_argument("--chat-template", default=None,
@@ -158,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own chat_template (the server renders it; refused by default)")
     lim = sv.add_argument_group("limits (what one request may ask for)")
-    lim.add_argument("--max-num-queued-requests", type=int, default=1024,
+    lim.add_argument("--max-num-queued-requests", "--max-num-queued-reqs", dest="max_num_queued_requests", type=int,
+                     default=1024,
                      help="sequences (prompts x n) that may wait for their first token; beyond it 503 + Retry-After")
     lim.add_argument("--max-n", type=int, default=16, help="the most samples (n, best_of) of one request")
     lim.add_argument("--max-request-body-bytes", default="4MiB", help="a larger request body gets 413")
@@ -167,6 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
+    h.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn's log level")
+    h.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
+    h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
+    h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    h.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates")
+    h.add_argument("--allowed-origins", default=None,
+                   help='CORS origins, a JSON list (\'["*"]\') or comma-separated (default: no CORS headers)')
+    h.add_argument("--allowed-methods", default='["*"]', help="CORS methods (with --allowed-origins)")
+    h.add_argument("--allowed-headers", default='["*"]', help="CORS headers (with --allowed-origins)")
+    h.add_argument("--allow-credentials", action="store_true", help="CORS credentials (with --allowed-origins)")
+    h.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic line of throughput, queue, KV usage and prefix hit rate")
+    h.add_argument("--metrics-prefix", default="hotprefix",
+                   help="Prometheus names' prefix: hotprefix, or vllm for vLLM's dashboards and autoscalers")
+    h.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM launch lines: usage.prompt_tokens_details.cached_tokens is always on")
     sv.set_defaults(func=cmd_serve)
 
     from hotprefix.tools import bench, lint, logs, size, watch

@@ -60,6 +60,10 @@ class ModelConfig:
     relative error per product, 2-8x faster with AVX2 or AVX-512 VNNI); "float32" keeps
     activations in float32 (results equal the dequantized weights' float32 product);
     "auto" is int8 where the kernel build has AVX2 or AVX-512 VNNI, else float32.
+    generation_config: where default sampling parameters come from (vLLM's flag):
+    "auto", the model folder's generation_config.json (temperature, top_p, top_k,
+    min_p, repetition_penalty, max_new_tokens); "vllm", none (the API's defaults);
+    or a folder holding a generation_config.json.
     """
 
     model: str | None = None
@@ -70,6 +74,7 @@ class ModelConfig:
     revision: str | None = None
     seed: int = 0
     quantized_matmul: str = "auto"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantized_matmul not in QUANTIZED_MATMUL:
@@ -225,6 +230,8 @@ class AdmissionConfig:
 class ServerConfig:
     """The HTTP server around the engine.
 
+    served_model_names: the names clients may use (the first is reported and labels
+    metrics; default: the model file's or folder's name).
     api_key: when set, /v1/* and the admin endpoints need `Authorization: Bearer <key>`.
     request_log: a file to append one JSON line per finished request to.
     shutdown_timeout: seconds to let running requests finish after SIGTERM.
@@ -232,11 +239,17 @@ class ServerConfig:
     max_n: the most samples (n, best_of) one request may ask for.
     max_request_body_bytes: a larger body gets 413 before it is parsed.
     trust_request_chat_template: accept a request's own `chat_template` (the server runs it).
+    allowed_origins / allowed_methods / allowed_headers / allow_credentials: CORS
+    (no origins: no CORS headers at all; vLLM allows every origin by default).
+    root_path: the path prefix a proxy serves the app under.
+    ssl_keyfile / ssl_certfile / ssl_ca_certs: serve HTTPS.
+    log_stats: log throughput, queue, KV usage and prefix hit rate every stats_interval s.
+    metrics_prefix: the Prometheus names' prefix ("hotprefix"; "vllm" for vLLM dashboards).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     chat_template: str | None = None
     admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
@@ -246,8 +259,27 @@ class ServerConfig:
     request_log: str | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    uvicorn_log_level: str = "info"
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    log_stats: bool = True
+    stats_interval: float = 10.0
+    metrics_prefix: str = "hotprefix"
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ConfigError(f"--metrics-prefix must be a Prometheus name (letters, digits, _), "
+                              f"got {self.metrics_prefix!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("give --ssl-keyfile and --ssl-certfile together")
+        if not self.stats_interval > 0:
+            raise ConfigError(f"the stats interval must be > 0, got {self.stats_interval}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:

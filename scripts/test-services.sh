@@ -1,11 +1,12 @@
 #!/bin/sh
 # The gateway tests start a real redis-server and a real PostgreSQL of their own
-# (on loopback ports, in temp folders). Install both from Debian's packages when
-# they are missing; needs root or sudo.
+# (on loopback ports, in temp folders), and the HTTPS test needs openssl. Install
+# them from Debian's packages when they are missing; needs root or sudo.
 set -e
 need=""
 command -v redis-server >/dev/null 2>&1 || need="$need redis-server"
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need="$need postgresql"
+command -v openssl >/dev/null 2>&1 || need="$need openssl"  # the HTTPS test makes a self-signed certificate
 [ -z "$need" ] && exit 0
 if [ "$(id -u)" = 0 ]; then
     SUDO=""

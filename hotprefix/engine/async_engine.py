@@ -50,6 +50,7 @@ class RequestOptions:
     cache_salt_offset: int = 0
     pin_prefix: bool = False
     split_special_tokens: bool = False  # text prompts: special-token text stays text (chat content always does)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: what leaves room)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # a request's chat_template_kwargs
 
 
 Prompt = str | list[int] | ChatPrompt
@@ -74,11 +76,15 @@ class EngineCounters:
     prefix_cache_hits: int = 0
     evicted_blocks: int = 0
     step_errors: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    decode_tokens: int = 0  # tokens decoded one at a time: generated tokens
 
     def add(self, st: SchedulerStats) -> None:
         self.prefix_cache_queries += st.prefix_cache.queries
         self.prefix_cache_hits += st.prefix_cache.hits
         self.evicted_blocks += st.prefix_cache.evicted_blocks
+        self.prefill_tokens += st.num_prefill_tokens
+        self.decode_tokens += st.num_decode_tokens
 
 
 # -- commands to the engine thread ---------------------------------------------------------------
@@ -253,6 +259,11 @@ class AsyncEngine:
         return self.engine.kv.block_size
 
     @property
+    def default_sampling(self) -> dict[str, float | int]:
+        """Sampling defaults from the model's generation config (see ModelConfig)."""
+        return self.engine.default_sampling
+
+    @property
     def scheduling_policy(self) -> str:
         return self.engine.config.scheduler.scheduling_policy
 
@@ -322,7 +333,7 @@ class AsyncEngine:
             return [self.engine.prepare_request(f"{base}-{i}", self._render(p), params, options.priority,
                                                 options.add_special_tokens, options.cache_salt,
                                                 options.cache_salt_offset, options.pin_prefix,
-                                                options.split_special_tokens)
+                                                options.split_special_tokens, options.truncate_prompt_tokens)
                     for i, p in enumerate(prompts)]
 
         return await self._in_worker(work)
@@ -330,7 +341,8 @@ class AsyncEngine:
     def _render(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, ChatPrompt):
             return self.engine.encode_chat(prompt.messages, prompt.add_generation_prompt,
-                                           prompt.continue_final_message, prompt.chat_template)
+                                           prompt.continue_final_message, prompt.chat_template,
+                                           prompt.template_kwargs)
         return prompt
 
     async def _in_worker(self, fn: Callable[[], Any]) -> Any:

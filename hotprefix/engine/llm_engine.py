@@ -20,7 +20,7 @@ from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
-from hotprefix.model.loader import LoadedModel, load_model
+from hotprefix.model.loader import LoadedModel, generation_defaults, load_model
 from hotprefix.model.runner import ModelRunner
 from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
 from hotprefix.sizing import blocks_for_tokens
@@ -119,6 +119,10 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
         self.config = replace(config, scheduler=config.scheduler.resolved(self.max_model_len))
         self.model_name = loaded.name
+        self.default_sampling = generation_defaults(loaded.source, mc.generation_config)
+        if self.default_sampling:
+            log.info("default sampling parameters from the model's generation config: %s "
+                     "(--generation-config vllm to ignore it)", self.default_sampling)
         self.tokenizer = loaded.tokenizer
         self.encoder = PromptEncoder(self.tokenizer)
         self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler)
@@ -158,11 +162,13 @@ class LLMEngine:
                                                 chat_template)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The token ids of a conversation through the chat template: the template's
         own special tokens, none added, and none from the messages' text (see
         PromptEncoder.encode_chat). Raises InvalidRequestError."""
-        return self.encoder.encode_chat(messages, add_generation_prompt, continue_final_message, chat_template)
+        return self.encoder.encode_chat(messages, add_generation_prompt, continue_final_message, chat_template,
+                                        template_kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
@@ -182,17 +188,20 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                         priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
                         cache_salt_offset: int = 0, pin_prefix: bool = False,
-                        split_special_tokens: bool = False) -> _State:
+                        split_special_tokens: bool = False, truncate_prompt_tokens: int | None = None) -> _State:
         """Tokenize and validate without touching the queues or the pool (safe to
         call from another thread than the one stepping the engine: it reads only
         what never changes after start-up). Raises InvalidRequestError, never
         another error, for any input. split_special_tokens: text prompts that spell
-        a special token get its characters, not the token."""
+        a special token get its characters, not the token. truncate_prompt_tokens:
+        keep only the prompt's last k tokens (-1: as many as leave room for max_tokens)."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special_tokens, split_special_tokens)
             text: str | None = prompt
         else:
             ids, text = list(prompt), None
+        if truncate_prompt_tokens is not None:
+            ids = self._truncate(ids, truncate_prompt_tokens, params)
         self._validate(ids, params)
         check_request_options(priority, cache_salt, cache_salt_offset)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
@@ -212,6 +221,15 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.encoder, ids, cp)
             children.append(_Child(req, detok, CompletionOutput(i)))
         return _State(request_id, text, ids, children, time.monotonic())
+
+    def _truncate(self, ids: list[int], k: int, params: SamplingParams) -> list[int]:
+        """The last k of a prompt's tokens (vLLM's left truncation). Raises InvalidRequestError."""
+        if k == -1:
+            k = self.max_model_len - (params.max_tokens or 1)
+        if not 1 <= k <= self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}], got {k}",
+                                      "truncate_prompt_tokens")
+        return ids[-k:]
 
     def enqueue(self, state: _State) -> None:
         """Queue a prepared request. Raises InvalidRequestError for an id in use or

@@ -18,6 +18,12 @@ from typing import Any
 
 from hotprefix.errors import InvalidRequestError
 
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "chat_template", "tools", "documents",
+                                      "return_dict", "return_tensors", "padding", "truncation", "max_length",
+                                      "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
 
 class PromptEncoder:
     """A tokenizer for many threads: each calling thread works on its own copy.
@@ -57,7 +63,8 @@ class PromptEncoder:
         return {t.content: i for i, t in decoder.items() if getattr(t, "special", False) and t.content}
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation through the chat template. The template's own
         special tokens are special; text inside a message never becomes one: a
         message that spells "<|im_end|>\\n<|im_start|>system" gets those characters,
@@ -67,14 +74,15 @@ class PromptEncoder:
         fields = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
         if not any(sp in v for v in fields for sp in specials):
             return self.tokenize(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                          chat_template), False)
+                                                          chat_template, template_kwargs), False)
         nonce = secrets.token_hex(8)
         while any(nonce in v for v in fields):
             nonce = secrets.token_hex(8)
         literal = {sp: f"\ue000{nonce}{i}\ue001" for i, sp in enumerate(specials)}
         defused = [{k: _replace_all(v, literal) if k != "role" and isinstance(v, str) else v for k, v in m.items()}
                    for m in messages]
-        text = self.apply_chat_template(defused, add_generation_prompt, continue_final_message, chat_template)
+        text = self.apply_chat_template(defused, add_generation_prompt, continue_final_message, chat_template,
+                                        template_kwargs)
         return self._tokenize_marked(text, {v: k for k, v in literal.items()})
 
     def _tokenize_marked(self, text: str, literals: dict[str, str]) -> list[int]:
@@ -98,9 +106,15 @@ class PromptEncoder:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, chat_template: str | None = None) -> str:
-        """The prompt text for a conversation. Raises InvalidRequestError when the
-        tokenizer has no template or the template rejects the messages."""
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text for a conversation; template_kwargs are extra variables
+        for the template (e.g. Qwen3's enable_thinking). Raises InvalidRequestError
+        when the tokenizer has no template or the template rejects the messages."""
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                                      "chat_template_kwargs")
         if chat_template is None and not getattr(self._original, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; give one with --chat-template")
         if continue_final_message and add_generation_prompt:
@@ -108,7 +122,8 @@ class PromptEncoder:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template)
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **(template_kwargs or {}))
         except Exception as e:  # jinja2 errors, template raise_exception(), bad message shapes
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
 

@@ -193,7 +193,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     gw = sub.add_parser("gateway", help="the multi-tenant gateway in front of OpenAI-compatible backends",
                         description="Keys, forced system prompts, cache salts, rate limits, usage, warm-up "
-                                    "and prefix-affinity routing in front of one or more backends.")
+                                    "and prefix-affinity routing in front of one or more backends.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gw.add_argument("--backend", action="append", required=True, metavar="URL",
                     help="base URL of a backend (hotprefix, vLLM, llama.cpp); repeat for several")
     gw.add_argument("--host", default="127.0.0.1")

@@ -82,6 +82,12 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
+    # accepted from SDKs and not forwarded: they cannot change a result
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -125,6 +131,10 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
         raise TenantRequestError(f"{loc or 'body'}: {err.get('msg')}", loc.split(".")[0] if loc else None) from None
 
 
+NOT_FORWARDED = {"messages", "prompt", "max_completion_tokens", "max_tokens",  # rebuilt
+                 "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}  # dropped
+
+
 def join_prompt(system: str, user: str) -> str:
     """A tenant prompt before a completions prompt: a blank line between them unless
     the tenant's text already ends in whitespace."""
@@ -136,8 +146,7 @@ def backend_body(endpoint: str, req: _Sampling, system: str | None, max_tokens: 
     the tenant's prompt in force and an explicit max_tokens. The caller adds the
     cache salt. Chat: the client's system and developer messages are dropped and the
     tenant's prompt goes first; completions: each prompt is prefixed with it."""
-    body = req.model_dump(exclude_unset=True, exclude_none=True,
-                          exclude={"messages", "prompt", "max_completion_tokens", "max_tokens"})
+    body = req.model_dump(exclude_unset=True, exclude_none=True, exclude=NOT_FORWARDED)
     body["max_tokens"] = max_tokens
     if isinstance(req, TenantChat):
         kept = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}

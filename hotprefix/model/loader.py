@@ -96,6 +96,36 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
     raise ModelLoadError(f"model path is neither a file nor a folder: {path}")
 
 
+# generation_config.json field -> SamplingParams field (the ones vLLM takes as defaults)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(source: str, setting: str = "auto") -> dict[str, float | int]:
+    """Default sampling parameters (SamplingParams field names) from a
+    generation_config.json: "auto" reads the model folder's (GGUF files have none),
+    "vllm" gives none, anything else is a folder holding one. Raises ModelLoadError
+    for a folder without the file or a file that is not valid."""
+    if setting == "vllm":
+        return {}
+    folder = Path(source) if setting == "auto" else Path(setting).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting == "auto":
+            return {}
+        raise ModelLoadError(f"--generation-config {setting}: no generation_config.json there")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    out: dict[str, float | int] = {}
+    for key, field_name in GENERATION_DEFAULTS.items():
+        v = raw.get(key) if isinstance(raw, dict) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[field_name] = v
+    return out
+
+
 def _read_config(folder: Path) -> dict[str, Any]:
     cfg = folder / "config.json"
     if not cfg.is_file():

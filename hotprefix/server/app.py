@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import hotprefix
@@ -30,6 +32,7 @@ from hotprefix.server.protocol import (
     random_id,
 )
 from hotprefix.server.serving import RequestLog, Serving, ServingOptions
+from hotprefix.server.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
 PROTECTED = ("/v1/", "/reset_prefix_cache", "/pin", "/unpin", "/tokenize", "/detokenize")
@@ -73,6 +76,12 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return _error(500, f"the request failed in the engine: {exc}", "InternalServerError")
 
 
+def app_path(scope) -> str:
+    """The request's path below --root-path (uvicorn puts the root path in front)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class ApiKeyGuard:
     """ASGI middleware: with an API key set, the protected paths need
     `Authorization: Bearer <key>` (checked before any body is read)."""
@@ -83,7 +92,7 @@ class ApiKeyGuard:
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith(PROTECTED):
+        if self.expected is None or scope["type"] != "http" or not app_path(scope).startswith(PROTECTED):
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
@@ -98,19 +107,25 @@ class ApiKeyGuard:
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     """The app serving `engine`. Starting the app starts the engine thread; stopping
     it stops the engine. Handlers reach the engine only through AsyncEngine's facade."""
-    model_name = cfg.served_model_name or engine.model_name
-    metrics = ServerMetrics(engine, model_name, engine.cache_info())
+    names = cfg.served_model_names or (engine.model_name,)
+    model_name = names[0]
+    metrics = ServerMetrics(engine, model_name, engine.cache_info(), cfg.metrics_prefix)
     request_log = RequestLog(cfg.request_log)
-    serving = Serving(engine, model_name, metrics, request_log,
+    serving = Serving(engine, metrics, request_log,
                       ServingOptions(cfg.chat_template, engine.scheduling_policy, cfg.max_n,
-                                     cfg.trust_request_chat_template))
+                                     cfg.trust_request_chat_template, engine.default_sampling))
+    stats = StatsLogger(engine, cfg.stats_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s (max_model_len %d) on http://%s:%d", model_name, engine.max_model_len, cfg.host,
-                 cfg.port)
+        stats_task = asyncio.create_task(stats.run()) if cfg.log_stats else None
+        scheme = "https" if cfg.ssl_certfile else "http"
+        log.info("serving %s (max_model_len %d) on %s://%s:%d%s", ", ".join(names), engine.max_model_len, scheme,
+                 cfg.host, cfg.port, cfg.root_path)
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         await engine.shutdown()
         request_log.close()
 
@@ -122,39 +137,41 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     app.state.model_name = model_name
     install_error_handlers(app, metrics)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+    def check_model(name: str | None) -> str:
+        """The served name to answer with. Raises ModelNotFound for a name not served."""
+        if name is not None and name not in names:
             raise ModelNotFound(name)
+        return name or model_name
 
-    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> ChatPrompt:
+    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
         return ChatPrompt([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt,
-                          False, cfg.chat_template)
+                          False, cfg.chat_template, template_kwargs)
 
     async def prompt_ids(body: TokenizeRequest | PinRequest, add_generation_prompt: bool,
                          add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            return await engine.tokenize(chat_prompt(body.messages, add_generation_prompt))
+            return await engine.tokenize(chat_prompt(body.messages, add_generation_prompt,
+                                                     getattr(body, "chat_template_kwargs", None)))
         if isinstance(body.prompt, list):
             return list(body.prompt)
         return await engine.tokenize(body.prompt or "", add_special_tokens, split_special_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_model(body.model)
-        return await serving.completions(body, request)
+        return await serving.completions(body, request, check_model(body.model))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        check_model(body.model)
-        return await serving.chat(body, request)
+        return await serving.chat(body, request, check_model(body.model))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "hotprefix", "root": engine.model_name,
-                                            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": now(), "owned_by": "hotprefix",
+                                            "root": engine.model_name, "max_model_len": engine.max_model_len}
+                                           for n in names]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -210,4 +227,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
 
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes, on_reject=metrics.rejected)
     app.add_middleware(ApiKeyGuard, api_key=cfg.api_key, on_reject=metrics.rejected)
+    if cfg.allowed_origins:  # outermost: preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                           allow_credentials=cfg.allow_credentials)
     return app

@@ -26,8 +26,10 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
         async_engine.engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
     app = build_app(async_engine, cfg)
     log.info("ready to serve after %.1fs", time.monotonic() - t0)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False,
+                            root_path=cfg.root_path, ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
+                            ssl_ca_certs=cfg.ssl_ca_certs)
     return uvicorn.Server(config)
 
 

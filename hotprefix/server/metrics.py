@@ -1,4 +1,5 @@
-"""Prometheus metrics under `hotprefix:`, with vLLM V1's names and meanings.
+"""Prometheus metrics under `hotprefix:` (or `vllm:` with --metrics-prefix vllm), with
+vLLM V1's names and meanings.
 
 Engine-side numbers (running/waiting, KV usage, prefix-cache queries and hits
 in tokens, preemptions) are read from the async engine's counters at scrape
@@ -19,7 +20,6 @@ from hotprefix import metric_names as N
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.llm_engine import RequestOutput
 
-P = N.PREFIX
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -29,18 +29,19 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str, cache_info: dict[str, str]) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, cache_info: dict[str, str], prefix: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.cache_info = cache_info
+        self.p = prefix
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+        g = GaugeMetricFamily(self.p + name, doc, labels=["model_name"])
         g.add_metric([self.model_name], value)
         return g
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        c = CounterMetricFamily(self.p + name, doc, labels=["model_name"])
         c.add_metric([self.model_name], value)
         return c
 
@@ -58,19 +59,21 @@ class _EngineCollector(Collector):
                             c.prefix_cache_queries)
         yield self._counter(N.PREFIX_HITS, "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
         yield self._counter(N.PREFIX_EVICTED, "Cached blocks whose slot was reused.", c.evicted_blocks)
-        info = GaugeMetricFamily(P + N.CACHE_CONFIG_INFO, "Information of the KV cache configuration.",
+        info = GaugeMetricFamily(self.p + N.CACHE_CONFIG_INFO, "Information of the KV cache configuration.",
                                  labels=["model_name", *self.cache_info])
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
         yield info
 
 
 class ServerMetrics:
-    """The app's registry and its per-request metrics."""
+    """The app's registry and its per-request metrics; names start with `prefix:`."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, cache_info: dict[str, str]) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, cache_info: dict[str, str],
+                 prefix: str = "hotprefix") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name, cache_info))
+        P = prefix + ":"  # noqa: N806 - reads like the names it builds
+        self.registry.register(_EngineCollector(engine, model_name, cache_info, P))
         r, lbl = self.registry, ["model_name"]
         self.prompt_tokens = Counter(P + N.PROMPT_TOKENS, "Prompt tokens processed.", lbl, registry=r)
         self.generation_tokens = Counter(P + N.GENERATION_TOKENS, "Generated tokens.", lbl, registry=r)

@@ -1,7 +1,11 @@
 """Request and response models of the OpenAI-compatible API.
 
 Requests forbid unknown fields, and fields we cannot honour are refused by
-name: a parameter is either honoured or answered with a 400, never ignored.
+name: a parameter is either honoured or answered with a 400, never ignored,
+except the few that cannot change a result (OpenAI's `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, and vLLM's
+`enable_prompt_tokens_details`-style bookkeeping), which common SDKs send and
+which are accepted and not acted on.
 """
 
 from __future__ import annotations
@@ -52,10 +56,26 @@ class SamplingFields(Strict):
     cache_salt: str | None = None
     cache_salt_offset: int = 0
     pin_prefix: bool = False
-    request_id: str | None = None
+    request_id: str | None = Field(None, max_length=256)
+    truncate_prompt_tokens: int | None = None
+    # accepted, not acted on: they cannot change what the model returns
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidRequestError naming the offending field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's sampling parameters; unset ones come from `defaults` (the
+        model's generation config), then the API's defaults. Raises
+        InvalidRequestError naming the offending field."""
+        d = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            v = getattr(self, name)
+            return v if v is not None else d.get(name, fallback)
+
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         bias = {}
         for k, v in (self.logit_bias or {}).items():
@@ -65,13 +85,12 @@ class SamplingFields(Strict):
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
         try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, seed=self.seed, stop=tuple(stop),
+                n=self.n, max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens"),
+                min_tokens=self.min_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=self.seed, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias)
         except ValueError as e:
@@ -136,6 +155,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -163,6 +183,7 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     split_special_tokens: bool = False
     add_generation_prompt: bool = True

@@ -66,6 +66,7 @@ class Tracker:
     request_id: str
     endpoint: str
     user: str | None
+    model: str  # the served name the client used (echoed in responses)
     start: float = field(default_factory=time.monotonic)
     last: dict[str, RequestOutput] = field(default_factory=dict)
     last_token_at: dict[str, float] = field(default_factory=dict)
@@ -82,18 +83,19 @@ class ServingOptions:
     """chat_template: the server's override of the model's template.
     scheduling_policy: the engine's (priority is refused unless it is "priority").
     max_n: the most samples one request may ask for (n, best_of).
-    trust_request_chat_template: accept a request's own `chat_template`."""
+    trust_request_chat_template: accept a request's own `chat_template`.
+    default_sampling: sampling defaults from the model's generation config."""
 
     chat_template: str | None = None
     scheduling_policy: str = "fcfs"
     max_n: int = 16
     trust_request_chat_template: bool = False
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class Serving:
     engine: AsyncEngine
-    model_name: str
     metrics: ServerMetrics
     request_log: RequestLog
     options: ServingOptions = field(default_factory=ServingOptions)
@@ -108,9 +110,9 @@ class Serving:
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
         if body.n > self.options.max_n:
             raise InvalidRequestError(f"n must be <= {self.options.max_n} (--max-n), got {body.n}", "n")
-        params = body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs, self.options.default_sampling)
         options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
-                                 body.pin_prefix, split_special_tokens)
+                                 body.pin_prefix, split_special_tokens, body.truncate_prompt_tokens)
         return await self.engine.submit(base_id, prompts, params, options)
 
     def _observe(self, t: Tracker, out: RequestOutput) -> None:
@@ -141,7 +143,7 @@ class Serving:
         first = [o.first_token_time for o in outs if o.first_token_time is not None]
         reasons = sorted({o.finish_reason or "abort" for out in outs for o in out.outputs})
         self.request_log.write({
-            "time": time.time(), "request_id": t.request_id, "endpoint": t.endpoint, "model": self.model_name,
+            "time": time.time(), "request_id": t.request_id, "endpoint": t.endpoint, "model": t.model,
             "user": t.user, "status": status,
             "prompt_tokens": sum(len(s.prompt_token_ids) for s in streams),
             "cached_tokens": sum(o.num_cached_tokens for o in outs),
@@ -227,7 +229,7 @@ class Serving:
         then a usage chunk if asked; then [DONE]. A failure ends the stream with
         one error event and [DONE]."""
         opts = body.stream_options
-        base = {"id": t.request_id, "object": obj_type, "created": now(), "model": self.model_name}
+        base = {"id": t.request_id, "object": obj_type, "created": now(), "model": t.model}
 
         def event(obj: dict[str, Any]) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -290,13 +292,13 @@ class Serving:
                             for s, lp in zip(toks, lps)]}
 
     # -- /v1/completions -------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+    async def completions(self, body: CompletionRequest, raw: Request, model: str) -> Any:
         body.check()
         rid = body.request_id or random_id("cmpl")
         prompts = body.prompts()
         streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
                                      body.split_special_tokens)
-        t = Tracker(rid, "completions", body.user)
+        t = Tracker(rid, "completions", body.user, model)
         k = body.logprobs or 0
         if body.stream:
             emitted: dict[tuple[int, int], int] = {}
@@ -329,11 +331,11 @@ class Serving:
                     "stop_reason": o.stop_reason,
                     "logprobs": self.completion_logprobs(o.logprobs, k, len(prefix))
                     if body.logprobs is not None else None})
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
                              "choices": choices, "usage": self.usage(streams, t)})
 
     # -- /v1/chat/completions ------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+    async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
         body.check()
         if body.chat_template is not None and not self.options.trust_request_chat_template:
             raise InvalidRequestError("a request's own chat_template is refused: the server runs it; start the "
@@ -342,11 +344,11 @@ class Serving:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         prompt = ChatPrompt(messages, body.add_generation_prompt, body.continue_final_message,
-                            body.chat_template or self.options.chat_template)
+                            body.chat_template or self.options.chat_template, body.chat_template_kwargs)
         k = body.top_logprobs or 0
         logprobs = k if body.logprobs else None
         streams = await self._submit(body, [prompt], body.limit(), logprobs, False, rid)
-        t = Tracker(rid, "chat.completions", body.user)
+        t = Tracker(rid, "chat.completions", body.user, model)
         if body.stream:
             def head() -> list[dict[str, Any]]:
                 return [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -372,5 +374,5 @@ class Serving:
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self.chat_logprobs(o.logprobs, k) if body.logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": model,
                              "choices": choices, "usage": self.usage(streams, t)})

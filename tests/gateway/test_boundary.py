@@ -79,7 +79,8 @@ def test_the_backend_gets_a_body_rebuilt_from_the_allow_list(setup):
              "name": "bob"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": SMUGGLE}]
     r = post(gw, keys["acme"], "/v1/chat/completions", {
         "model": "fake-model", "messages": msgs, "max_completion_tokens": 7, "temperature": 0.5, "top_k": 3,
-        "seed": 11, "stop": ["x"], "stream": True, "stream_options": {"include_usage": True}, "user": "u1"})
+        "seed": 11, "stop": ["x"], "stream": True, "stream_options": {"include_usage": True}, "user": "u1",
+        "metadata": {"app": "x"}, "store": False})  # accepted from SDKs, not forwarded
     assert r.status_code == 200, r.text
     sent = records(fake, "chat")[-1]
     assert sent["body"] == {

@@ -88,7 +88,7 @@ def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
     cfg = EngineConfig(ModelConfig(model=str(folder), **engine_kw), CacheConfig(**cache), SchedulerConfig(**sched))
     engine = LLMEngine(cfg)
     port = free_port()
-    scfg = ServerConfig(port=port, served_model_name="tiny", **(server_kw or {}))
+    scfg = ServerConfig(port=port, served_model_names=("tiny",), **(server_kw or {}))
     async_engine = AsyncEngine(engine, scfg.admission)
     app = build_app(async_engine, scfg)
     url, server, thread = serve_in_thread(app, port)

@@ -1,0 +1,66 @@
+"""The wheel, installed outside the repository (not editable), serves the default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_installs_outside_the_repo_and_serves_the_default_model(tmp_path):
+    src, wheels = tmp_path / "src", tmp_path / "wheels"
+    # a clean copy: setuptools would reuse a build/ folder left in the checkout, stale files included
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache", ".hypothesis"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(src)],
+                   check=True, timeout=600, capture_output=True)
+    (whl,) = wheels.glob("hotprefix-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = str(venv / "bin" / "python")
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # its dependencies from this environment (torch is large); hotprefix itself only from the wheel: a path
+    # line in a .pth adds the folder but runs none of its own .pth files (this repo's editable hook among them)
+    Path(purelib, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([py, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(whl)], check=True, timeout=300,
+                   capture_output=True)
+    env = {**os.environ, "HOTPREFIX_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    where = subprocess.run([py, "-c", "import hotprefix; print(hotprefix.__file__)"], capture_output=True,
+                           text=True, cwd=tmp_path, env=env, check=True).stdout.strip()
+    assert where.startswith(purelib) and not where.startswith(str(REPO))
+    port = free_port()
+    proc = subprocess.Popen([py, "-m", "hotprefix", "serve", "--port", str(port), "--max-model-len", "512",
+                             "--disable-log-stats"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 300  # includes compiling the kernel from the wheel's source
+        while time.monotonic() < end:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert list((tmp_path / "cache").rglob("*.so")), "the kernel was not built from the wheel's source"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "GGUF blocks" in proc.stdout.read()
