@@ -9,12 +9,45 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
-SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZED_MATMUL = ("auto", "int8", "float32")
+
+
+class SchedulingPolicy(str, Enum):
+    """fcfs: arrival order; priority: lowest request `priority` first, ties by arrival."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+class PreemptionMode(str, Enum):
+    """What happens to a preempted request's KV: freed and recomputed, or swapped to host memory."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class QuantizedMatmul(str, Enum):
+    """How GGUF Q4_0/Q4_1/Q8_0 weights multiply on the CPU (see ModelConfig)."""
+
+    AUTO = "auto"
+    INT8 = "int8"
+    FLOAT32 = "float32"
+
+
+SCHEDULING_POLICIES = tuple(m.value for m in SchedulingPolicy)
+QUANTIZED_MATMUL = tuple(m.value for m in QuantizedMatmul)
+
+
+def as_mode(cls: type[Enum], flag: str, value: object) -> Enum:
+    """value as a member of the mode Enum cls. Raises ConfigError naming the flag."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(f"{flag} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
 
 
 def cache_root() -> Path:
@@ -73,13 +106,12 @@ class ModelConfig:
     max_model_len: int | None = None
     revision: str | None = None
     seed: int = 0
-    quantized_matmul: str = "auto"
+    quantized_matmul: QuantizedMatmul = QuantizedMatmul.AUTO
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.quantized_matmul not in QUANTIZED_MATMUL:
-            raise ConfigError(f"--quantized-matmul must be one of {', '.join(QUANTIZED_MATMUL)}, "
-                              f"got {self.quantized_matmul!r}")
+        object.__setattr__(self, "quantized_matmul",
+                           as_mode(QuantizedMatmul, "--quantized-matmul", self.quantized_matmul))
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -151,13 +183,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     long_prefill_token_threshold: int = 0
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        object.__setattr__(self, "preemption_mode", as_mode(PreemptionMode, "--preemption-mode",
+                                                            self.preemption_mode))
+        object.__setattr__(self, "scheduling_policy", as_mode(SchedulingPolicy, "--scheduling-policy",
+                                                              self.scheduling_policy))
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
@@ -167,8 +201,6 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
     @property
     def token_budget(self) -> int:

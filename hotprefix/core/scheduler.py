@@ -27,7 +27,7 @@ import itertools
 import logging
 from collections.abc import Iterable
 
-from hotprefix.config import SchedulerConfig
+from hotprefix.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
@@ -40,13 +40,13 @@ log = logging.getLogger(__name__)
 class WaitingQueue:
     """Requests not yet admitted, in the policy's order."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: SchedulingPolicy) -> None:
         self.policy = policy
         self._items: list[tuple[tuple, Request]] = []
         self._seq = itertools.count()
 
     def _key(self, req: Request, front: bool) -> tuple:
-        if self.policy == "priority":
+        if self.policy is SchedulingPolicy.PRIORITY:
             return (req.priority, req.arrival_time, next(self._seq))
         return (-next(self._seq),) if front else (0, next(self._seq))
 
@@ -226,7 +226,7 @@ class Scheduler:
         being scheduled included): a request already scheduled this step cannot
         be undone, since its new blocks are cached already and may be hit by a
         later request of the same step."""
-        if self.config.scheduling_policy == "priority":
+        if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
 
@@ -238,7 +238,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._step_preemptions += 1
         device = self.kv.block_ids(req.request_id)
-        host = self.swap.allocate(len(device)) if self.config.preemption_mode == "swap" else None
+        host = self.swap.allocate(len(device)) if self.config.preemption_mode is PreemptionMode.SWAP else None
         self.kv.free(req)
         if host is not None:
             out.swap_out.extend(zip(device, host))

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotprefix.config import AdmissionConfig
+from hotprefix.config import AdmissionConfig, SchedulingPolicy
 from hotprefix.core.stats import SchedulerStats
 from hotprefix.engine.llm_engine import LLMEngine, RequestOutput, _State
 from hotprefix.errors import InvalidRequestError, QueueFullError
@@ -264,7 +264,7 @@ class AsyncEngine:
         return self.engine.default_sampling
 
     @property
-    def scheduling_policy(self) -> str:
+    def scheduling_policy(self) -> SchedulingPolicy:
         return self.engine.config.scheduler.scheduling_policy
 
     def cache_info(self) -> dict[str, str]:

@@ -125,13 +125,12 @@ class LLMEngine:
                      "(--generation-config vllm to ignore it)", self.default_sampling)
         self.tokenizer = loaded.tokenizer
         self.encoder = PromptEncoder(self.tokenizer)
-        self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler)
-        self.arch = self.runner.arch
-        eos = set(self.arch.eos_token_ids)
+        eos = set(loaded.arch.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner.eos_token_ids = tuple(sorted(eos))
+        self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler, tuple(sorted(eos)))
+        self.arch = self.runner.arch
         plan = self.runner.plan
         cc = self.config.cache
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,17 +44,34 @@ class Cascade:
 
     shared_slots: torch.Tensor  # [S] slots of the shared prefix, position order
     members: list[int]  # indices into AttentionMetadata.seqs; each has q_len == 1
-    # The prefix's K/V as gathered per layer (keyed by id of the LayerKV): the
+    # The prefix's K/V as gathered per layer (keyed by the layer's index): the
     # runner hands the same dict to the next step's cascade over the same blocks,
     # which cannot have changed while the group kept decoding.
     gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def shared_kv(self, kv: LayerKV, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared prefix's K, V ([KVH, S, D]) in this layer, gathered once."""
-        got = self.gathered.get(id(kv))
+        got = self.gathered.get(kv.index)
         if got is None:
-            got = self.gathered[id(kv)] = kv.read(self.shared_slots, dtype)
+            got = self.gathered[kv.index] = kv.read(self.shared_slots, dtype)
         return got
+
+
+class PagedPlan(NamedTuple):
+    """hp_paged_attention's input: rows [R] of q to attend, tasks [N, 5], slots."""
+
+    rows: torch.Tensor
+    task: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
+class PagedPlans:
+    """The decode batch's kernel plans, made by the first layer of a step and used by
+    all: `own` over each member's own blocks, `shared` over the cascades' prefixes."""
+
+    own: PagedPlan | None = None
+    shared: PagedPlan | None = None
 
 
 @dataclass
@@ -70,7 +88,7 @@ class DecodeBatch:
     valid: torch.Tensor  # [B, L] bool: False on padding
     length: int  # L
     kernel: ctypes.CDLL | None = None
-    plan: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per step
+    plans: PagedPlans = field(default_factory=PagedPlans)  # per step
 
 
 @dataclass
@@ -173,8 +191,7 @@ def attend_causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 PAGED_ROWS_PER_TASK = 12  # a cascade's query rows per kernel task: the threads share a group's prefix
 
 
-def _paged_plan(meta: AttentionMetadata, h: int, kvh: int, cascades: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _paged_plan(meta: AttentionMetadata, h: int, kvh: int, cascades: bool) -> PagedPlan:
     """hp_paged_attention's (rows, task, slots) for the decode batch's own keys, or
     (cascades) for each cascade's shared prefix. Rows index q viewed as [T * H, D]:
     a task is one sequence (or cascade) and one KV head, with the G query heads of
@@ -197,11 +214,11 @@ def _paged_plan(meta: AttentionMetadata, h: int, kvh: int, cascades: bool
                 tasks.append((len(rows), len(part), n_slots, slots.numel(), j))
                 rows.extend(part)
         n_slots += slots.numel()
-    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(tasks, dtype=torch.int64),
-            torch.cat(parts).to(torch.int64))
+    return PagedPlan(torch.tensor(rows, dtype=torch.int64), torch.tensor(tasks, dtype=torch.int64),
+                     torch.cat(parts).to(torch.int64))
 
 
-def _paged_attend(lib: ctypes.CDLL, q: torch.Tensor, kv: LayerKV, plan: tuple[torch.Tensor, ...], scale: float,
+def _paged_attend(lib: ctypes.CDLL, q: torch.Tensor, kv: LayerKV, plan: PagedPlan, scale: float,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """Run one hp_paged_attention plan: q [T, H, D] contiguous; writes the planned rows
     of out [T * H, D] and lse [T * H]. Raises RuntimeError if the kernel fails."""
@@ -222,16 +239,17 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scal
     if batch.kernel is not None and kv.k.dtype == torch.float32 and q.dtype == torch.float32:
         t, h, d = q.shape
         q = q.contiguous()
-        if not batch.plan:  # the same for every layer of the step
-            batch.plan["own"] = _paged_plan(meta, h, kv.k.shape[0], cascades=False)
+        plans = batch.plans
+        if plans.own is None:  # the same for every layer of the step
+            plans.own = _paged_plan(meta, h, kv.k.shape[0], cascades=False)
             if meta.cascades:
-                batch.plan["shared"] = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
+                plans.shared = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
         o, lse = torch.empty(t * h, d), torch.empty(t * h)
-        _paged_attend(batch.kernel, q, kv, batch.plan["own"], scale, o, lse)
-        if meta.cascades:
-            rows = batch.plan["shared"][0]
+        _paged_attend(batch.kernel, q, kv, plans.own, scale, o, lse)
+        if plans.shared is not None:
+            rows = plans.shared.rows
             o_sh, l_sh = torch.empty(t * h, d), torch.empty(t * h)
-            _paged_attend(batch.kernel, q, kv, batch.plan["shared"], scale, o_sh, l_sh)
+            _paged_attend(batch.kernel, q, kv, plans.shared, scale, o_sh, l_sh)
             o[rows] = _merge(o_sh[rows], l_sh[rows], o[rows], lse[rows])
         out[batch.rows] = o.view(t, h, d)[batch.rows]
         return

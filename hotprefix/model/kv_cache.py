@@ -40,6 +40,7 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 class LayerKV:
     """One layer's cache. k, v: [kv_heads, num_slots, head_dim] in storage dtype."""
 
+    index: int  # the layer's number (keys what is kept per layer, e.g. a cascade's gathered K/V)
     k: torch.Tensor
     v: torch.Tensor
     k_scale: float = 1.0
@@ -82,11 +83,12 @@ def _rows_dense(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 class KVCache:
-    """All layers' KV tensors for a pool of num_blocks blocks."""
+    """All layers' KV tensors for a pool of num_blocks blocks. `kernel`: the C
+    library for float32 writes on the CPU (None: torch's index_copy)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                 scales: tuple[float, float] = (1.0, 1.0), kernel: Any = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -94,10 +96,9 @@ class KVCache:
         self.layers = [
             # Uninitialised: attention reads only slots written for that sequence, and
             # skipping the fill saves a pass over the whole pool at start-up.
-            LayerKV(torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
-                    torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
-                    *scales)
-            for _ in range(num_layers)
+            LayerKV(i, torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
+                    torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device), *scales, kernel=kernel)
+            for i in range(num_layers)
         ]
 
     def make_host_copy(self, num_host_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

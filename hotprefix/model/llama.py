@@ -20,12 +20,11 @@ from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, library, 
 
 
 class RMSNorm(nn.Module):
-    kernel = None  # the C library: RMSNorm of 2-D float32 rows in one call (int8 mode, see attach_blocks)
-
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # the C library: RMSNorm of 2-D float32 rows in one call (int8 mode, see attach_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dim() == 2 and x.dtype == torch.float32:
@@ -161,9 +160,11 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device) -> LlamaForCausalLM:
-        """Build the module and load HF-named weights. Raises ModelLoadError on a
-        missing or unexpected tensor, or a shape that does not match the config."""
+                     device: torch.device, blocks: dict[str, PackedWeight] | None = None,
+                     int8: bool = False) -> LlamaForCausalLM:
+        """Build the module, load HF-named weights and attach GGUF `blocks` (see
+        attach_blocks). Raises ModelLoadError on a missing or unexpected tensor, or a
+        shape that does not match the config."""
         weights = dict(weights)
         rope_freqs = weights.pop("rope_freqs", None)
         bias = "model.layers.0.self_attn.q_proj.bias" in weights
@@ -189,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         state = {n: w.to(device=device, dtype=dtype) for n, w in weights.items()}
         m.load_state_dict(state, assign=True)
         m.inv_freq = rope_inv_freq(arch, rope_freqs).to(device)
+        if blocks:
+            m.attach_blocks(blocks, int8)
         return m.eval()
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
         """Let linear layers (and the logits) read these GGUF blocks (an empty dict
         detaches them all): for small batches, or with `int8`, regrouped for the
         int8-activation product at every batch size. Returns the number of weights
-        attached. Raises RuntimeError for int8 without the kernel library."""
+        attached. Raises RuntimeError for int8 without the kernel library.
+
+        from_weights calls it while building the model; benchmarks/ab_inprocess.py
+        calls it again to compare the two ways on the same weights."""
         n = 0
         for name, mod in self.named_modules():
             if isinstance(mod, Linear) and name != "lm_head":
@@ -230,15 +236,27 @@ class LlamaForCausalLM(nn.Module):
                     p.packed = None  # the fused copy serves them
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         self.logits_packed = packed.get(head)
+        if int8:  # every product at every batch size from the int8 layout
+            self._regroup()
         lib = library() if int8 else None
         for mod in self.modules():
-            if int8:
-                for attr in ("packed", "qkv_packed", "gate_up_packed", "logits_packed"):
-                    if getattr(mod, attr, None) is not None:
-                        setattr(mod, attr, getattr(mod, attr).regrouped())
             if isinstance(mod, (RMSNorm, Attention)):  # the small per-layer ops in C too (int8 mode only:
                 mod.kernel = lib  # float32 mode keeps torch's arithmetic, token-identical to transformers)
         return n + (self.logits_packed is not None)
+
+    def _regroup(self) -> None:
+        """Every attached block matrix in the int8 kernel's layout (PackedWeight.regrouped)."""
+        def re(p: PackedWeight | None) -> PackedWeight | None:
+            return None if p is None else p.regrouped()
+
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.packed = re(mod.packed)
+            elif isinstance(mod, Attention):
+                mod.qkv_packed = re(mod.qkv_packed)
+            elif isinstance(mod, MLP):
+                mod.gate_up_packed = re(mod.gate_up_packed)
+        self.logits_packed = re(self.logits_packed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.logits_packed

@@ -35,11 +35,12 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from hotprefix.config import QUANTIZED_MATMUL, ConfigError, cache_root
+from hotprefix.config import QuantizedMatmul, as_mode, cache_root
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "qgemv.c"
@@ -244,7 +245,9 @@ class Linear(nn.Linear):
     """nn.Linear that, given `packed` blocks of the same weight, multiplies from
     the blocks the batches they serve (PackedWeight.serves; float32 on the CPU)."""
 
-    packed: PackedWeight | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed: PackedWeight | None = None  # see LlamaForCausalLM.attach_blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
@@ -259,13 +262,12 @@ def packable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
 
 
-def resolve_matmul(mode: str) -> str:
-    """"int8" or "float32" for a --quantized-matmul mode; auto is int8 where this
-    build runs it on vector instructions (AVX-512 VNNI or AVX2). Raises ConfigError
-    (a ValueError) for an unknown mode."""
-    if mode not in QUANTIZED_MATMUL:
-        raise ConfigError(f"--quantized-matmul must be one of {', '.join(QUANTIZED_MATMUL)}, got {mode!r}")
-    if mode != "auto":
+def resolve_matmul(mode: QuantizedMatmul | str) -> QuantizedMatmul:
+    """INT8 or FLOAT32 for a --quantized-matmul mode; AUTO is INT8 where this build
+    runs it on vector instructions (AVX-512 VNNI or AVX2). Raises ConfigError (a
+    ValueError) for an unknown mode."""
+    mode = as_mode(QuantizedMatmul, "--quantized-matmul", mode)
+    if mode is not QuantizedMatmul.AUTO:
         return mode
     lib = library()
-    return "int8" if lib is not None and lib.hp_int8_vectorized() else "float32"
+    return QuantizedMatmul.INT8 if lib is not None and lib.hp_int8_vectorized() else QuantizedMatmul.FLOAT32

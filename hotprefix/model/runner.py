@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotprefix.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from hotprefix.config import CacheConfig, ConfigError, ModelConfig, PreemptionMode, QuantizedMatmul, SchedulerConfig
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_batch, build_seq_attn
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
@@ -43,6 +43,20 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     if device.type == "cpu":
         return torch.float32
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class AttentionPaths:
+    """Which attention paths a forward pass may take (all by default; tests turn them
+    off to compare the paths on one step). decode_batch: on a float32 CPU, all
+    single-query decodes attend in one batch; cascade: within it, groups sharing
+    leading blocks attend to them once."""
+
+    decode_batch: bool = True
+    cascade: bool = True
+
+
+ALL_PATHS = AttentionPaths()
 
 
 @dataclass(frozen=True)
@@ -85,45 +99,43 @@ def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig
 
 class ModelRunner:
     """Runs one step. `execute` mutates the KV tensors and the per-request
-    generators; finished request ids in the SchedulerOutput drop their state."""
+    generators; finished request ids in the SchedulerOutput drop their state.
+    eos_token_ids: suppressed before a request's min_tokens."""
 
     def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 sched_cfg: SchedulerConfig) -> None:
+                 sched_cfg: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(model_cfg.device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
-        self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device)
         self.packed = loaded.packed if packable(self.device, self.dtype) else {}
         self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if self.packed else None
+        self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device,
+                                                   self.packed, self.quantized_matmul is QuantizedMatmul.INT8)
         if self.packed:
-            n = self.model.attach_blocks(self.packed, int8=self.quantized_matmul == "int8")
-            log.info("%d weights are read as GGUF blocks (%.0f MB), %s", n,
+            log.info("%d weights are read as GGUF blocks (%.0f MB), %s", len(self.packed),
                      sum(p.nbytes for p in loaded.packed.values()) / 1e6,
-                     "with int8 activations" if self.quantized_matmul == "int8" else
+                     "with int8 activations" if self.quantized_matmul is QuantizedMatmul.INT8 else
                      "with float32 activations for small batches")
         self.arch = self.model.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         self.plan = plan_kv_pool(loaded, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
         self.block_size = cache_cfg.block_size
+        # decode attention straight from a float32 pool, and the KV writes into it (csrc/qgemv.c)
+        self._attention_kernel = library() if (self.device.type == "cpu" and kv_dtype == torch.float32) else None
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
-                                self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device)
+                                self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,
+                                kernel=self._attention_kernel)
         self.num_host_blocks = 0
         self.host_kv: list = []
-        if sched_cfg.preemption_mode == "swap":
+        if sched_cfg.preemption_mode is PreemptionMode.SWAP:
             self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block
             self.host_kv = self.kv_cache.make_host_copy(self.num_host_blocks)
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
-        self.eos_token_ids: tuple[int, ...] = ()
+        self.eos_token_ids = eos_token_ids
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
-        self.enable_cascade = True
-        self.enable_decode_batch = True  # CPU: all single-query decodes in one batched attention
         self._gathered: dict[tuple[int, ...], dict] = {}  # cascade prefix blocks -> gathered K/V, last step only
-        # decode attention straight from a float32 pool (csrc/qgemv.c), where the library builds
-        self._attention_kernel = library() if (self.device.type == "cpu" and kv_dtype == torch.float32) else None
-        for layer in self.kv_cache.layers:  # and the KV writes into it
-            layer.kernel = self._attention_kernel
         slot_bytes = self.arch.num_layers * 2 * self.arch.num_kv_heads * self.arch.head_dim * self.dtype.itemsize
         self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
 
@@ -145,7 +157,8 @@ class ModelRunner:
         self.num_computed_tokens_total = 0
 
     # -- batch preparation ------------------------------------------------
-    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, sched: SchedulerOutput, paths: AttentionPaths
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -164,8 +177,8 @@ class ModelRunner:
                                        self.arch.sliding_window, self.device))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
-        batched = dev.type == "cpu" and self.dtype == torch.float32 and self.enable_decode_batch
-        if batched and self.enable_cascade:  # cascades are attended within the decode batch
+        batched = dev.type == "cpu" and self.dtype == torch.float32 and paths.decode_batch
+        if batched and paths.cascade:  # cascades are attended within the decode batch
             self._plan_cascades(sched, meta)
         else:
             self._gathered = {}
@@ -208,16 +221,16 @@ class ModelRunner:
         self._gathered = kept  # only groups of this step: their blocks stay referenced and unchanged
 
     @torch.inference_mode()
-    def forward(self, sched: SchedulerOutput) -> torch.Tensor:
+    def forward(self, sched: SchedulerOutput, paths: AttentionPaths = ALL_PATHS) -> torch.Tensor:
         """Run the batch; return the final hidden states [T, E]."""
-        input_ids, positions, meta = self._prepare(sched)
+        input_ids, positions, meta = self._prepare(sched, paths)
         self.num_computed_tokens_total += input_ids.numel()
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def all_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+    def all_logits(self, sched: SchedulerOutput, paths: AttentionPaths = ALL_PATHS) -> torch.Tensor:
         """Logits of every token in the batch, [T, V] (tests compare them with a reference)."""
-        return self.model.compute_logits(self.forward(sched))
+        return self.model.compute_logits(self.forward(sched, paths))
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         if r.sampling_params.seed is None or r.sampling_params.greedy:

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from hotprefix.config import SchedulingPolicy
 from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError, RequestFailedError
@@ -87,7 +88,7 @@ class ServingOptions:
     default_sampling: sampling defaults from the model's generation config."""
 
     chat_template: str | None = None
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_n: int = 16
     trust_request_chat_template: bool = False
     default_sampling: dict[str, Any] = field(default_factory=dict)
@@ -106,7 +107,7 @@ class Serving:
                       split_special_tokens: bool = False) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
-        if body.priority != 0 and self.options.scheduling_policy != "priority":
+        if body.priority != 0 and self.options.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
         if body.n > self.options.max_n:
             raise InvalidRequestError(f"n must be <= {self.options.max_n} (--max-n), got {body.n}", "n")

@@ -27,7 +27,7 @@ def test_tasks_attend_their_rows_to_their_slots(lib, d):
     gen = torch.Generator().manual_seed(0)
     kvh, slots_total, h, t = 2, 300, 6, 5
     g = h // kvh
-    kv = LayerKV(torch.randn(kvh, slots_total, d, generator=gen), torch.randn(kvh, slots_total, d, generator=gen))
+    kv = LayerKV(0, torch.randn(kvh, slots_total, d, generator=gen), torch.randn(kvh, slots_total, d, generator=gen))
     q = torch.randn(t, h, d, generator=gen)
     # task 0: token 1's heads 0-2 on 70 scattered slots (over two chunks of 32 plus a tail);
     # task 1: tokens 0, 3 and 4 together (a cascade's members) on 5 slots of KV head 1;
@@ -61,8 +61,8 @@ def test_kv_write_stores_every_token_and_head_at_its_slot(lib):
     k = qkv[:, 6 * d:(6 + kvh) * d].view(t, kvh, d)
     v = qkv[:, (6 + kvh) * d:].view(t, kvh, d)
     slots = torch.tensor([9, 3, 40, 41, 63])
-    fast = LayerKV(torch.zeros(kvh, slots_total, d), torch.zeros(kvh, slots_total, d), kernel=lib)
-    plain = LayerKV(torch.zeros(kvh, slots_total, d), torch.zeros(kvh, slots_total, d))  # torch's index_copy_
+    fast = LayerKV(0, torch.zeros(kvh, slots_total, d), torch.zeros(kvh, slots_total, d), kernel=lib)
+    plain = LayerKV(0, torch.zeros(kvh, slots_total, d), torch.zeros(kvh, slots_total, d))  # torch's index_copy_
     fast.write(slots, k, v)
     plain.write(slots, k, v)
     assert torch.equal(fast.k, plain.k) and torch.equal(fast.v, plain.v)

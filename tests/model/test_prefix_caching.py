@@ -8,6 +8,7 @@ import random
 import pytest
 
 from hotprefix import LLM, SamplingParams
+from hotprefix.model.runner import AttentionPaths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -154,19 +155,17 @@ def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama,
     if paged:  # one task per (sequence or cascade, KV head), with that KV head's query heads
         h, kvh = runner.arch.num_heads, runner.arch.num_kv_heads
         g = h // kvh
-        rows, task, slots = batch.plan["own"]
+        rows, task, slots = batch.plans.own
         assert task[:, 3].tolist() == [n for n in (2, 3, 4, 5) for _ in range(kvh)]  # each its own suffix
         assert task[:, 1].tolist() == [g] * 4 * kvh and slots.numel() == 14
-        rows, task, slots = batch.plan["shared"]
+        rows, task, slots = batch.plans.shared
         assert task.tolist() == [[j * 4 * g, 4 * g, 0, 20, j] for j in range(kvh)] and slots.numel() == 20
         assert sorted(rows.tolist()) == [t * h + i for t in range(4) for i in range(h)]  # every head once
     else:  # the prefix K/V is gathered once and kept for the next step
         assert list(kept) == [(0, 1, 2, 3, 4)] and len(kept[(0, 1, 2, 3, 4)]) == 2  # both layers
         assert all(a[0] is b[0] for a, b in zip(kept[(0, 1, 2, 3, 4)].values(),
                                                 runner._gathered[(0, 1, 2, 3, 4)].values()))
-    runner.enable_cascade = False
-    batched = runner.all_logits(decode)  # one padded batch over the whole contexts
-    runner.enable_decode_batch = False
-    plain = runner.all_logits(decode)  # one flash call per sequence
+    batched = runner.all_logits(decode, AttentionPaths(cascade=False))  # one padded batch over whole contexts
+    plain = runner.all_logits(decode, AttentionPaths(decode_batch=False))  # one flash call per sequence
     for got in (with_cascade, batched):
         assert float((got - plain).abs().max() / plain.abs().max()) < 1e-5
