@@ -77,7 +77,8 @@ class FreeBlockQueue:
         if block.prev_free is not None or block.next_free is not None:
             raise IntegrityError(f"{block} is already in the free queue")
         last = self._tail.prev_free
-        assert last is not None
+        if last is None:
+            raise IntegrityError("the free queue lost its tail")
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail

@@ -134,7 +134,8 @@ class KVCacheManager:
             return None
         self.pool.touch(computed_blocks)
         new = self.pool.allocate(need)
-        assert new is not None
+        if new is None:
+            raise IntegrityError(f"{need} blocks were counted free but could not be allocated")
         blocks = self.req_to_blocks.setdefault(rid, held)
         blocks.extend(computed_blocks)
         blocks.extend(new)

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Iterable
 
 from hotprefix.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from hotprefix.core.block_pool import IntegrityError
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
@@ -96,18 +97,19 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError for a duplicate id (a caller's bug:
-        the engine gives every request a fresh id). How many may wait is decided
-        before a request gets here (AsyncEngine's admission)."""
+        """Queue a request. Raises IntegrityError for an id already queued (a bug:
+        LLMEngine.enqueue is the one check callers see). How many may wait is
+        decided before a request gets here (AsyncEngine's admission)."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise IntegrityError(f"request id {request.request_id!r} is already in the scheduler")
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (or abort) requests in any state, returning all their blocks,
         host blocks included. Unknown or already finished ids are ignored."""
-        assert status.finished
+        if not status.finished:
+            raise IntegrityError(f"finish_requests with the unfinished status {status}")
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is None:
@@ -318,10 +320,17 @@ class Scheduler:
         for req in self.running:
             have = len(self.kv.req_to_blocks.get(req.request_id, ()))
             need = -(-req.num_computed_tokens // self.kv.block_size)
-            assert have == need, f"{req.request_id}: {have} blocks for {req.num_computed_tokens} tokens"
+            _require(have == need, f"{req.request_id}: {have} blocks for {req.num_computed_tokens} tokens")
         for req in list(self.waiting) + self.swapped:
-            assert req.request_id not in self.kv.req_to_blocks, f"{req.request_id} holds blocks while queued"
+            _require(req.request_id not in self.kv.req_to_blocks, f"{req.request_id} holds blocks while queued")
         host = [h for r in self.swapped for h in r.host_block_ids] + self._host_to_free
-        assert len(set(host)) == len(host), "a host block is held twice"
-        assert len(host) + self.swap.num_free == self.swap.num_blocks, "host blocks leaked"
-        assert len(self.requests) == len(self.running) + len(self.waiting) + len(self.swapped)
+        _require(len(set(host)) == len(host), "a host block is held twice")
+        _require(len(host) + self.swap.num_free == self.swap.num_blocks, "host blocks leaked")
+        _require(len(self.requests) == len(self.running) + len(self.waiting) + len(self.swapped),
+                 "a request is in no queue, or in two")
+
+
+def _require(ok: bool, what: str) -> None:
+    """IntegrityError unless ok (not `assert`: checks must hold under python -O too)."""
+    if not ok:
+        raise IntegrityError(what)

@@ -29,7 +29,7 @@ from typing import Any
 
 from hotprefix.config import AdmissionConfig, SchedulingPolicy
 from hotprefix.core.stats import SchedulerStats
-from hotprefix.engine.llm_engine import LLMEngine, RequestOutput, _State
+from hotprefix.engine.llm_engine import LLMEngine, PreparedRequest, RequestOutput
 from hotprefix.errors import InvalidRequestError, QueueFullError
 from hotprefix.sampling_params import SamplingParams
 
@@ -90,7 +90,7 @@ class EngineCounters:
 # -- commands to the engine thread ---------------------------------------------------------------
 @dataclass(frozen=True)
 class _Add:
-    states: list[_State]
+    states: list[PreparedRequest]
 
 
 @dataclass(frozen=True)
@@ -325,11 +325,11 @@ class AsyncEngine:
                                  "try again later")
 
     async def _preprocess(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                          options: RequestOptions) -> list[_State]:
+                          options: RequestOptions) -> list[PreparedRequest]:
         """Render and tokenize in a worker thread, within the time budget."""
         base = f"{request_id}-{next(self._ids):x}"
 
-        def work() -> list[_State]:
+        def work() -> list[PreparedRequest]:
             return [self.engine.prepare_request(f"{base}-{i}", self._render(p), params, options.priority,
                                                 options.add_special_tokens, options.cache_salt,
                                                 options.cache_salt_offset, options.pin_prefix,

@@ -93,7 +93,11 @@ class _Child:
 
 
 @dataclass
-class _State:
+class PreparedRequest:
+    """A request tokenized and validated (by `prepare_request`, on any thread), not
+    yet queued: its n children (one Request each) and its timing. The engine keeps
+    and mutates it once `enqueue` has taken it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -139,7 +143,7 @@ class LLMEngine:
         self.warmed = False
         if warmup:
             self.warmup()
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, PreparedRequest] = {}
         self._child_to_parent: dict[str, str] = {}
         log.info("loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool: %d blocks x %d tokens = %d tokens "
                  "(%s, %.1f MiB)", loaded.name, self.arch.family, self.arch.num_layers, self.runner.device,
@@ -187,7 +191,8 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                         priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
                         cache_salt_offset: int = 0, pin_prefix: bool = False,
-                        split_special_tokens: bool = False, truncate_prompt_tokens: int | None = None) -> _State:
+                        split_special_tokens: bool = False,
+                        truncate_prompt_tokens: int | None = None) -> PreparedRequest:
         """Tokenize and validate without touching the queues or the pool (safe to
         call from another thread than the one stepping the engine: it reads only
         what never changes after start-up). Raises InvalidRequestError, never
@@ -219,7 +224,7 @@ class LLMEngine:
                           pin_prefix=pin_prefix and i == 0)
             detok = IncrementalDetokenizer(self.encoder, ids, cp)
             children.append(_Child(req, detok, CompletionOutput(i)))
-        return _State(request_id, text, ids, children, time.monotonic())
+        return PreparedRequest(request_id, text, ids, children, time.monotonic())
 
     def _truncate(self, ids: list[int], k: int, params: SamplingParams) -> list[int]:
         """The last k of a prompt's tokens (vLLM's left truncation). Raises InvalidRequestError."""
@@ -230,7 +235,7 @@ class LLMEngine:
                                       "truncate_prompt_tokens")
         return ids[-k:]
 
-    def enqueue(self, state: _State) -> None:
+    def enqueue(self, state: PreparedRequest) -> None:
         """Queue a prepared request. Raises InvalidRequestError for an id in use or
         a pin_prefix the pin limit has no room for; nothing is queued then."""
         rid = state.request_id
@@ -363,7 +368,7 @@ class LLMEngine:
         return self._process(self.scheduler.fail_all(f"internal error: {error}"))
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        touched: dict[str, _State] = {}
+        touched: dict[str, PreparedRequest] = {}
         new_ids: dict[str, list[int]] = {}
         now = time.monotonic()
         for co in core_outputs:
@@ -381,7 +386,7 @@ class LLMEngine:
             touched[st.request_id] = st
         return [self._output(st, new_ids, now) for st in touched.values()]
 
-    def _append(self, st: _State, child: _Child, co: EngineCoreOutput, added: list[int], now: float) -> None:
+    def _append(self, st: PreparedRequest, child: _Child, co: EngineCoreOutput, added: list[int], now: float) -> None:
         """Add one step's tokens to a sample: text, stop strings, finish reason."""
         out = child.out
         if co.new_token_ids:
@@ -402,7 +407,7 @@ class LLMEngine:
             out.error = co.error
         out.text = child.detok.text
 
-    def _output(self, st: _State, new_ids: dict[str, list[int]], now: float) -> RequestOutput:
+    def _output(self, st: PreparedRequest, new_ids: dict[str, list[int]], now: float) -> RequestOutput:
         finished = st.finished
         deltas = [c.detok.delta(c.out.finished) for c in st.children]
         # Copies: consumers on other threads may read (and annotate) them while

@@ -172,7 +172,8 @@ class Serving:
                 if (why := failure(out)) is not None:
                     raise RequestFailedError(why)
                 final = out
-            assert final is not None and final.finished
+            if final is None or not final.finished:
+                raise RequestFailedError("the request ended without a final output")
             return final
 
         async def disconnected() -> None:
