@@ -156,13 +156,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import hotprefix
-
-    p = argparse.ArgumentParser(prog="hotprefix", description="LLM inference built around a shared KV cache")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.add_argument("--version", action="version", version=f"hotprefix {hotprefix.__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text for prompts on the command line (or stdin)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(g)
@@ -180,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.set_defaults(func=cmd_generate)
 
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible API",
                         description="Serve /v1/completions, /v1/chat/completions and friends over HTTP. vLLM's "
                                     "launch lines work: `hotprefix serve MODEL --max-model-len 4096 ...`.",
@@ -188,7 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model, as vLLM takes it (the same as --model)")
     sv.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     add_engine_args(sv)
-    h = sv.add_argument_group("server")
+    _add_server_args(sv.add_argument_group("server"))
+    _add_limit_args(sv.add_argument_group("limits (what one request may ask for)"))
+    _add_http_args(sv.add_argument_group("HTTP (vLLM's flags)"))
+    sv.set_defaults(func=cmd_serve)
+
+
+def _add_server_args(h: argparse._ArgumentGroup) -> None:
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     h.add_argument("--port", type=int, default=8000)
     h.add_argument("--served-model-name", nargs="+", default=None,
@@ -199,7 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template (file or string) to override the model's")
     h.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own chat_template (the server renders it; refused by default)")
-    lim = sv.add_argument_group("limits (what one request may ask for)")
+    h.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish")
+    h.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic line of throughput, queue, KV usage and prefix hit rate")
+    h.add_argument("--metrics-prefix", default="hotprefix",
+                   help="Prometheus names' prefix: hotprefix, or vllm for vLLM's dashboards and autoscalers")
+    h.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM launch lines: usage.prompt_tokens_details.cached_tokens is always on")
+
+
+def _add_limit_args(lim: argparse._ArgumentGroup) -> None:
     lim.add_argument("--max-num-queued-requests", "--max-num-queued-reqs", dest="max_num_queued_requests", type=int,
                      default=1024,
                      help="sequences (prompts x n) that may wait for their first token; beyond it 503 + Retry-After")
@@ -207,9 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-request-body-bytes", default="4MiB", help="a larger request body gets 413")
     lim.add_argument("--preprocess-timeout", type=float, default=20.0,
                      help="seconds one request's chat template and tokenization may take (then 400)")
-    h.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
-    h.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let running requests finish")
+
+
+def _add_http_args(h: argparse._ArgumentGroup) -> None:
     h.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn's log level")
     h.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
@@ -221,23 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--allowed-methods", default='["*"]', help="CORS methods (with --allowed-origins)")
     h.add_argument("--allowed-headers", default='["*"]', help="CORS headers (with --allowed-origins)")
     h.add_argument("--allow-credentials", action="store_true", help="CORS credentials (with --allowed-origins)")
-    h.add_argument("--disable-log-stats", action="store_true",
-                   help="no periodic line of throughput, queue, KV usage and prefix hit rate")
-    h.add_argument("--metrics-prefix", default="hotprefix",
-                   help="Prometheus names' prefix: hotprefix, or vllm for vLLM's dashboards and autoscalers")
-    h.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="accepted for vLLM launch lines: usage.prompt_tokens_details.cached_tokens is always on")
-    sv.set_defaults(func=cmd_serve)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    import hotprefix
+    from hotprefix.gateway import cli as gateway_cli
     from hotprefix.tools import bench, lint, logs, size, watch
 
-    size.add_parser(sub)
-    lint.add_parser(sub)
-    logs.add_parser(sub)
-    watch.add_parser(sub)
-    bench.add_parser(sub)
-    from hotprefix.gateway import cli as gateway_cli
-
+    p = argparse.ArgumentParser(prog="hotprefix", description="LLM inference built around a shared KV cache")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"hotprefix {hotprefix.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    for tool in (size, lint, logs, watch, bench):
+        tool.add_parser(sub)
     gateway_cli.add_parsers(sub)
     return p
 

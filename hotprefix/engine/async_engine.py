@@ -24,67 +24,23 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hotprefix.config import AdmissionConfig, SchedulingPolicy
-from hotprefix.core.stats import SchedulerStats
+from hotprefix.engine.counters import EngineCounters, LiveStats
 from hotprefix.engine.llm_engine import LLMEngine, PreparedRequest, RequestOutput
+from hotprefix.engine.requests import ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.errors import InvalidRequestError, QueueFullError
 from hotprefix.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "ChatPrompt", "EngineDeadError", "Prompt", "RequestOptions", "RequestStream"]
 
 log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """Per-request engine options besides sampling (see LLMEngine.add_request)."""
-
-    priority: int = 0
-    add_special_tokens: bool = True
-    cache_salt: str | None = None
-    cache_salt_offset: int = 0
-    pin_prefix: bool = False
-    split_special_tokens: bool = False  # text prompts: special-token text stays text (chat content always does)
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: what leaves room)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A conversation to render with the chat template (in a preprocessing worker)."""
-
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    template_kwargs: dict[str, Any] | None = None  # a request's chat_template_kwargs
-
-
-Prompt = str | list[int] | ChatPrompt
-
-
-@dataclass
-class EngineCounters:
-    """Totals since start, accumulated on the engine thread after every step (the
-    counters /metrics exports; gauges are read live from the scheduler)."""
-
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    evicted_blocks: int = 0
-    step_errors: int = 0
-    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
-    decode_tokens: int = 0  # tokens decoded one at a time: generated tokens
-
-    def add(self, st: SchedulerStats) -> None:
-        self.prefix_cache_queries += st.prefix_cache.queries
-        self.prefix_cache_hits += st.prefix_cache.hits
-        self.evicted_blocks += st.prefix_cache.evicted_blocks
-        self.prefill_tokens += st.num_prefill_tokens
-        self.decode_tokens += st.num_decode_tokens
 
 
 # -- commands to the engine thread ---------------------------------------------------------------
@@ -112,42 +68,6 @@ class _Wake:
 _Command = _Add | _Abort | _Call | _Wake
 
 
-@dataclass(eq=False)
-class RequestStream:
-    """The outputs of one engine request, in step order. Iterating ends after the
-    finished output (or raises the error that ended it); closing it early, or
-    cancelling the consumer, aborts the request. Lives on the event loop."""
-
-    engine: AsyncEngine
-    request_id: str
-    prompt_token_ids: list[int]
-    weight: int  # sequences it counts against the queue limit until its first output
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False  # the consumer has seen the end, or closed it
-    started: bool = False  # a first output arrived: it no longer counts as queued
-    ended: bool = False  # the engine has sent its last item
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Abort the request unless it ended; stop counting it. Idempotent."""
-        self.finished = True
-        self.engine._forget(self, abort=not self.ended)
-
-
 class AsyncEngine:
     """Drives an LLMEngine on a background thread; the facade HTTP handlers use.
 
@@ -160,6 +80,7 @@ class AsyncEngine:
         self.engine = engine
         self.limits = limits or AdmissionConfig()
         self.counters = EngineCounters()
+        self.live = LiveStats()  # replaced (never mutated) by the engine thread
         self.num_queued = 0  # sequences admitted with no output yet (event loop only)
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -368,6 +289,11 @@ class AsyncEngine:
             stream.ended = True
             self.abort(stream.request_id)
 
+    def check_chat_template(self, template: str) -> None:
+        """Render a tiny conversation with `template` (at start-up, so a broken
+        --chat-template fails the start, not the first request). Raises InvalidRequestError."""
+        self.engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps; return its result or raise its error."""
         self._check_alive()
@@ -466,7 +392,14 @@ class AsyncEngine:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
+                self._publish()  # aborts and adds change the queues between steps
                 return
+
+    def _publish(self) -> None:
+        """On the engine thread: a new LiveStats from the scheduler."""
+        sched = self.engine.scheduler
+        self.live = LiveStats(len(sched.running), len(sched.waiting), len(sched.swapped), sched.kv.usage(),
+                              sched.num_preemptions)
 
     def _run(self) -> None:
         try:
@@ -477,12 +410,13 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     continue
                 try:
-                    outs = self.engine.step()
+                    outs = self.engine.step(self._publish)
                 except Exception as e:  # a bug in scheduling: fail what is in flight, keep serving
                     log.exception("engine step failed; failing the requests in flight")
                     self.counters.step_errors += 1
                     outs = self.engine.fail_all(e)
                 self.counters.add(self.engine.scheduler.make_stats())
+                self._publish()
                 for out in outs:
                     self._post(out.request_id, out)
         except BaseException as e:  # pragma: no cover - the loop itself broke

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -338,8 +339,10 @@ class LLMEngine:
         return bool(self._states)
 
     # -- one step -----------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Schedule, run the model, and return the requests that progressed.
+        scheduled(): called once the step's work is chosen, before the model runs
+        (the async engine publishes its live stats there).
 
         Faults stay with their request: a sampling error fails that request, a
         failed forward pass fails the requests of this step (their KV may be half
@@ -348,6 +351,8 @@ class LLMEngine:
         error in scheduling itself (a bug) reaches the caller, which then calls
         `fail_all`."""
         sched = self.scheduler.schedule()
+        if scheduled is not None:
+            scheduled()
         now = time.monotonic()
         for sr in sched.requests:
             st = self._states.get(self._child_to_parent.get(sr.request_id, ""))

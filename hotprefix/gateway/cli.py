@@ -191,6 +191,14 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """`gateway`, `tenants`, `keys`, `usage`."""
+    _add_gateway_parser(sub)
+    _add_tenants_parser(sub)
+    _add_keys_parser(sub)
+    _add_usage_parser(sub)
+
+
+def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     gw = sub.add_parser("gateway", help="the multi-tenant gateway in front of OpenAI-compatible backends",
                         description="Keys, forced system prompts, cache salts, rate limits, usage, warm-up "
                                     "and prefix-affinity routing in front of one or more backends.",
@@ -236,6 +244,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="send every tenant's prompt to its backend when the backend comes up, and pin it")
     gw.set_defaults(func=cmd_gateway)
 
+
+def _add_tenants_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("tenants", help="tenants and the pool of system prompts in the gateway database")
     ts = t.add_subparsers(dest="action", required=True)
     for action, hlp in (("create", "a new tenant"), ("set-prompt", "change a tenant's system prompt")):
@@ -260,6 +270,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         _store_args(c)
     t.set_defaults(func=cmd_tenants)
 
+
+def _add_keys_parser(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("keys", help="API keys of the gateway: create, list, revoke, rotate")
     ks = k.add_subparsers(dest="action", required=True)
     c = ks.add_parser("create", help="a new key for a tenant (printed once)")
@@ -283,6 +295,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         _store_args(c)
     k.set_defaults(func=cmd_keys)
 
+
+def _add_usage_parser(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("usage", help="gateway usage per tenant, key or day")
     u.add_argument("--by", default="tenant", choices=("tenant", "key", "day"))
     u.add_argument("--since", default=None, help="ISO date or time (UTC)")

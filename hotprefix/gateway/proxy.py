@@ -311,37 +311,40 @@ class Proxy:
         errors = []
         for backend in self.router.order(key):
             b = await self.body_for(backend, endpoint, body, caller)
-            req = self.client.build_request("POST", backend.url + ENDPOINTS[endpoint], json=b, headers=fwd)
-            backend.inflight += 1
             try:
-                resp = await self.client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                backend.inflight -= 1
+                up = await self._open(backend, self.client.build_request("POST", backend.url + ENDPOINTS[endpoint],
+                                                                         json=b, headers=fwd))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: try the next
                 self.mark_down(backend, e)
                 errors.append(f"{backend.url}: {type(e).__name__}")
                 continue
             except httpx.TimeoutException:
-                backend.inflight -= 1
                 outcome.backend, outcome.status, outcome.http_status = backend.url, UsageStatus.TIMEOUT, 504
                 raise GatewayError(504, f"the backend did not answer within {self.cfg.backend_timeout:g}s "
                                         "(--backend-timeout)", "GatewayTimeoutError") from None
             except httpx.TransportError as e:
-                backend.inflight -= 1
                 outcome.backend = backend.url
                 raise GatewayError(502, f"the backend failed: {type(e).__name__}", "BadGatewayError") from None
-            except BaseException:
-                backend.inflight -= 1
-                raise
-            if resp.status_code >= 500:  # it answered, with an error: nothing reached the client yet
-                await resp.aclose()
-                backend.inflight -= 1
-                errors.append(f"{backend.url}: HTTP {resp.status_code}")
+            if up.resp.status_code >= 500:  # it answered, with an error: nothing reached the client yet
+                await up.close()
+                errors.append(f"{backend.url}: HTTP {up.resp.status_code}")
                 continue
             outcome.backend = backend.url
             self.acct.counters.routed(backend.url)
-            return Upstream(resp, backend)
+            return up
         raise GatewayError(503, "no backend could serve the request: " + ("; ".join(errors) or "none is up"),
                            "ServiceUnavailableError")
+
+    async def _open(self, backend: Backend, req: httpx.Request) -> Upstream:
+        """Send req; the response counts in the backend's in-flight load until the
+        Upstream is closed (a failure to get it counts nothing). Raises httpx errors."""
+        backend.inflight += 1
+        try:
+            resp = await self.client.send(req, stream=True)
+        except BaseException:
+            backend.inflight -= 1
+            raise
+        return Upstream(resp, backend)
 
     def mark_down(self, backend: Backend, err: BaseException) -> None:
         if backend.healthy:

@@ -23,7 +23,7 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     # The engine thread loads, warms up and runs the model: it alone runs torch (see AsyncEngine.load).
     async_engine = AsyncEngine.load(lambda: LLMEngine(engine_cfg, warmup=False), cfg.admission)
     if cfg.chat_template is not None:  # a broken --chat-template fails the start, not the first request
-        async_engine.engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=cfg.chat_template)
+        async_engine.check_chat_template(cfg.chat_template)
     app = build_app(async_engine, cfg)
     log.info("ready to serve after %.1fs", time.monotonic() - t0)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,

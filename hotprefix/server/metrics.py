@@ -47,14 +47,12 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self.engine.counters
-        # Gauges are read live (lengths and counters are safe to read across
-        # threads): after an abort no step may follow to refresh step stats.
-        sched = self.engine.engine.scheduler
-        yield self._gauge(N.RUNNING, "Requests in the running batch.", len(sched.running))
-        yield self._gauge(N.WAITING, "Requests waiting to be scheduled.", len(sched.waiting))
-        yield self._gauge(N.SWAPPED, "Requests swapped out to host memory.", len(sched.swapped))
-        yield self._gauge(N.KV_USAGE, "KV-cache usage: 1 means 100 percent.", sched.kv.usage())
-        yield self._counter(N.PREEMPTIONS, "Cumulative preemptions.", sched.num_preemptions)
+        live = self.engine.live  # published by the engine thread after each step and each batch of commands
+        yield self._gauge(N.RUNNING, "Requests in the running batch.", live.running)
+        yield self._gauge(N.WAITING, "Requests waiting to be scheduled.", live.waiting)
+        yield self._gauge(N.SWAPPED, "Requests swapped out to host memory.", live.swapped)
+        yield self._gauge(N.KV_USAGE, "KV-cache usage: 1 means 100 percent.", live.kv_usage)
+        yield self._counter(N.PREEMPTIONS, "Cumulative preemptions.", live.preemptions)
         yield self._counter(N.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.",
                             c.prefix_cache_queries)
         yield self._counter(N.PREFIX_HITS, "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)

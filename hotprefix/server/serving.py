@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +27,9 @@ from hotprefix.config import SchedulingPolicy
 from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError, RequestFailedError
-from hotprefix.sampling_params import TokenLogprobs
 from hotprefix.server.http_errors import error_body
 from hotprefix.server.metrics import ServerMetrics
+from hotprefix.server.openai_format import ChatFormat, ChoiceFormat, CompletionFormat
 from hotprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -223,15 +223,13 @@ class Serving:
             for task in tasks:
                 task.cancel()
 
-    def _sse(self, streams: list[RequestStream], t: Tracker, body: SamplingFields, obj_type: str,
-             chunk: Callable[[int, RequestOutput, int], list[dict[str, Any]]],
-             head: Callable[[], list[dict[str, Any]]] | None = None) -> ClosingStreamingResponse:
-        """Stream chunks as server-sent events: head() gives the first chunk's
-        choices (if any), chunk(stream index, output, n) those of one step;
-        then a usage chunk if asked; then [DONE]. A failure ends the stream with
-        one error event and [DONE]."""
+    def _sse(self, streams: list[RequestStream], t: Tracker, body: SamplingFields,
+             fmt: ChoiceFormat) -> ClosingStreamingResponse:
+        """Stream chunks as server-sent events: fmt's head (if any), the choices each
+        step adds, then a usage chunk if asked, then [DONE]. A failure ends the
+        stream with one error event and [DONE]."""
         opts = body.stream_options
-        base = {"id": t.request_id, "object": obj_type, "created": now(), "model": t.model}
+        base = {"id": t.request_id, "object": fmt.chunk_object_name, "created": now(), "model": t.model}
 
         def event(obj: dict[str, Any]) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -239,13 +237,13 @@ class Serving:
         async def gen() -> AsyncIterator[str]:
             status = "client_disconnected"
             try:
-                for choices in ([head()] if head else []):
-                    yield event({**base, "choices": choices})
+                if (head := fmt.head(body.n)) is not None:
+                    yield event({**base, "choices": head})
                 async for i, out in self._merge(streams):
                     self._observe(t, out)
                     if (why := failure(out)) is not None:
                         raise RequestFailedError(why)
-                    choices = chunk(i, out, body.n)
+                    choices = fmt.stream_choices(i, out, body.n)
                     if not choices:
                         continue
                     obj = {**base, "choices": choices}
@@ -267,31 +265,10 @@ class Serving:
         return ClosingStreamingResponse(gen(), lambda: self._finish(t, streams, "client_disconnected"),
                                         media_type="text/event-stream")
 
-    def _logprobs_of(self, lps: list[TokenLogprobs] | None) -> tuple[list[str], list[TokenLogprobs]]:
-        lps = lps or []
-        return [self.engine.token_text(lp.sampled.token_id) for lp in lps], lps
-
-    def completion_logprobs(self, lps: list[TokenLogprobs] | None, k: int, offset: int) -> dict[str, Any]:
-        toks, lps = self._logprobs_of(lps)
-        offsets, pos = [], offset
-        for s in toks:
-            offsets.append(pos)
-            pos += len(s)
-        dt = self.engine.token_text
-        return {"tokens": toks, "token_logprobs": [lp.sampled.logprob for lp in lps],
-                "top_logprobs": [{dt(a.token_id): a.logprob for a in lp.top[:k]} for lp in lps],
-                "text_offset": offsets}
-
-    def chat_logprobs(self, lps: list[TokenLogprobs] | None, k: int) -> dict[str, Any]:
-        toks, lps = self._logprobs_of(lps)
-        dt = self.engine.token_text
-
-        def entry(tok: str, lp: float) -> dict[str, Any]:
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-
-        return {"content": [{**entry(s, lp.sampled.logprob),
-                             "top_logprobs": [entry(dt(a.token_id), a.logprob) for a in lp.top[:k]]}
-                            for s, lp in zip(toks, lps)]}
+    def _respond(self, t: Tracker, fmt: ChoiceFormat, choices: list[dict[str, Any]],
+                 streams: list[RequestStream]) -> JSONResponse:
+        return JSONResponse({"id": t.request_id, "object": fmt.object_name, "created": now(), "model": t.model,
+                             "choices": choices, "usage": self.usage(streams, t)})
 
     # -- /v1/completions -------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request, model: str) -> Any:
@@ -301,40 +278,15 @@ class Serving:
         streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
                                      body.split_special_tokens)
         t = Tracker(rid, "completions", body.user, model)
-        k = body.logprobs or 0
+        fmt = CompletionFormat(self.engine.token_text, body.logprobs or 0, body.logprobs is not None)
         if body.stream:
-            emitted: dict[tuple[int, int], int] = {}
-
-            def chunk(i: int, out: RequestOutput, n: int) -> list[dict[str, Any]]:
-                choices = []
-                for j, o in enumerate(out.outputs):
-                    new = out.new_token_ids[j]
-                    if not new and not (out.finished and o.finished) and not out.deltas[j]:
-                        continue
-                    c: dict[str, Any] = {"index": i * n + j, "text": out.deltas[j],
-                                         "logprobs": None, "finish_reason": None, "stop_reason": None}
-                    if body.logprobs is not None and new:
-                        lps = (o.logprobs or [])[-len(new):]
-                        c["logprobs"] = self.completion_logprobs(lps, k, emitted.get((i, j), 0))
-                    emitted[(i, j)] = emitted.get((i, j), 0) + len(out.deltas[j])
-                    if out.finished:
-                        c["finish_reason"], c["stop_reason"] = o.finish_reason, o.stop_reason
-                    choices.append(c)
-                return choices
-
-            return self._sse(streams, t, body, "text_completion", chunk)
+            return self._sse(streams, t, body, fmt)
         finals = await self._collect(streams, t, raw)
         choices = []
         for i, (p, out) in enumerate(zip(prompts, finals)):
             prefix = (p if isinstance(p, str) else await self.engine.detokenize(p)) if body.echo else ""
-            for o in out.outputs:
-                choices.append({
-                    "index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                    "logprobs": self.completion_logprobs(o.logprobs, k, len(prefix))
-                    if body.logprobs is not None else None})
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
-                             "choices": choices, "usage": self.usage(streams, t)})
+            choices += [fmt.final_choice(i * body.n + o.index, o, prefix) for o in out.outputs]
+        return self._respond(t, fmt, choices, streams)
 
     # -- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
@@ -348,33 +300,10 @@ class Serving:
         prompt = ChatPrompt(messages, body.add_generation_prompt, body.continue_final_message,
                             body.chat_template or self.options.chat_template, body.chat_template_kwargs)
         k = body.top_logprobs or 0
-        logprobs = k if body.logprobs else None
-        streams = await self._submit(body, [prompt], body.limit(), logprobs, False, rid)
+        streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid)
         t = Tracker(rid, "chat.completions", body.user, model)
+        fmt = ChatFormat(self.engine.token_text, k, bool(body.logprobs))
         if body.stream:
-            def head() -> list[dict[str, Any]]:
-                return [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None} for j in range(body.n)]
-
-            def chunk(i: int, out: RequestOutput, n: int) -> list[dict[str, Any]]:
-                choices = []
-                for j, o in enumerate(out.outputs):
-                    new = out.new_token_ids[j]
-                    if not new and not out.deltas[j] and not (out.finished and o.finished):
-                        continue
-                    c: dict[str, Any] = {"index": j, "delta": {"content": out.deltas[j]}, "logprobs": None,
-                                         "finish_reason": None, "stop_reason": None}
-                    if body.logprobs and new:
-                        c["logprobs"] = self.chat_logprobs((o.logprobs or [])[-len(new):], k)
-                    if out.finished:
-                        c["finish_reason"], c["stop_reason"] = o.finish_reason, o.stop_reason
-                    choices.append(c)
-                return choices
-
-            return self._sse(streams, t, body, "chat.completion.chunk", chunk, head)
+            return self._sse(streams, t, body, fmt)
         (final,) = await self._collect(streams, t, raw)
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self.chat_logprobs(o.logprobs, k) if body.logprobs else None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": model,
-                             "choices": choices, "usage": self.usage(streams, t)})
+        return self._respond(t, fmt, [fmt.final_choice(o.index, o) for o in final.outputs], streams)

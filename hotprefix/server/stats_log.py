@@ -23,8 +23,8 @@ class _Seen:
 
 class StatsLogger:
     """Every `interval` seconds, one line while the engine is busy (or was since the
-    last line); nothing while it is idle. Reads the engine's counters (totals kept
-    on the engine thread) and the scheduler's queue lengths."""
+    last line); nothing while it is idle. Reads the engine's counters and its live
+    stats (both kept by the engine thread)."""
 
     def __init__(self, engine: AsyncEngine, interval: float = 10.0) -> None:
         self.engine = engine
@@ -33,19 +33,19 @@ class StatsLogger:
 
     def line(self) -> str | None:
         """The line for the time since the last one, or None if nothing happened."""
-        c, sched = self.engine.counters, self.engine.engine.scheduler
+        c, live = self.engine.counters, self.engine.live
         now = time.monotonic()
         s = self._seen
         prefill, decode = c.prefill_tokens - s.prefill, c.decode_tokens - s.decode
         queries, hits = c.prefix_cache_queries - s.queries, c.prefix_cache_hits - s.hits
         self._seen = _Seen(now, c.prefill_tokens, c.decode_tokens, c.prefix_cache_queries, c.prefix_cache_hits)
-        running, waiting = len(sched.running), len(sched.waiting)
+        running, waiting = live.running, live.waiting
         if not (prefill or decode or running or waiting):
             return None
         dt = max(now - s.at, 1e-9)
         return (f"Avg prompt throughput: {prefill / dt:.1f} tokens/s, Avg generation throughput: "
                 f"{decode / dt:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * sched.kv.usage():.1f}%, Prefix cache hit rate: "
+                f"KV cache usage: {100 * live.kv_usage:.1f}%, Prefix cache hit rate: "
                 f"{100 * hits / queries if queries else 0.0:.1f}%")
 
     async def run(self) -> None:

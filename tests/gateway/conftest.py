@@ -7,6 +7,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -22,6 +23,32 @@ from tests.server.conftest import free_port, serve_in_thread
 
 SECRET = b"test-secret-0123456789abcdef"
 ADMIN = "admin-key-0123456789"
+ACME = "You are ACME's assistant. Never reveal the launch date."
+SHARED = "You are a helpful assistant shared by many tenants."
+
+
+def tenant_store(folder) -> Store:
+    """A migrated SQLite store with tenant acme (a private prompt) and beta (a public one)."""
+    store = Store(f"sqlite:///{folder / 'gateway.db'}")
+    store.migrate()
+    store.add_prompt("acme", ACME, public=False)
+    store.add_prompt("shared", SHARED, public=True)
+    store.create_tenant("acme", "acme")
+    store.create_tenant("beta", "shared")
+    return store
+
+
+@contextmanager
+def gateway_over_fake(store: Store, fake_kind: str = "openai", **kw) -> Iterator[tuple[Live, Live]]:
+    """(fake backend, gateway in front of it), both serving; stopped on exit."""
+    fake = start_fake(kind=fake_kind)
+    gw = start_gateway([fake.url], store, **{"warmup": False, **kw})
+    try:
+        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway health")
+        yield fake, gw
+    finally:
+        gw.stop()
+        fake.stop()
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +114,7 @@ def wait_until(cond, timeout: float = 20.0, what: str = "condition") -> None:
 
 def wait_warm(gw: Live, n_backends: int = 1) -> None:
     """Until the gateway has warmed `n_backends` backends (each warm-up runs once a backend is up)."""
-    wait_until(lambda: gw.app.state.warm_state["warmups"] >= n_backends, what="warm-up")
+    wait_until(lambda: gw.app.state.monitor.warmups >= n_backends, what="warm-up")
 
 
 def start_fake_process(name: str, port: int | None = None) -> tuple[str, subprocess.Popen]:

@@ -19,7 +19,7 @@ import pytest
 
 from hotprefix.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from hotprefix.gateway.store import Store
-from tests.gateway.conftest import SECRET, start_fake, start_fake_process, start_gateway, wait_until
+from tests.gateway.conftest import SECRET, gateway_over_fake, start_fake, start_fake_process, start_gateway, wait_until
 from tests.server.conftest import free_port
 
 TPM = 3000
@@ -155,11 +155,8 @@ def test_kill_9_with_100_streams_in_flight_loses_no_row(tmp_path):
 
 def test_a_backend_that_drops_after_its_headers_is_a_502_with_its_row_and_lease_settled(store):
     key, rec = store.create_key(SECRET, "acme", max_concurrent=1)
-    fake = start_fake()
-    gw = start_gateway([fake.url], store, warmup=False)
     h = {"Authorization": f"Bearer {key}"}
-    try:
-        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")
+    with gateway_over_fake(store) as (fake, gw):
         r = httpx.post(gw.url + "/v1/chat/completions", headers=h, timeout=30,
                        json={"messages": [{"role": "user", "content": "DROP"}]})
         assert r.status_code == 502 and r.json()["error"]["type"] == "BadGatewayError"
@@ -174,17 +171,11 @@ def test_a_backend_that_drops_after_its_headers_is_a_502_with_its_row_and_lease_
                         json={"messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200
         assert gw.app.state.router.backends[0].inflight == 0 and gw.app.state.router.backends[0].healthy
-    finally:
-        gw.stop()
-        fake.stop()
 
 
 def test_a_client_leaving_a_non_streamed_request_aborts_it_at_the_backend(store):
     key, rec = store.create_key(SECRET, "acme", max_concurrent=1)
-    fake = start_fake()
-    gw = start_gateway([fake.url], store, warmup=False)
-    try:
-        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")
+    with gateway_over_fake(store) as (fake, gw):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=0.5,
                        json={"messages": [{"role": "user", "content": "WAIT:10"}]})
@@ -195,9 +186,6 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it_at_the_backend(store)
         r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200  # the lease was released
-    finally:
-        gw.stop()
-        fake.stop()
 
 
 def test_a_slow_backend_is_a_504_not_a_dead_backend_and_is_not_sent_again(store):
@@ -221,11 +209,8 @@ def test_a_slow_backend_is_a_504_not_a_dead_backend_and_is_not_sent_again(store)
 
 def test_a_stream_longer_than_its_lease_keeps_its_concurrency_slot(store):
     key, rec = store.create_key(SECRET, "acme", max_concurrent=1)
-    fake = start_fake()
-    gw = start_gateway([fake.url], store, warmup=False, heartbeat_s=0.2, limiter=MemoryLimiter(lease_s=1.0))
     h = {"Authorization": f"Bearer {key}"}
-    try:
-        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")
+    with gateway_over_fake(store, heartbeat_s=0.2, limiter=MemoryLimiter(lease_s=1.0)) as (fake, gw):
         with httpx.stream("POST", gw.url + "/v1/chat/completions", headers=h, timeout=30,
                           json={"messages": [{"role": "user", "content": "HOLD:1"}], "stream": True}) as s:
             lines = s.iter_lines()
@@ -235,9 +220,6 @@ def test_a_stream_longer_than_its_lease_keeps_its_concurrency_slot(store):
             assert r.status_code == 429 and "concurrent" in r.json()["error"]["message"]
         wait_until(lambda: httpx.post(gw.url + "/v1/completions", headers=h,
                                       json={"prompt": "x", "max_tokens": 1}).status_code == 200, what="the slot")
-    finally:
-        gw.stop()
-        fake.stop()
 
 
 class SettleFails(MemoryLimiter):
@@ -249,12 +231,9 @@ class SettleFails(MemoryLimiter):
 
 def test_a_failing_limiter_at_the_end_loses_no_row_and_a_failing_store_refuses(store, monkeypatch):
     key, rec = store.create_key(SECRET, "acme", max_concurrent=1)
-    fake = start_fake()
-    gw = start_gateway([fake.url], store, warmup=False, limiter=SettleFails(lease_s=1.0))
     h = {"Authorization": f"Bearer {key}"}
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    try:
-        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")
+    with gateway_over_fake(store, limiter=SettleFails(lease_s=1.0)) as (fake, gw):
         assert httpx.post(gw.url + "/v1/chat/completions", headers=h, json=body, timeout=30).status_code == 200
         (row,) = finished(store, rec.id)
         assert row["status"] == "ok" and row["completion_tokens"] == 512  # the explicit default max_tokens
@@ -271,6 +250,3 @@ def test_a_failing_limiter_at_the_end_loses_no_row_and_a_failing_store_refuses(s
         r = httpx.post(gw.url + "/v1/chat/completions", headers=h, json=body, timeout=30)
         assert r.status_code == 503 and "usage store" in r.json()["error"]["message"]
         assert len(fake.app.state.records) == n  # not served unaccounted
-    finally:
-        gw.stop()
-        fake.stop()

@@ -11,21 +11,12 @@ import openai
 import pytest
 
 from hotprefix.gateway import keys as K
-from hotprefix.gateway.store import Store
-from tests.gateway.conftest import ADMIN, SECRET, start_fake, start_gateway, wait_until
-
-ACME = "You are ACME's assistant. Never reveal the launch date."
-SHARED = "You are a helpful assistant shared by many tenants."
+from tests.gateway.conftest import ACME, ADMIN, SECRET, SHARED, start_fake, start_gateway, tenant_store, wait_until
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    store = Store(f"sqlite:///{tmp_path_factory.mktemp('gw') / 'gateway.db'}")
-    store.migrate()
-    store.add_prompt("acme", ACME, public=False)
-    store.add_prompt("shared", SHARED, public=True)
-    store.create_tenant("acme", "acme")
-    store.create_tenant("beta", "shared")
+    store = tenant_store(tmp_path_factory.mktemp("gw"))
     store.create_tenant("plain")
     keys = {t: store.create_key(SECRET, t)[0] for t in ("acme", "beta", "plain")}
     fake = start_fake()

@@ -270,9 +270,9 @@ def test_load_builds_warms_and_steps_on_one_thread(tiny_llama):
                                      CacheConfig(block_size=4, num_blocks_override=64)), warmup=False)
         real = eng.step
 
-        def step():
+        def step(scheduled=None):
             seen["step"] = threading.current_thread()
-            return real()
+            return real(scheduled)
         eng.step = step
         return eng
 

@@ -65,19 +65,19 @@ def test_watch_sees_usage_and_hit_rate_move(logged_server):
     system = "shared system prompt for watching " * 3
     result = {}
     done = threading.Event()
-    gate = threading.Event()  # cleared: the engine thread stops after its step, with its batch still running
+    gate = threading.Event()  # cleared: the engine thread stops in its step's model pass, its batch running
     gate.set()
-    real_step = s.engine.step
+    real_execute = s.engine.runner.execute
 
-    def gated_step():
-        outs = real_step()
+    def gated_execute(sched):
+        out = real_execute(sched)
         gate.wait(timeout=60)
-        return outs
+        return out
 
     def run():  # polls until told to stop; its last sample is taken after `done` is set
         result["summary"] = watch(s.url, interval=0.05, duration=None, count=None, live=False, stop=done)
 
-    s.engine.step = gated_step
+    s.engine.runner.execute = gated_execute
     t = threading.Thread(target=run)
     held = threading.Thread(target=httpx.post, args=(s.v1 + "/completions",),
                             kwargs={"json": {"prompt": system + "held", "max_tokens": 20, "ignore_eos": True},
@@ -96,7 +96,7 @@ def test_watch_sees_usage_and_hit_rate_move(logged_server):
         t.join(timeout=60)  # the watcher's last sample was taken while the request is held
     finally:
         gate.set()
-        s.engine.step = real_step
+        s.engine.runner.execute = real_execute
         if held.ident is not None:
             held.join(timeout=60)
     summary = result["summary"]

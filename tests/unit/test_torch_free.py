@@ -1,4 +1,4 @@
-"""The bookkeeping core never imports torch (DESIGN.md: hotprefix/core is torch-free),
+"""The bookkeeping core never imports torch (docs/architecture.md: hotprefix/core is torch-free),
 and neither does the gateway (it runs on machines without an accelerator stack)."""
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""The backends' health, kind and warm-up: one task checks every backend every
+--health-interval seconds; a backend that comes (back) up is probed (hotprefix or
+another OpenAI-compatible server, its model and context) and warmed (warmup.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from hotprefix.gateway.config import GatewayConfig
+from hotprefix.gateway.routing import Backend, Router
+from hotprefix.gateway.store import Store
+from hotprefix.gateway.warmup import warm_backend, warm_items
+
+log = logging.getLogger(__name__)
+
+
+async def probe(client: httpx.AsyncClient, backend: Backend, headers: dict[str, str]) -> None:
+    """Learn the backend's kind (hotprefix or other), its first model id and context."""
+    try:
+        v = await client.get(backend.url + "/version", headers=headers, timeout=5)
+        backend.kind = "hotprefix" if v.status_code == 200 and v.json().get("server") == "hotprefix" else "openai"
+    except (httpx.HTTPError, ValueError, AttributeError):
+        backend.kind = "openai"
+    try:
+        m = (await client.get(backend.url + "/v1/models", headers=headers, timeout=5)).json()["data"][0]
+        backend.model = m["id"]
+        n = m.get("max_model_len")
+        backend.max_model_len = n if isinstance(n, int) and n > 0 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        backend.model = backend.max_model_len = None
+
+
+class BackendMonitor:
+    """Owns the Backend objects' health fields (on the event loop); `warmups` counts
+    finished warm-ups. `spawn` runs its background work."""
+
+    def __init__(self, cfg: GatewayConfig, store: Store, secret: bytes, router: Router, client: httpx.AsyncClient,
+                 spawn) -> None:
+        self.cfg, self.store, self.secret, self.router, self.client = cfg, store, secret, router, client
+        self.headers = {"authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else {}
+        self.spawn = spawn
+        self.warmups = 0
+
+    async def warm(self, backend: Backend) -> None:
+        """Send every prompt whose home is `backend` to it (and pin it on hotprefix)."""
+        items = await asyncio.to_thread(warm_items, self.store)
+        n = await warm_backend(self.client, self.router, backend, items, self.secret, self.headers)
+        self.warmups += 1
+        log.info("warm-up of %s done: %d prompt(s)", backend.url, n)
+
+    async def check(self, backend: Backend) -> None:
+        """One health check; a backend that comes up is probed and (with --warmup) warmed."""
+        try:
+            r = await self.client.get(backend.url + "/health", headers=self.headers,
+                                      timeout=min(5.0, self.cfg.health_interval * 2))
+            ok = r.status_code == 200
+            err = None if ok else f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, err = False, f"{type(e).__name__}: {e}"
+        if ok and not backend.healthy:
+            await probe(self.client, backend, self.headers)
+            backend.healthy, backend.last_error = True, None
+            backend.token_counts.clear()  # it may have restarted with another model or template
+            log.info("backend %s is up (%s, model %s)", backend.url, backend.kind, backend.model)
+            if self.cfg.warmup:
+                self.spawn(self.warm(backend))
+        elif not ok:
+            if backend.healthy:
+                log.warning("backend %s is down: %s", backend.url, err)
+            backend.healthy, backend.last_error = False, err
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(b) for b in self.router.backends))
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.cfg.health_interval)

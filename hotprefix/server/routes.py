@@ -1,0 +1,162 @@
+"""The server's routes, per endpoint family, over one ServerContext (vLLM's
+api_router shape: thin routes; protocol.py holds the models, serving.py the work)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+import hotprefix
+from hotprefix.config import ServerConfig
+from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, RequestOptions
+from hotprefix.errors import InvalidRequestError
+from hotprefix.sampling_params import SamplingParams
+from hotprefix.server.error_handlers import ModelNotFound
+from hotprefix.server.http_errors import error_response
+from hotprefix.server.metrics import ServerMetrics
+from hotprefix.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    PinRequest,
+    TokenizeRequest,
+    now,
+    random_id,
+)
+from hotprefix.server.serving import Serving
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the routes share: the engine's facade, the handlers, the metrics, the
+    config and the served names (the first is the one reported)."""
+
+    engine: AsyncEngine
+    serving: Serving
+    metrics: ServerMetrics
+    cfg: ServerConfig
+    names: tuple[str, ...]
+
+    def check_model(self, name: str | None) -> str:
+        """The served name to answer with. Raises ModelNotFound for a name not served."""
+        if name is not None and name not in self.names:
+            raise ModelNotFound(name)
+        return name or self.names[0]
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+        return ChatPrompt([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt,
+                          False, self.cfg.chat_template, template_kwargs)
+
+    async def prompt_ids(self, body: TokenizeRequest | PinRequest, add_generation_prompt: bool,
+                         add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
+        """The token ids of a prompt or messages body (exactly one). Raises InvalidRequestError."""
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            return await self.engine.tokenize(self.chat_prompt(body.messages, add_generation_prompt,
+                                                               getattr(body, "chat_template_kwargs", None)))
+        if isinstance(body.prompt, list):
+            return list(body.prompt)
+        return await self.engine.tokenize(body.prompt or "", add_special_tokens, split_special_tokens)
+
+
+def openai_router(ctx: ServerContext) -> APIRouter:
+    """/v1/completions, /v1/chat/completions, /v1/models."""
+    api = APIRouter()
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await ctx.serving.completions(body, request, ctx.check_model(body.model))
+
+    @api.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await ctx.serving.chat(body, request, ctx.check_model(body.model))
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        e = ctx.engine
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": now(), "owned_by": "hotprefix",
+                                            "root": e.model_name, "max_model_len": e.max_model_len}
+                                           for n in ctx.names]}
+
+    return api
+
+
+def tokens_router(ctx: ServerContext) -> APIRouter:
+    """/tokenize and /detokenize."""
+    api = APIRouter()
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        ids = await ctx.prompt_ids(body, body.add_generation_prompt, body.add_special_tokens,
+                                   body.split_special_tokens)
+        return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        return {"prompt": await ctx.engine.detokenize(body.tokens)}
+
+    return api
+
+
+def cache_router(ctx: ServerContext) -> APIRouter:
+    """/pin, /unpin, /reset_prefix_cache: the operator's controls of the prefix cache."""
+    api = APIRouter()
+    engine = ctx.engine
+
+    @api.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return {"dropped_blocks": await engine.reset_prefix_cache()}
+
+    @api.post("/pin")
+    async def pin(body: PinRequest) -> dict[str, Any]:
+        """Compute the prefix if it is not cached, then pin its full blocks."""
+        ctx.check_model(body.model)
+        ids = await ctx.prompt_ids(body, False, True)
+        n_blocks = len(ids) // engine.block_size
+        if not n_blocks:
+            raise InvalidRequestError(f"the prefix is shorter than one block ({engine.block_size} tokens)",
+                                      "prompt")
+        (stream,) = await engine.submit(random_id("pin"), [ids], SamplingParams(max_tokens=1),
+                                        RequestOptions(cache_salt=body.cache_salt,
+                                                       cache_salt_offset=body.cache_salt_offset))
+        async for _ in stream:
+            pass
+        n = await engine.pin(ids, body.cache_salt, body.cache_salt_offset)
+        return {"pinned_blocks": n, "prefix_tokens": n_blocks * engine.block_size}
+
+    @api.post("/unpin")
+    async def unpin(body: PinRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        ids = await ctx.prompt_ids(body, False, True)
+        return {"unpinned_blocks": await engine.unpin(ids, body.cache_salt, body.cache_salt_offset)}
+
+    return api
+
+
+def ops_router(ctx: ServerContext) -> APIRouter:
+    """/health, /version, /metrics."""
+    api = APIRouter()
+
+    @api.get("/health")
+    async def health() -> Response:
+        if not ctx.engine.is_running:
+            return error_response(503, "the engine is not running", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": hotprefix.__version__, "server": "hotprefix"}
+
+    @api.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return api
