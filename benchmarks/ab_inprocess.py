@@ -18,12 +18,17 @@ import time
 import warnings
 
 from hotprefix import LLM, SamplingParams
+from hotprefix.config import QuantizedMatmul
+from hotprefix.model.qlinear import resolve_matmul
 
 warnings.filterwarnings("ignore")
 
 
 def main(kind: str, reps: int = 3) -> None:
-    llm = LLM(kv_cache_memory=1 << 30)
+    # int8 mode releases the float32 weights; the block A/Bs need both, so they load in
+    # float32 mode and attach int8 blocks themselves
+    both = kind.startswith(("blocks-", "int8-"))
+    llm = LLM(kv_cache_memory=1 << 30, **({"quantized_matmul": "float32"} if both else {}))
     eng = llm.engine
     rng = random.Random(0)
     vocab = eng.arch.vocab_size
@@ -48,7 +53,7 @@ def main(kind: str, reps: int = 3) -> None:
             eng.step()
         prompts = lambda: [system + toks(30) for _ in range(int(kind.split("-")[1]))]  # noqa: E731
         model, packed = eng.runner.model, eng.runner.packed
-        int8 = eng.runner.quantized_matmul == "int8"
+        int8 = resolve_matmul("auto") is QuantizedMatmul.INT8  # what serve would run
 
         def switch(on: bool) -> None:
             if kind.startswith("int8-"):  # int8 vs float32 activations on the blocks

@@ -19,8 +19,10 @@ PEERS_HOME=${PEERS_HOME:-$HOME/.cache/hotprefix-peers}
 
 meta() {
   $PY - "$@" <<'EOF'
-import json, platform, subprocess, sys, time
+import json, platform, re, subprocess, sys, time
+flags = sorted(set(re.findall(r"\b(avx512_vnni|avx512f|avx2|avx_vnni|fma)\b", open("/proc/cpuinfo").read())))
 print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "cpu_flags": flags,
                   "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip(),
                   "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores, "
@@ -50,8 +52,9 @@ $PY benchmarks/prefix_ttft.py --json "$OUT/prefix_ttft.json"
 # 3. The transformers baseline, same machine, same run.
 $PY "$PEERS/hf_baseline.py" --json "$OUT/hf_baseline.json" || echo "hf_baseline failed" >&2
 
-# 4. Peer servers that are installed.
-for peer in llamacpp vllm-cpu; do
+# 4. Peer servers that are installed: llama.cpp's native llama-server (the CPU reference),
+# vLLM-CPU, and llama-cpp-python's server (one request at a time; kept for continuity).
+for peer in llamaserver vllm-cpu llamacpp; do
   if [ -d "$PEERS_HOME/${peer%-cpu}" ]; then
     # llama-cpp-python's server interrupts a running stream when another request comes,
     # unless told to queue them (it still serves one at a time).

@@ -49,6 +49,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pinned-fraction", type=float, default=0.2,
                    help="the most of the KV pool that pinned prefixes may hold")
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for --preemption-mode swap")
+    g.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory for a KV tier below the pool: evicted blocks go there; 0 = off")
+    g.add_argument("--kv-disk-dir", default=None,
+                   help="a directory for a disk KV tier: computed blocks are written behind, and a restarted "
+                        "server finds them; unset = off")
+    g.add_argument("--kv-disk-size", type=float, default=16.0, help="GiB the disk KV tier may take")
+    g.add_argument("--kv-disk-write", default="all", choices=("all", "reused"),
+                   help="which blocks the disk KV tier writes: all computed ones (a prefix seen once survives a "
+                        "restart), or only those hit again (no cost on traffic that shares nothing)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running in one step")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -82,7 +91,9 @@ def engine_config_from_args(a: argparse.Namespace):
                     gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks,
                     enable_prefix_caching=a.enable_prefix_caching,
                     prefix_caching_hash_algo=a.prefix_caching_hash_algo,
-                    max_pinned_fraction=a.max_pinned_fraction, swap_space=int(a.swap_space * 2**30)),
+                    max_pinned_fraction=a.max_pinned_fraction, swap_space=int(a.swap_space * 2**30),
+                    kv_offloading_size=int(a.kv_offloading_size * 2**30), kv_disk_dir=a.kv_disk_dir,
+                    kv_disk_size=int(a.kv_disk_size * 2**30), kv_disk_write=a.kv_disk_write),
         SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         enable_chunked_prefill=a.enable_chunked_prefill,
                         long_prefill_token_threshold=a.long_prefill_token_threshold,
@@ -125,7 +136,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        allowed_headers=_list(a.allowed_headers), allow_credentials=a.allow_credentials,
                        root_path=a.root_path, ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile,
                        ssl_ca_certs=a.ssl_ca_certs, log_stats=not a.disable_log_stats,
-                       metrics_prefix=a.metrics_prefix))
+                       metrics_prefix=a.metrics_prefix, tool_call_parser=a.tool_call_parser))
     return 0
 
 
@@ -210,6 +221,10 @@ def _add_server_args(h: argparse._ArgumentGroup) -> None:
                    help="Prometheus names' prefix: hotprefix, or vllm for vLLM's dashboards and autoscalers")
     h.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM launch lines: usage.prompt_tokens_details.cached_tokens is always on")
+    h.add_argument("--tool-call-parser", default="hermes", choices=("hermes",),
+                   help="how tool calls are read from the model's output")
+    h.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM launch lines: tool_choice auto is always on")
 
 
 def _add_limit_args(lim: argparse._ArgumentGroup) -> None:

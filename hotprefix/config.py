@@ -23,6 +23,15 @@ class SchedulingPolicy(str, Enum):
     PRIORITY = "priority"
 
 
+class DiskWritePolicy(str, Enum):
+    """Which computed blocks the disk KV tier writes: every one (a single request's
+    prefix survives a restart), or only blocks that were hit again (nothing is written
+    for prompts that are never shared: no cost on unique traffic)."""
+
+    ALL = "all"
+    REUSED = "reused"
+
+
 class PreemptionMode(str, Enum):
     """What happens to a preempted request's KV: freed and recomputed, or swapped to host memory."""
 
@@ -120,6 +129,9 @@ class ModelConfig:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
 
 
+DISK_STAGING_BYTES = 512 << 20
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool.
@@ -130,6 +142,10 @@ class CacheConfig:
     enable_prefix_caching: share full blocks between requests by chained hash.
     max_pinned_fraction: the most of the pool that pinned prefixes may hold.
     swap_space: bytes of host memory for swap-mode preemption (allocated only in that mode).
+    kv_offloading_size: bytes of host memory for the host KV tier (0: none; see core/kv_tiers.py).
+    kv_disk_dir: a directory for the disk KV tier (None: none); it survives restarts.
+    kv_disk_size: the most bytes the disk tier's files may take.
+    kv_disk_write: which computed blocks the disk tier writes (DiskWritePolicy).
     """
 
     block_size: int = 16
@@ -141,10 +157,26 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     max_pinned_fraction: float = 0.2
     swap_space: int = 4 << 30
+    kv_offloading_size: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_size: int = 16 << 30
+    kv_disk_write: DiskWritePolicy = DiskWritePolicy.ALL
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """The host tier's size: --kv-offloading-size, or DISK_STAGING_BYTES when only
+        the disk tier is on (disk reads land in host memory before the pool)."""
+        return self.kv_offloading_size or (DISK_STAGING_BYTES if self.kv_disk_dir else 0)
 
     def __post_init__(self) -> None:
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0, got {self.swap_space}")
+        object.__setattr__(self, "kv_disk_write", as_mode(DiskWritePolicy, "--kv-disk-write", self.kv_disk_write))
+        if self.kv_offloading_size < 0 or self.kv_disk_size < 0:
+            raise ConfigError("--kv-offloading-size and --kv-disk-size must be >= 0")
+        if self.kv_disk_dir and self.prefix_caching_hash_algo != "sha256":
+            raise ConfigError("--kv-disk-dir needs --prefix-caching-hash-algo sha256: xxhash is seeded per process, "
+                              "so its hashes would never match after a restart")
         if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
             raise ConfigError(f"--prefix-caching-hash-algo must be sha256 or xxhash, "
                               f"got {self.prefix_caching_hash_algo!r}")
@@ -277,6 +309,7 @@ class ServerConfig:
     ssl_keyfile / ssl_certfile / ssl_ca_certs: serve HTTPS.
     log_stats: log throughput, queue, KV usage and prefix hit rate every stats_interval s.
     metrics_prefix: the Prometheus names' prefix ("hotprefix"; "vllm" for vLLM dashboards).
+    tool_call_parser: how tool calls are read from the model's output (server/tool_parsers.py).
     """
 
     host: str = "127.0.0.1"
@@ -303,6 +336,7 @@ class ServerConfig:
     log_stats: bool = True
     stats_interval: float = 10.0
     metrics_prefix: str = "hotprefix"
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):

@@ -18,6 +18,12 @@ PREFIX_EVICTED = "prefix_cache_evicted_blocks"
 PROMPT_TOKENS = "prompt_tokens"
 GENERATION_TOKENS = "generation_tokens"
 CACHED_PROMPT_TOKENS = "prompt_tokens_cached"
+CACHED_BY_SOURCE = "prompt_tokens_cached_by_source"  # vLLM's name; label source = device | host | disk
+KV_TIER_BLOCKS = "kv_tier_blocks"  # hotprefix: blocks a tier holds now (label tier = host | disk)
+KV_TIER_CAPACITY = "kv_tier_capacity_blocks"
+KV_TIER_MOVED_BLOCKS = "kv_tier_moved_blocks"  # counter, label direction
+KV_TIER_MOVED_BYTES = "kv_tier_moved_bytes"
+KV_TIER_BAD_FILES = "kv_tier_bad_files"
 REQUEST_SUCCESS = "request_success"
 TTFT = "time_to_first_token_seconds"
 ITL = "inter_token_latency_seconds"

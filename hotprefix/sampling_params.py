@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Bounds on what one request may ask of every engine step (each list is walked per step).
@@ -16,6 +17,28 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 4096
 MAX_TOP_K = 1 << 20
+
+
+class StructuredKind(str, Enum):
+    """What constrains a structured output: a JSON schema, any JSON object, a regular
+    expression, one of a list of strings, or a grammar (Lark, or GBNF)."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output, enforced by a token mask each step. `spec` is the
+    schema (JSON text), the regex, the choices (a JSON list) or the grammar. `grammar`
+    is its compiled form (set by the engine when it accepts the request)."""
+
+    kind: StructuredKind
+    spec: str = ""
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -28,6 +51,7 @@ class SamplingParams:
     only (OpenAI's definition). `logprobs` asks for the sampled token's log
     probability and that many alternatives (from the raw model distribution).
     `logit_bias` adds a bias to the logits of given token ids before sampling.
+    `structured` constrains the output (JSON schema, regex, choice, grammar).
     `seed` is any int64 (vLLM's range); the n samples of one request use seed,
     seed + 1, ... wrapping within int64. Token ids are checked against the
     model's vocabulary by the engine, which knows it.
@@ -51,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -89,6 +114,10 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                self.seed, f"must be an integer in [{INT64_MIN}, {INT64_MAX}]")
         self._validate_lists()
+        if self.structured is not None:
+            _check(not self.ignore_eos, "ignore_eos", True, "cannot be used with a structured output (its end is EOS)")
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens,
+                   "must be 0 with a structured output (the grammar decides where it ends)")
 
     def _validate_lists(self) -> None:
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", len(self.stop),

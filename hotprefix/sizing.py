@@ -121,14 +121,23 @@ class SizeReport:
     fits_without_eviction: bool | None
     max_concurrency: int | None
     max_concurrency_unshared: int | None
+    host_tier_blocks: int = 0  # --kv-offloading-size: full blocks, and the prompts they hold
+    host_tier_prompts: int = 0
+    disk_tier_blocks: int = 0  # --kv-disk-size (each file: a block and a DISK_HEADER_BYTES header)
+    disk_tier_prompts: int = 0
+
+
+DISK_HEADER_BYTES = 88  # engine/kv_disk.py's file header (checked there)
 
 
 def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_tokens: int = 0, num_prompts: int = 1,
-                concurrency: int = 1, max_model_len: int | None = None, budget_bytes: int | None = None
-                ) -> SizeReport:
+                concurrency: int = 1, max_model_len: int | None = None, budget_bytes: int | None = None,
+                host_tier_bytes: int = 0, disk_tier_bytes: int = 0) -> SizeReport:
     """KV sizes for a pool of num_prompts distinct prompts of prompt_tokens each
     (kept cached, shared by every request that starts with them), with
     `concurrency` requests of up to max_model_len tokens running at once.
+    The tiers below the pool (host_tier_bytes, disk_tier_bytes) keep full blocks:
+    how many, and how many prompts' full blocks that is.
 
     Each running request needs its own blocks for what follows its prompt's
     full blocks; `fits_without_eviction` is whether the prompt pool plus that
@@ -144,6 +153,7 @@ def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_toke
     pool = per_prompt_blocks * num_prompts
     need = pool + concurrency * private
     in_budget = None if budget_bytes is None else max(0, budget_bytes) // bpb
+    host_blocks, disk_blocks = host_tier_bytes // bpb, disk_tier_bytes // (bpb + DISK_HEADER_BYTES)
     return SizeReport(
         dtype=dtype, block_size=block_size, bytes_per_token=bpt, bytes_per_block=bpb,
         prompt_tokens=prompt_tokens, blocks_per_prompt=per_prompt_blocks, bytes_per_prompt=per_prompt_blocks * bpb,
@@ -153,4 +163,6 @@ def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_toke
         fits_without_eviction=None if in_budget is None else need <= in_budget,
         max_concurrency=None if in_budget is None else max(0, (in_budget - pool) // max(private, 1)),
         max_concurrency_unshared=None if in_budget is None
-        else in_budget // max(blocks_for_tokens(max_len, block_size), 1))
+        else in_budget // max(blocks_for_tokens(max_len, block_size), 1),
+        host_tier_blocks=host_blocks, host_tier_prompts=host_blocks // max(shared_full, 1),
+        disk_tier_blocks=disk_blocks, disk_tier_prompts=disk_blocks // max(shared_full, 1))

@@ -110,6 +110,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, Block] = {}
         self.num_evicted = 0  # cached blocks whose slot was reused (monotonic)
+        # (block id, hash) of each eviction since the last `take_evictions`, when a
+        # tier below keeps evicted blocks (None: not recorded)
+        self.evictions: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,8 +138,18 @@ class BlockPool:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
+                if self.evictions is not None:
+                    self.evictions.append((b.block_id, b.block_hash))
             b.block_hash = None
             self.num_evicted += 1
+
+    def take_evictions(self) -> list[tuple[int, BlockHash]]:
+        """The evictions recorded since the last call (the slots are about to be
+        overwritten: a tier below must copy them first)."""
+        if self.evictions is None:
+            return []
+        out, self.evictions = self.evictions, []
+        return out
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         """The cached block with this hash, if its KV is still in the pool."""

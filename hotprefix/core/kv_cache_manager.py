@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
 from hotprefix.core.hashing import BlockHash, BlockHasher
+from hotprefix.core.kv_tiers import HostEntry, KVTiers
 from hotprefix.core.request import Request
 from hotprefix.sizing import blocks_for_tokens
 
@@ -53,7 +54,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_algo: str = "sha256",
-                 max_pinned_fraction: float = 0.2) -> None:
+                 max_pinned_fraction: float = 0.2, tiers: KVTiers | None = None,
+                 persist_reused_only: bool = False) -> None:
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"--max-pinned-fraction must be in [0, 1], got {max_pinned_fraction}")
         self.block_size = block_size
@@ -68,6 +70,11 @@ class KVCacheManager:
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self._stats = PrefixCacheStats()
         self._evicted_seen = 0
+        self.tiers = tiers if enable_caching else None  # host (and disk) below the pool
+        self.persist_reused_only = persist_reused_only  # disk: only blocks hit again (see step_copies)
+        self._reused: list[Block] = []  # blocks hit (pool or tier) by the step being scheduled
+        if self.tiers is not None:
+            self.pool.evictions = []
 
     @property
     def num_blocks(self) -> int:
@@ -98,6 +105,31 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
+    def tier_run(self, request: Request, num_device_hits: int) -> tuple[list[HostEntry], bool]:
+        """The blocks below the pool that continue the request's device hits (see
+        KVTiers.extend), within the same cap; ([], False) without tiers."""
+        if self.tiers is None:
+            return [], False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.tiers.extend(request.block_hashes[num_device_hits:max_blocks])
+
+    def step_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, BlockHash]]]:
+        """After scheduling a step: (pool block, host slot) copies for the blocks it
+        evicted, and (pool block, hash) of the blocks the disk tier should keep: those
+        it enters in the cache (their KV is computed by the step), or with
+        persist_reused_only, those requests hit (the disk tier skips ones it has)."""
+        if self.tiers is None:
+            return [], []
+        offload = self.tiers.offload(self.pool.take_evictions())
+        chosen, self._reused = (self._reused if self.persist_reused_only else self._provisional), []
+        seen: set[int] = set()
+        persist = []
+        for b in chosen:
+            if b.block_hash is not None and b.block_id not in seen:
+                seen.add(b.block_id)
+                persist.append((b.block_id, b.block_hash))
+        return offload, persist
+
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's first lookup in the stats."""
         self._stats.requests += 1
@@ -112,20 +144,22 @@ class KVCacheManager:
         return max(0, total - have)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[Block] = ()) -> list[Block] | None:
+                       computed_blocks: Sequence[Block] = (), num_loaded: int = 0) -> list[Block] | None:
         """Make room for num_new_tokens after the request's computed tokens.
 
         computed_blocks (from get_computed_blocks, for a request holding no
-        blocks yet) are shared and count as computed: the caller then sets
-        num_computed_tokens to len(computed_blocks) * block_size. Returns the
-        newly allocated blocks, or None when the pool is too small, in which
-        case nothing changed. Newly full blocks are entered in the cache.
+        blocks yet) are shared and count as computed, and so do the next
+        num_loaded blocks (a tier run, which the runner loads into the first
+        num_loaded new blocks): the caller then sets num_computed_tokens to
+        (len(computed_blocks) + num_loaded) * block_size. Returns the newly
+        allocated blocks, or None when the pool is too small, in which case
+        nothing changed. Newly full blocks are entered in the cache.
         """
         rid = request.request_id
         held = self.req_to_blocks.get(rid, [])
-        if computed_blocks and held:
+        if (computed_blocks or num_loaded) and held:
             raise ValueError(f"request {rid} already holds blocks; cache hits apply only to a fresh start")
-        computed = (len(computed_blocks) * self.block_size if computed_blocks
+        computed = ((len(computed_blocks) + num_loaded) * self.block_size if computed_blocks or num_loaded
                     else request.num_computed_tokens)
         total = computed + num_new_tokens
         need = max(0, blocks_for_tokens(total, self.block_size) - len(held) - len(computed_blocks))
@@ -139,6 +173,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(rid, held)
         blocks.extend(computed_blocks)
         blocks.extend(new)
+        if self.tiers is not None:  # hits, from the pool or loaded from a tier: reused blocks
+            self._reused.extend(computed_blocks)
+            self._reused.extend(new[:num_loaded])
         if computed_blocks:
             self._num_cached[rid] = len(computed_blocks)
         self._cache_full_blocks(request, blocks, total)
@@ -163,7 +200,7 @@ class KVCacheManager:
         """The step failed: forget every provisional entry (their KV may be unwritten).
         Returns the blocks that were uncached. Their holders belong to the failed
         step; the caller finishes them."""
-        undone, self._provisional = self._provisional, []
+        undone, self._provisional, self._reused = self._provisional, [], []
         for b in undone:
             self.pool.uncache(b)
         return undone
@@ -223,8 +260,9 @@ class KVCacheManager:
 
     # -- control and stats -------------------------------------------------------
     def reset_prefix_cache(self) -> int:
-        """Drop every unreferenced cached block. Returns how many were dropped."""
-        return self.pool.reset_cache()
+        """Drop every unreferenced cached block, and the host tier's (the disk tier
+        stays: it is what survives restarts). Returns how many were dropped."""
+        return self.pool.reset_cache() + (self.tiers.host.clear() if self.tiers is not None else 0)
 
     def make_stats(self) -> PrefixCacheStats:
         """Counters since the last call (then reset) and current gauges."""
@@ -256,3 +294,5 @@ class KVCacheManager:
                 raise IntegrityError(f"{b}: pin count {b.pin_cnt}, pins hold {pin_counts.get(b.block_id, 0)}")
         if self.num_pinned_blocks != len(pin_counts):
             raise IntegrityError(f"{self.num_pinned_blocks} pinned blocks counted, {len(pin_counts)} held")
+        if self.tiers is not None:
+            self.tiers.host.check_integrity()

@@ -31,13 +31,19 @@ class ScheduledRequest:
 class SchedulerOutput:
     """What one engine step computes. Requests keep the scheduler's order.
 
-    Before the forward pass the runner copies swap_out (device block, host
-    block) pairs out, then swap_in (host block, device block) pairs in."""
+    Before the forward pass the runner copies, in this order: tier_offload
+    (device block, host-tier slot) out, swap_out (device block, swap block) out,
+    swap_in (swap block, device block) in, tier_load (host-tier slot, device block)
+    in. Once the step ran, the engine hands the blocks of `persist` (device block,
+    hash), whose KV is then computed, to the disk tier."""
 
     requests: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    tier_offload: list[tuple[int, int]] = field(default_factory=list)
+    tier_load: list[tuple[int, int]] = field(default_factory=list)
+    persist: list[tuple[int, bytes]] = field(default_factory=list)
 
     def num_prefill_decode_tokens(self) -> tuple[int, int]:
         """(prefill, decode) tokens: a decode is one new token after the prompt;
@@ -51,7 +57,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests and not self.swap_out and not self.swap_in
+        return not (self.requests or self.swap_out or self.swap_in or self.tier_offload or self.tier_load)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from hotprefix.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from hotprefix.core.block_pool import IntegrityError
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
+from hotprefix.core.kv_tiers import Source, TierStats
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
 from hotprefix.core.stats import SchedulerStats
@@ -94,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_preemptions = 0
         self._last_tokens = (0, 0)
+        self._device_hit_blocks = 0  # since the last make_stats
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -144,10 +146,13 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         self._step_preemptions = 0
+        if self.kv.tiers is not None:
+            self.kv.tiers.end_step()  # the runner made the last step's tier copies
         try:
             budget = self._schedule_running(out, self.config.token_budget)
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
+            out.tier_offload, out.persist = self.kv.step_copies()
         except BaseException:
             self.kv.rollback()
             raise
@@ -193,24 +198,44 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            hits = self.kv.get_computed_blocks(req)  # a waiting request holds no blocks
-            hit_tokens = len(hits) * self.kv.block_size
-            req.num_computed_tokens = hit_tokens
-            n = self._chunk(req, budget)
-            fits = n == req.num_tokens - hit_tokens or self.config.enable_chunked_prefill
-            if not fits or self.kv.allocate_slots(req, n, hits) is None:
-                req.num_computed_tokens = 0
-                break
-            self.waiting.pop()
-            if req.num_cached_tokens is None:  # stats count a request's first lookup only
-                req.num_cached_tokens = hit_tokens
-                self.kv.record_query(req.num_tokens, hit_tokens)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.requests.append(self._scheduled(req, n))
+        """Admit waiting requests in order while they fit; one whose blocks are being
+        read from disk is passed over (it waits without holding the step)."""
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            n = self._admit(req, out, budget)
+            if n is None:
+                return
             budget -= n
+
+    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Start a waiting request from its longest cached prefix (pool, then tiers):
+        the tokens scheduled, 0 while its tier blocks are loading, None if it does
+        not fit (nothing changed)."""
+        hits = self.kv.get_computed_blocks(req)  # a waiting request holds no blocks
+        run, loading = self.kv.tier_run(req, len(hits))
+        if loading:
+            return 0
+        hit_tokens = (len(hits) + len(run)) * self.kv.block_size
+        req.num_computed_tokens = hit_tokens
+        n = self._chunk(req, budget)
+        fits = n == req.num_tokens - hit_tokens or self.config.enable_chunked_prefill
+        new = self.kv.allocate_slots(req, n, hits, len(run)) if fits else None
+        if new is None:
+            req.num_computed_tokens = 0
+            return None
+        first = req.num_cached_tokens is None  # stats count a request's first lookup only
+        if run:
+            out.tier_load.extend(self.kv.tiers.use(run, [b.block_id for b in new[:len(run)]], first))
+        self.waiting.remove(req)
+        if first:
+            req.num_cached_tokens = hit_tokens
+            self.kv.record_query(req.num_tokens, hit_tokens)
+            self._device_hit_blocks += len(hits)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.requests.append(self._scheduled(req, n))
+        return n
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -307,11 +332,15 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """The state now and what the last schedule() did; prefix-cache counters reset on read."""
         prefill, decode = self._last_tokens
+        tiers = self.kv.tiers.make_stats() if self.kv.tiers is not None else TierStats()
+        tiers.hit_blocks[Source.DEVICE] += self._device_hit_blocks
+        self._device_hit_blocks = 0
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
             num_preemptions=self._step_preemptions, num_preemptions_total=self.num_preemptions,
             num_prefill_tokens=prefill, num_decode_tokens=decode, kv_cache_usage=self.kv.usage(),
-            swap_usage=self.swap.usage(), prefix_cache=self.kv.make_stats())
+            swap_usage=self.swap.usage(), prefix_cache=self.kv.make_stats(), tiers=tiers,
+            block_size=self.kv.block_size)
 
     def check_integrity(self) -> None:
         """Every running request holds exactly the blocks its computed tokens

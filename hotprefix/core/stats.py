@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hotprefix.core.kv_cache_manager import PrefixCacheStats
+from hotprefix.core.kv_tiers import TierStats
 
 
 @dataclass
@@ -25,3 +26,5 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     swap_usage: float = 0.0
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    tiers: TierStats = field(default_factory=TierStats)  # hits by source (device included), tier copies
+    block_size: int = 16

@@ -29,7 +29,7 @@ from typing import Any
 
 from hotprefix.config import AdmissionConfig, SchedulingPolicy
 from hotprefix.engine.counters import EngineCounters, LiveStats
-from hotprefix.engine.llm_engine import LLMEngine, PreparedRequest, RequestOutput
+from hotprefix.engine.llm_engine import LLMEngine, PreparedRequest, RequestOutput, check_token_ids
 from hotprefix.engine.requests import ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.errors import InvalidRequestError, QueueFullError
 from hotprefix.sampling_params import SamplingParams
@@ -145,6 +145,8 @@ class AsyncEngine:
         self._cmds.put(_Wake())
         if self._thread is not None and self._thread.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self.engine is not None:  # the disk tier's queued writes (the engine thread has stopped)
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._fail_streams(EngineDeadError("the server is shutting down"))
 
@@ -263,7 +265,7 @@ class AsyncEngine:
         if isinstance(prompt, ChatPrompt):
             return self.engine.encode_chat(prompt.messages, prompt.add_generation_prompt,
                                            prompt.continue_final_message, prompt.chat_template,
-                                           prompt.template_kwargs)
+                                           prompt.template_kwargs, prompt.tools)
         return prompt
 
     async def _in_worker(self, fn: Callable[[], Any]) -> Any:
@@ -311,10 +313,7 @@ class AsyncEngine:
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of token ids, in a worker. Raises InvalidRequestError for an id out of range."""
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {self.vocab_size}",
-                                      "tokens")
+        check_token_ids(ids, self.vocab_size, "tokens")
         return await self._in_worker(lambda: self.engine.detokenize(ids))
 
     def token_text(self, token_id: int) -> str:
@@ -399,7 +398,7 @@ class AsyncEngine:
         """On the engine thread: a new LiveStats from the scheduler."""
         sched = self.engine.scheduler
         self.live = LiveStats(len(sched.running), len(sched.waiting), len(sched.swapped), sched.kv.usage(),
-                              sched.num_preemptions)
+                              sched.num_preemptions, self.engine.tier_gauges())
 
     def _run(self) -> None:
         try:

@@ -94,6 +94,10 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Finish the disk KV tier's queued writes and stop its threads (a no-op without one)."""
+        self.engine.close()
+
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None) -> list[RequestOutput]:

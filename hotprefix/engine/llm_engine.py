@@ -13,21 +13,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hotprefix.config import EngineConfig
+from hotprefix.config import DiskWritePolicy, EngineConfig
 from hotprefix.core.kv_cache_manager import KVCacheManager
+from hotprefix.core.kv_tiers import KVTiers
 from hotprefix.core.outputs import EngineCoreOutput
 from hotprefix.core.request import Request, RequestStatus
 from hotprefix.core.scheduler import Scheduler
+from hotprefix.engine.counters import TierGauges
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
+from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
 from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
+from hotprefix.grammar import GrammarCompiler
 from hotprefix.model.loader import LoadedModel, generation_defaults, load_model
-from hotprefix.model.runner import ModelRunner
+from hotprefix.model.runner import ModelRunner, return_freed_memory
 from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
 from hotprefix.sizing import blocks_for_tokens
 
 log = logging.getLogger(__name__)
 MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """Raise InvalidRequestError naming `param` unless every id is a token of the vocabulary."""
+    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {vocab_size}", param)
 
 
 def check_request_options(priority: int, cache_salt: str | None, cache_salt_offset: int) -> None:
@@ -134,23 +145,67 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler, tuple(sorted(eos)))
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size)
+        self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler, tuple(sorted(eos)),
+                                  self.grammars)
         self.arch = self.runner.arch
         plan = self.runner.plan
         cc = self.config.cache
+        self.disk = self._disk_tier(loaded)  # engine/kv_disk.py; None without --kv-disk-dir
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
-                                 cc.prefix_caching_hash_algo, cc.max_pinned_fraction)
+                                 cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
+                                 cc.kv_disk_write is DiskWritePolicy.REUSED)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
         self.warmed = False
         if warmup:
             self.warmup()
         self._states: dict[str, PreparedRequest] = {}
         self._child_to_parent: dict[str, str] = {}
+        name, loaded = loaded.name, None  # int8 mode's released float32 copies are garbage now
+        return_freed_memory()  # (unless the caller holds `loaded`)
         log.info("loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool: %d blocks x %d tokens = %d tokens "
-                 "(%s, %.1f MiB)", loaded.name, self.arch.family, self.arch.num_layers, self.runner.device,
+                 "(%s, %.1f MiB)", name, self.arch.family, self.arch.num_layers, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), time.monotonic() - t0, plan.num_blocks,
                  plan.block_size, plan.num_tokens, plan.dtype_name,
                  plan.num_blocks * plan.bytes_per_block / 2**20)
+
+    def _disk_tier(self, loaded: LoadedModel) -> DiskStore | None:
+        """The disk tier --kv-disk-dir asks for, in a directory named by what makes the
+        model's KV what it is (see engine/kv_disk.py)."""
+        arena, cc = self.runner.host_tier, self.config.cache
+        if arena is None or not cc.kv_disk_dir:
+            return None
+        identity = model_identity(weights=weights_fingerprint(loaded.source), name=loaded.name,
+                                  arch=repr(self.runner.arch), dtype=str(self.runner.dtype),
+                                  kv=str(arena.data.dtype), block_shape=arena.block_shape,
+                                  matmul=str(self.runner.quantized_matmul), hash=cc.prefix_caching_hash_algo)
+        return DiskStore(cc.kv_disk_dir, identity, cc.kv_disk_size, arena.block_bytes, arena.slot_bytes)
+
+    def _tiers(self) -> KVTiers | None:
+        """The KV tiers below the pool that the cache config asks for."""
+        arena, disk = self.runner.host_tier, self.disk
+        if arena is None:
+            return None
+        log.info("KV tiers: host %d blocks (%.0f MiB)%s", arena.num_slots, arena.num_slots * arena.block_bytes / 2**20,
+                 f", disk {disk.dir} ({disk.num_blocks} blocks of {disk.max_files})" if disk else "")
+        return KVTiers(arena.num_slots, disk)
+
+    def tier_gauges(self) -> TierGauges | None:
+        """What the KV tiers hold now (None without tiers). Engine thread."""
+        arena, disk = self.runner.host_tier, self.disk
+        if self.kv.tiers is None or arena is None:
+            return None
+        g = TierGauges(len(self.kv.tiers.host.entries), arena.num_slots, host_block_bytes=arena.block_bytes)
+        if disk is None:
+            return g
+        return replace(g, disk_blocks=disk.num_blocks, disk_capacity=disk.max_files,
+                       disk_written_blocks=disk.stats.written_blocks, disk_read_blocks=disk.stats.read_blocks,
+                       disk_bad_files=disk.stats.bad_files, disk_file_bytes=disk.file_bytes)
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (a no-op without one)."""
+        if self.disk is not None:
+            self.disk.close()
 
     # -- admission ----------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
@@ -167,12 +222,13 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The token ids of a conversation through the chat template: the template's
-        own special tokens, none added, and none from the messages' text (see
-        PromptEncoder.encode_chat). Raises InvalidRequestError."""
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids of a conversation (and its tools) through the chat template:
+        the template's own special tokens, none added, and none from the messages'
+        text (see PromptEncoder.encode_chat). Raises InvalidRequestError."""
         return self.encoder.encode_chat(messages, add_generation_prompt, continue_final_message, chat_template,
-                                        template_kwargs)
+                                        template_kwargs, tools)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
@@ -207,6 +263,8 @@ class LLMEngine:
             ids, text = list(prompt), None
         if truncate_prompt_tokens is not None:
             ids = self._truncate(ids, truncate_prompt_tokens, params)
+        if params.structured is not None and params.structured.grammar is None:
+            params = replace(params, structured=self.grammars.compile(params.structured))
         self._validate(ids, params)
         check_request_options(priority, cache_salt, cache_salt_offset)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
@@ -261,9 +319,7 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.arch.vocab_size
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {vocab}", "prompt")
+        check_token_ids(ids, vocab, "prompt")
         if len(ids) >= self.max_model_len:  # no room left for a single output token
             raise PromptTooLongError(self.max_model_len, len(ids))
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
@@ -353,6 +409,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if scheduled is not None:
             scheduled()
+        if not sched.requests and self.disk is not None and self.kv.tiers.loading:
+            self.disk.wait_for_reads(0.05)  # only disk reads are in flight: do not spin
         now = time.monotonic()
         for sr in sched.requests:
             st = self._states.get(self._child_to_parent.get(sr.request_id, ""))
@@ -364,6 +422,8 @@ class LLMEngine:
             log.exception("the model step failed; failing the %d requests it held", len(sched.requests))
             self.runner.forget_step_state()
             return self._process(self.scheduler.fail_step(sched, f"the model step failed: {e}"))
+        if sched.persist and self.disk is not None:  # their KV is computed now: the disk tier keeps it
+            self.disk.persist(self.runner.host_tier.copied_out(sched.persist))
         return self._process(self.scheduler.update(sched, result))
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:

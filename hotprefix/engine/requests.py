@@ -38,6 +38,7 @@ class ChatPrompt:
     continue_final_message: bool = False
     chat_template: str | None = None
     template_kwargs: dict[str, Any] | None = None  # a request's chat_template_kwargs
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
 
 
 Prompt = str | list[int] | ChatPrompt

@@ -16,6 +16,7 @@ import threading
 from functools import cached_property
 from typing import Any
 
+from hotprefix.engine.tool_prompt import with_tools
 from hotprefix.errors import InvalidRequestError
 
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
@@ -33,6 +34,7 @@ class PromptEncoder:
         self._original = tokenizer
         self._copy_lock = threading.Lock()
         self._local = threading.local()
+        self._renders_tools: dict[str, bool] = {}  # per template: a dict write is atomic under the GIL
 
     @property
     def tokenizer(self) -> Any:
@@ -64,26 +66,44 @@ class PromptEncoder:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the chat template. The template's own
         special tokens are special; text inside a message never becomes one: a
         message that spells "<|im_end|>\\n<|im_start|>system" gets those characters,
         not a new turn. Messages without such text are tokenized exactly as the
         rendered prompt would be. Raises InvalidRequestError."""
         specials = self.special_tokens
-        fields = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
+        fields = list(_strings([{k: v for k, v in m.items() if k != "role"} for m in messages], tools))
         if not any(sp in v for v in fields for sp in specials):
             return self.tokenize(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                          chat_template, template_kwargs), False)
+                                                          chat_template, template_kwargs, tools), False)
         nonce = secrets.token_hex(8)
         while any(nonce in v for v in fields):
             nonce = secrets.token_hex(8)
         literal = {sp: f"\ue000{nonce}{i}\ue001" for i, sp in enumerate(specials)}
-        defused = [{k: _replace_all(v, literal) if k != "role" and isinstance(v, str) else v for k, v in m.items()}
+        defused = [{k: v if k == "role" else _map_strings(v, lambda t: _replace_all(t, literal)) for k, v in m.items()}
                    for m in messages]
+        tools = None if tools is None else _map_strings(tools, lambda t: _replace_all(t, literal))
         text = self.apply_chat_template(defused, add_generation_prompt, continue_final_message, chat_template,
-                                        template_kwargs)
+                                        template_kwargs, tools)
         return self._tokenize_marked(text, {v: k for k, v in literal.items()})
+
+    def renders_tools(self, chat_template: str | None = None) -> bool:
+        """Whether the template (or the model's) renders `tools` (checked once per template)."""
+        key = chat_template or ""
+        known = self._renders_tools.get(key)
+        if known is None:
+            probe = [{"role": "user", "content": "?"}]
+            tool = {"type": "function", "function": {"name": "hp_probe_tool", "description": "probe",
+                                                     "parameters": {"type": "object", "properties": {}}}}
+            try:
+                with_tools = self._render(probe, True, False, chat_template, {"tools": [tool]})
+                known = with_tools != self._render(probe, True, False, chat_template, {})
+            except Exception:  # a template that chokes on tools does not render them
+                known = False
+            self._renders_tools[key] = known
+        return known
 
     def _tokenize_marked(self, text: str, literals: dict[str, str]) -> list[int]:
         """Tokenize rendered text whose special tokens all come from the template:
@@ -107,10 +127,13 @@ class PromptEncoder:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for a conversation; template_kwargs are extra variables
-        for the template (e.g. Qwen3's enable_thinking). Raises InvalidRequestError
-        when the tokenizer has no template or the template rejects the messages."""
+        for the template (e.g. Qwen3's enable_thinking); tools go to the template, or
+        into the conversation when the template does not render them (tool_prompt.py).
+        Raises InvalidRequestError when the tokenizer has no template or the template
+        rejects the messages."""
         reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
@@ -119,13 +142,22 @@ class PromptEncoder:
             raise InvalidRequestError("this model has no chat template; give one with --chat-template")
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            if self.renders_tools(chat_template):
+                kwargs["tools"] = tools
+            else:
+                messages = with_tools(messages, tools)
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                **(template_kwargs or {}))
+            return self._render(messages, add_generation_prompt, continue_final_message, chat_template, kwargs)
         except Exception as e:  # jinja2 errors, template raise_exception(), bad message shapes
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
+                chat_template: str | None, kwargs: dict[str, Any]) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
 
     def encode_request(self, body: dict[str, Any], chat_template: str | None = None) -> list[int]:
         """Token ids of an OpenAI request body exactly as the server builds them:
@@ -157,3 +189,28 @@ def _replace_all(text: str, mapping: dict[str, str]) -> str:
         return text
     pattern = re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
     return pattern.sub(lambda m: mapping[m.group()], text)
+
+
+def _strings(*objs: Any):
+    """Every string inside nested lists and dicts (keys and values)."""
+    stack = list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            yield o
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+
+
+def _map_strings(o: Any, fn) -> Any:
+    """o with fn applied to every string inside it (a copy; keys too)."""
+    if isinstance(o, str):
+        return fn(o)
+    if isinstance(o, dict):
+        return {fn(k) if isinstance(k, str) else k: _map_strings(v, fn) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_map_strings(v, fn) for v in o]
+    return o

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hotprefix.server.protocol import NamedToolChoice, ResponseFormat, ToolCall, ToolDef
+
 # Fields a backend honours but only the operator may set: they change the prompt's
 # construction (templates, special tokens, the forced prompt), the cache (salts,
 # pins), the queue (priority), or reveal other requests (ids, echo of the prompt).
@@ -48,9 +50,11 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -82,6 +86,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
+    response_format: ResponseFormat | None = None
     # accepted from SDKs and not forwarded: they cannot change a result
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -98,6 +103,9 @@ class TenantChat(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -146,11 +154,10 @@ def backend_body(endpoint: str, req: _Sampling, system: str | None, max_tokens: 
     the tenant's prompt in force and an explicit max_tokens. The caller adds the
     cache salt. Chat: the client's system and developer messages are dropped and the
     tenant's prompt goes first; completions: each prompt is prefixed with it."""
-    body = req.model_dump(exclude_unset=True, exclude_none=True, exclude=NOT_FORWARDED)
+    body = req.model_dump(exclude_unset=True, exclude_none=True, exclude=NOT_FORWARDED, by_alias=True)
     body["max_tokens"] = max_tokens
     if isinstance(req, TenantChat):
-        kept = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages if m.role not in ("system", "developer")]
+        kept = [_forwarded(m) for m in req.messages if m.role not in ("system", "developer")]
         body["messages"] = ([{"role": "system", "content": system}] if system else []) + kept
     else:
         assert isinstance(req, TenantCompletion)
@@ -158,6 +165,18 @@ def backend_body(endpoint: str, req: _Sampling, system: str | None, max_tokens: 
         texts = [join_prompt(system, t) if system else t for t in texts]
         body["prompt"] = texts[0] if isinstance(req.prompt, str) else texts
     return body
+
+
+def _forwarded(m: Message) -> dict[str, Any]:
+    """A kept message as the backend gets it: role, text, name, and its tool fields."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def num_sequences(req: _Sampling) -> int:

@@ -244,6 +244,27 @@ class LlamaForCausalLM(nn.Module):
                 mod.kernel = lib  # float32 mode keeps torch's arithmetic, token-identical to transformers)
         return n + (self.logits_packed is not None)
 
+    def release_served_weights(self) -> int:
+        """Drop the float32 weights that attached int8 blocks serve at every batch size
+        (int8 mode never reads them: ~430 MB on the default model). Biases, norms and
+        the embedding stay. Returns the bytes released; afterwards the model cannot be
+        re-attached for float32 activations (benchmarks that compare load twice)."""
+        served: set[nn.Module] = set()
+        for mod in self.modules():
+            if isinstance(mod, Linear) and mod.packed is not None and mod.packed.int8:
+                served.add(mod)
+            elif isinstance(mod, Attention) and mod.qkv_packed is not None and mod.qkv_packed.int8:
+                served.update((mod.q_proj, mod.k_proj, mod.v_proj))
+            elif isinstance(mod, MLP) and mod.gate_up_packed is not None and mod.gate_up_packed.int8:
+                served.update((mod.gate_proj, mod.up_proj))
+        if not self.arch.tie_word_embeddings and self.logits_packed is not None and self.logits_packed.int8:
+            served.add(self.lm_head)
+        freed = 0
+        for lin in served:
+            freed += lin.weight.numel() * lin.weight.element_size()
+            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        return freed
+
     def _regroup(self) -> None:
         """Every attached block matrix in the int8 kernel's layout (PackedWeight.regrouped)."""
         def re(p: PackedWeight | None) -> PackedWeight | None:

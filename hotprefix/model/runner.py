@@ -12,12 +12,15 @@ import torch
 
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, PreemptionMode, QuantizedMatmul, SchedulerConfig
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from hotprefix.grammar import GrammarCompiler
 from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_batch, build_seq_attn
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
+from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
 from hotprefix.model.qlinear import library, packable, resolve_matmul
 from hotprefix.model.sampler import Sampler, SampleRow
+from hotprefix.model.structured import GrammarMatchers, StepMasks
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,19 @@ class KVPlan:
         return self.num_blocks * self.block_size
 
 
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: the released
+    weights were allocated in many medium chunks). A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
                  dtype: torch.dtype, kv_dtype: torch.dtype, weight_bytes: int) -> KVPlan:
     """Size the pool from --kv-cache-memory (CPU) or --gpu-memory-utilization (CUDA).
@@ -103,13 +119,17 @@ class ModelRunner:
     eos_token_ids: suppressed before a request's min_tokens."""
 
     def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 sched_cfg: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 sched_cfg: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
+                 grammars: GrammarCompiler | None = None) -> None:
         self.device = resolve_device(model_cfg.device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
         self.packed = loaded.packed if packable(self.device, self.dtype) else {}
         self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if self.packed else None
         self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device,
                                                    self.packed, self.quantized_matmul is QuantizedMatmul.INT8)
+        if self.quantized_matmul is QuantizedMatmul.INT8:
+            log.info("int8 mode: released %.0f MB of float32 weights the blocks serve",
+                     self.model.release_served_weights() / 1e6)
         if self.packed:
             log.info("%d weights are read as GGUF blocks (%.0f MB), %s", len(self.packed),
                      sum(p.nbytes for p in loaded.packed.values()) / 1e6,
@@ -130,8 +150,12 @@ class ModelRunner:
         if sched_cfg.preemption_mode is PreemptionMode.SWAP:
             self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block
             self.host_kv = self.kv_cache.make_host_copy(self.num_host_blocks)
+        # the host tier's arena (core/kv_tiers.py decides what moves; engine/kv_disk.py may sit behind it)
+        self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // self.plan.bytes_per_block) \
+            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching else None
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
+        self.matchers = GrammarMatchers(grammars, loaded.arch.vocab_size) if grammars is not None else None
         self.eos_token_ids = eos_token_ids
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
@@ -247,10 +271,11 @@ class ModelRunner:
         cascade K/V), which the failed step may have left half made."""
         self._gathered = {}
 
-    def _sample_rows(self, sched: SchedulerOutput, out: ModelRunnerOutput
+    def _sample_rows(self, sched: SchedulerOutput, out: ModelRunnerOutput, masks: StepMasks
                      ) -> tuple[list[int], list[str], list[SampleRow]]:
         """(flat index of each sampled row's last token, its request id, its row).
-        A request whose row cannot be built (its generator) is put in out.failed."""
+        A request whose row cannot be built (its generator, its grammar's mask) is put
+        in out.failed."""
         ends, rids, rows = [], [], []
         end = 0
         for r in sched.requests:
@@ -260,8 +285,10 @@ class ModelRunner:
             p = r.sampling_params
             stop_ids = () if p.ignore_eos else self.eos_token_ids
             try:
+                if r.request_id in masks.failed:
+                    raise RuntimeError(masks.failed[r.request_id])
                 row = SampleRow(p, r.prompt_token_ids, r.output_token_ids, tuple(stop_ids) + p.stop_token_ids,
-                                self._generator(r))
+                                self._generator(r), masks.forbidden.get(r.request_id))
             except Exception as e:
                 out.failed[r.request_id] = f"sampling could not start: {e}"
                 continue
@@ -270,20 +297,38 @@ class ModelRunner:
             rows.append(row)
         return ends, rids, rows
 
+    def _masks(self, sched: SchedulerOutput) -> StepMasks:
+        """The structured outputs' masks of this step's sampled rows."""
+        constrained = [(r.request_id, r.sampling_params.structured) for r in sched.requests
+                       if r.sample and r.sampling_params.structured is not None]
+        if not constrained or self.matchers is None:
+            return StepMasks()
+        return self.matchers.compute(constrained)
+
+    def _copy_blocks(self, sched: SchedulerOutput) -> None:
+        """The step's block copies, in SchedulerOutput's order: tier offloads, swaps, tier loads."""
+        if self.host_tier is not None:
+            self.host_tier.save(sched.tier_offload)
+        if sched.swap_out or sched.swap_in:
+            self.kv_cache.swap(self.host_kv, sched.swap_out, sched.swap_in)
+            self.num_swapped_blocks_total += len(sched.swap_out)
+        if self.host_tier is not None:
+            self.host_tier.restore(sched.tier_load)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step. Raises only if the forward pass fails (the whole step's
         fault); a row whose sampling fails lands in the output's `failed`."""
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
+            if self.matchers is not None:
+                self.matchers.drop(rid)
         out = ModelRunnerOutput()
-        if sched.swap_out or sched.swap_in:
-            self.kv_cache.swap(self.host_kv, sched.swap_out, sched.swap_in)
-            self.num_swapped_blocks_total += len(sched.swap_out)
+        self._copy_blocks(sched)
         if not sched.requests:
             return out
         hidden = self.forward(sched)
-        ends, rids, rows = self._sample_rows(sched, out)
+        ends, rids, rows = self._sample_rows(sched, out, self._masks(sched))
         if not rows:
             return out
         last = hidden[torch.tensor(ends, device=self.device)]  # [B, E]
@@ -291,8 +336,11 @@ class ModelRunner:
             tokens, lps = self.sampler(self.model.compute_logits(last), rows)  # logits [B, V]
         except Exception:  # one row's parameters broke the batch: sample each row alone to find it
             tokens, lps = self._sample_alone(last, rids, rows, out)
-        for rid, tok, lp in zip(rids, tokens, lps):
+        for rid, tok, lp, row in zip(rids, tokens, lps, rows):
             if tok is None:
+                continue
+            if row.forbidden is not None and (why := self.matchers.consume(rid, tok)) is not None:
+                out.failed[rid] = why
                 continue
             out.sampled_token_ids[rid] = tok
             if lp is not None:

@@ -1,8 +1,8 @@
 """Turn each row of logits into one token according to its SamplingParams.
 
-Order of operations (vLLM's): raw logprobs are taken first; then min_tokens
-suppression, logit bias, penalties, temperature, top-k, top-p, min-p; greedy rows take the
-argmax of the penalised logits.
+Order of operations (vLLM's): raw logprobs are taken first; then the structured
+output's mask, min_tokens suppression, logit bias, penalties, temperature, top-k, top-p,
+min-p; greedy rows take the argmax of the penalised logits.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class SampleRow:
     output_token_ids: list[int]
     stop_ids_for_min_tokens: tuple[int, ...]
     generator: torch.Generator | None
+    forbidden: torch.Tensor | None = None  # [V] bool: what a structured output forbids next
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -103,6 +104,9 @@ class Sampler:
         raw = None
         if any(r.params.logprobs is not None for r in rows):
             raw = torch.log_softmax(logits, dim=-1)
+        for i, r in enumerate(rows):
+            if r.forbidden is not None:  # first: nothing below may bring back a token the grammar forbids
+                logits[i].masked_fill_(r.forbidden, float("-inf"))
         for i, r in enumerate(rows):
             if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids_for_min_tokens:
                 logits[i, list(r.stop_ids_for_min_tokens)] = float("-inf")

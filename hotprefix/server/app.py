@@ -37,7 +37,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     request_log = RequestLog(cfg.request_log)
     serving = Serving(engine, metrics, request_log,
                       ServingOptions(cfg.chat_template, engine.scheduling_policy, cfg.max_n,
-                                     cfg.trust_request_chat_template, engine.default_sampling))
+                                     cfg.trust_request_chat_template, engine.default_sampling, cfg.tool_call_parser))
     ctx = ServerContext(engine, serving, metrics, cfg, names)
     stats = StatsLogger(engine, cfg.stats_interval)
 

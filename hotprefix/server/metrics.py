@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from hotprefix import metric_names as N
 from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.engine.counters import EngineCounters, TierGauges
 from hotprefix.engine.llm_engine import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -57,10 +58,39 @@ class _EngineCollector(Collector):
                             c.prefix_cache_queries)
         yield self._counter(N.PREFIX_HITS, "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
         yield self._counter(N.PREFIX_EVICTED, "Cached blocks whose slot was reused.", c.evicted_blocks)
+        yield from self._tiers(c, live.tiers)
         info = GaugeMetricFamily(self.p + N.CACHE_CONFIG_INFO, "Information of the KV cache configuration.",
                                  labels=["model_name", *self.cache_info])
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
         yield info
+
+
+    def _labelled(self, family: type, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
+        m = family(self.p + name, doc, labels=["model_name", label])
+        for k, v in values.items():
+            m.add_metric([self.model_name, k], v)
+        return m
+
+    def _tiers(self, c: EngineCounters, t: TierGauges | None) -> Iterator[Metric]:
+        """The cached tokens by source, and (with tiers) what each tier holds and moved."""
+        yield self._labelled(CounterMetricFamily, N.CACHED_BY_SOURCE, "Prompt tokens served from the cache, by the "
+                             "tier they were found in.", "source", c.cached_tokens_by_source)
+        if t is None:
+            return
+        yield self._labelled(GaugeMetricFamily, N.KV_TIER_BLOCKS, "KV blocks a tier below the pool holds.", "tier",
+                             {"host": t.host_blocks, "disk": t.disk_blocks})
+        yield self._labelled(GaugeMetricFamily, N.KV_TIER_CAPACITY, "KV blocks a tier below the pool can hold.",
+                             "tier", {"host": t.host_capacity, "disk": t.disk_capacity})
+        moved = {"pool_to_host": c.offloaded_blocks, "host_to_pool": c.loaded_blocks,
+                 "to_disk": t.disk_written_blocks, "from_disk": t.disk_read_blocks}
+        size = {"pool_to_host": t.host_block_bytes, "host_to_pool": t.host_block_bytes,
+                "to_disk": t.disk_file_bytes, "from_disk": t.disk_file_bytes}
+        yield self._labelled(CounterMetricFamily, N.KV_TIER_MOVED_BLOCKS, "KV blocks copied between tiers.",
+                             "direction", moved)
+        yield self._labelled(CounterMetricFamily, N.KV_TIER_MOVED_BYTES, "Bytes of KV copied between tiers.",
+                             "direction", {k: v * size[k] for k, v in moved.items()})
+        yield self._counter(N.KV_TIER_BAD_FILES, "Disk-tier files refused (corrupt, truncated, another model's).",
+                            t.disk_bad_files)
 
 
 class ServerMetrics:

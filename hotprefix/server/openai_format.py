@@ -9,6 +9,7 @@ from typing import Any
 
 from hotprefix.engine.llm_engine import CompletionOutput, RequestOutput
 from hotprefix.sampling_params import TokenLogprobs
+from hotprefix.server.tool_parsers import ToolParser, ToolStreamer, new_call_id
 
 
 class ChoiceFormat:
@@ -40,17 +41,26 @@ class ChoiceFormat:
         choices = []
         for j, o in enumerate(out.outputs):
             new = out.new_token_ids[j]
-            if not new and not out.deltas[j] and not (out.finished and o.finished):
+            ending = out.finished and o.finished
+            body = self.delta(i * n + j, out.deltas[j], ending)
+            if body is None and not ending and not (self.logprobs and new):
                 continue
-            c: dict[str, Any] = {"index": i * n + j, **self.piece(out.deltas[j]), "logprobs": None,
+            c: dict[str, Any] = {"index": i * n + j, **(body or self.piece("")), "logprobs": None,
                                  "finish_reason": None, "stop_reason": None}
             if self.logprobs and new:
                 c["logprobs"] = self.logprob_block((o.logprobs or [])[-len(new):], self._emitted.get((i, j), 0))
             self._emitted[(i, j)] = self._emitted.get((i, j), 0) + len(out.deltas[j])
             if out.finished:
-                c["finish_reason"], c["stop_reason"] = o.finish_reason, o.stop_reason
+                c["finish_reason"], c["stop_reason"] = self.finish_reason(i * n + j, o), o.stop_reason
             choices.append(c)
         return choices
+
+    def delta(self, index: int, text: str, ending: bool) -> dict[str, Any] | None:
+        """What a step adds to choice `index`, or None when it adds nothing to send."""
+        return self.piece(text) if text else None
+
+    def finish_reason(self, index: int, o: CompletionOutput) -> str | None:
+        return o.finish_reason
 
     def final_choice(self, index: int, o: CompletionOutput, prefix: str = "") -> dict[str, Any]:
         """A non-streamed choice; prefix: the echoed prompt (completions)."""
@@ -81,8 +91,49 @@ class CompletionFormat(ChoiceFormat):
 
 
 class ChatFormat(ChoiceFormat):
+    """Chat choices; with a tool parser (tools given, tool_choice not "none"), tool calls
+    in the text become `tool_calls` (streamed as OpenAI streams them: one delta a
+    call, with its id, name and arguments) and the finish reason `tool_calls`."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, token_text: Callable[[int], str], top: int, logprobs: bool,
+                 tools: ToolParser | None = None) -> None:
+        super().__init__(token_text, top, logprobs)
+        self.tools = tools
+        self._streamers: dict[int, ToolStreamer] = {}
+        self._calls: dict[int, int] = {}  # calls sent per choice
+
+    def final_choice(self, index: int, o: CompletionOutput, prefix: str = "") -> dict[str, Any]:
+        choice = super().final_choice(index, o, prefix)
+        if self.tools is not None:
+            content, calls = self.tools.parse(o.text)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content,
+                                     "tool_calls": [c.to_openai(new_call_id()) for c in calls]}
+                if o.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+        return choice
+
+    def delta(self, index: int, text: str, ending: bool) -> dict[str, Any] | None:
+        if self.tools is None:
+            return super().delta(index, text, ending)
+        streamer = self._streamers.setdefault(index, self.tools.streamer())
+        events = streamer.feed(text) + (streamer.finish() if ending else [])
+        content = "".join(e for kind, e in events if kind == "content")
+        calls = [e for kind, e in events if kind == "call"]
+        if not content and not calls:
+            return None
+        body: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            first = self._calls.get(index, 0)
+            self._calls[index] = first + len(calls)
+            body["tool_calls"] = [{"index": first + k, **c.to_openai(new_call_id())} for k, c in enumerate(calls)]
+        return {"delta": body}
+
+    def finish_reason(self, index: int, o: CompletionOutput) -> str | None:
+        return "tool_calls" if self._calls.get(index) and o.finish_reason == "stop" else o.finish_reason
 
     def piece(self, text: str) -> dict[str, Any]:
         return {"delta": {"content": text}}

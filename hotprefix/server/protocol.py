@@ -10,6 +10,7 @@ which are accepted and not acted on.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hotprefix.errors import InvalidRequestError
-from hotprefix.sampling_params import SamplingParams
+from hotprefix.sampling_params import SamplingParams, StructuredKind, StructuredOutput
 
 
 class Strict(BaseModel):
@@ -27,6 +28,35 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(Strict):
+    """response_format.json_schema (OpenAI's): the schema is enforced as given."""
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(Strict):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _structured_from(kind: StructuredKind, value: Any) -> StructuredOutput:
+    """A constraint with its spec as text: schemas (unless already text) and choices as JSON."""
+    return StructuredOutput(kind, value if isinstance(value, str) else json.dumps(value))
 
 
 class SamplingFields(Strict):
@@ -57,6 +87,12 @@ class SamplingFields(Strict):
     cache_salt_offset: int = 0
     pin_prefix: bool = False
     request_id: str | None = Field(None, max_length=256)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None
     # accepted, not acted on: they cannot change what the model returns
     metadata: dict[str, Any] | None = None
@@ -65,12 +101,44 @@ class SamplingFields(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    def structured(self) -> StructuredOutput | None:
+        """The one output constraint the request asks for (response_format,
+        structured_outputs or a guided_* field), or None. Raises InvalidRequestError
+        when it asks for several."""
+        found: list[tuple[str, StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutput(StructuredKind.JSON_OBJECT)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise InvalidRequestError("response_format json_schema needs its json_schema", "response_format")
+            found.append(("response_format", _structured_from(StructuredKind.JSON_SCHEMA, rf.json_schema.schema_)))
+        so = self.structured_outputs
+        pairs = [(so.json_ if so else None, StructuredKind.JSON_SCHEMA, "structured_outputs"),
+                 (so.regex if so else None, StructuredKind.REGEX, "structured_outputs"),
+                 (so.choice if so else None, StructuredKind.CHOICE, "structured_outputs"),
+                 (so.grammar if so else None, StructuredKind.GRAMMAR, "structured_outputs"),
+                 (True if so and so.json_object else None, StructuredKind.JSON_OBJECT, "structured_outputs"),
+                 (self.guided_json, StructuredKind.JSON_SCHEMA, "guided_json"),
+                 (self.guided_regex, StructuredKind.REGEX, "guided_regex"),
+                 (self.guided_choice, StructuredKind.CHOICE, "guided_choice"),
+                 (self.guided_grammar, StructuredKind.GRAMMAR, "guided_grammar")]
+        for value, kind, name in pairs:
+            if value is not None:
+                found.append((name, StructuredOutput(kind) if kind is StructuredKind.JSON_OBJECT
+                              else _structured_from(kind, value)))
+        if len(found) > 1:
+            raise InvalidRequestError(f"give one output constraint, not {len(found)} "
+                                      f"({', '.join(n for n, _ in found)})", found[1][0])
+        return found[0][1] if found else None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's sampling parameters; unset ones come from `defaults` (the
         model's generation config), then the API's defaults. Raises
         InvalidRequestError naming the offending field."""
         d = defaults or {}
+        structured = self.structured()
 
         def pick(name: str, fallback: Any) -> Any:
             v = getattr(self, name)
@@ -92,7 +160,8 @@ class SamplingFields(Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias)
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+                structured=structured)
         except ValueError as e:
             raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
 
@@ -132,11 +201,44 @@ class TextPart(Strict):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = Field(None, max_length=256)  # tool turns: which call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -144,6 +246,25 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (a call's arguments as an object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,24 +277,30 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         """Refuse, by name, fields we cannot honour. Raises InvalidRequestError."""
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice is not supported", "tool_choice")
-        if self.parallel_tool_calls:
-            raise InvalidRequestError("parallel_tool_calls is not supported", "parallel_tool_calls")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidRequestError("response_format other than {'type': 'text'} is not supported",
-                                      "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("two tools have the same name", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                      "tool_choice")
+        if choice == "required" and not names:
+            raise InvalidRequestError("tool_choice 'required' needs tools", "tool_choice")
+        if self.calls_tools() and self.structured() is not None:
+            raise InvalidRequestError("tools and an output constraint (response_format, structured_outputs) "
+                                      "cannot both shape the answer; set tool_choice to 'none'", "tool_choice")
+
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given and tool_choice not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -184,6 +311,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
     add_special_tokens: bool = True
     split_special_tokens: bool = False
     add_generation_prompt: bool = True

@@ -48,9 +48,9 @@ class ServerContext:
         return name or self.names[0]
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
-        return ChatPrompt([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt,
-                          False, self.cfg.chat_template, template_kwargs)
+                    template_kwargs: dict[str, Any] | None = None, tools: list | None = None) -> ChatPrompt:
+        return ChatPrompt([m.for_template() for m in messages], add_generation_prompt, False, self.cfg.chat_template,
+                          template_kwargs, [t.model_dump(exclude_none=True) for t in tools] if tools else None)
 
     async def prompt_ids(self, body: TokenizeRequest | PinRequest, add_generation_prompt: bool,
                          add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
@@ -59,7 +59,8 @@ class ServerContext:
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             return await self.engine.tokenize(self.chat_prompt(body.messages, add_generation_prompt,
-                                                               getattr(body, "chat_template_kwargs", None)))
+                                                               getattr(body, "chat_template_kwargs", None),
+                                                               getattr(body, "tools", None)))
         if isinstance(body.prompt, list):
             return list(body.prompt)
         return await self.engine.tokenize(body.prompt or "", add_special_tokens, split_special_tokens)

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -27,17 +27,20 @@ from hotprefix.config import SchedulingPolicy
 from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError, RequestFailedError
+from hotprefix.sampling_params import StructuredKind, StructuredOutput
 from hotprefix.server.http_errors import error_body
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.openai_format import ChatFormat, ChoiceFormat, CompletionFormat
 from hotprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     SamplingFields,
     now,
     random_id,
 )
 from hotprefix.server.responses import ClosingStreamingResponse
+from hotprefix.server.tool_parsers import PARSERS, call_grammar
 
 log = logging.getLogger("hotprefix.requests")
 
@@ -85,13 +88,15 @@ class ServingOptions:
     scheduling_policy: the engine's (priority is refused unless it is "priority").
     max_n: the most samples one request may ask for (n, best_of).
     trust_request_chat_template: accept a request's own `chat_template`.
-    default_sampling: sampling defaults from the model's generation config."""
+    default_sampling: sampling defaults from the model's generation config.
+    tool_parser: how tool calls are read from the model's text (tool_parsers.PARSERS)."""
 
     chat_template: str | None = None
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_n: int = 16
     trust_request_chat_template: bool = False
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    tool_parser: str = "hermes"
 
 
 @dataclass
@@ -104,7 +109,8 @@ class Serving:
     # -- shared -------------------------------------------------------------------
     async def _submit(self, body: SamplingFields, prompts: list[Prompt], max_tokens: int | None,
                       logprobs: int | None, add_special_tokens: bool, base_id: str,
-                      split_special_tokens: bool = False) -> list[RequestStream]:
+                      split_special_tokens: bool = False,
+                      structured: StructuredOutput | None = None) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
         if body.priority != 0 and self.options.scheduling_policy is not SchedulingPolicy.PRIORITY:
@@ -112,6 +118,11 @@ class Serving:
         if body.n > self.options.max_n:
             raise InvalidRequestError(f"n must be <= {self.options.max_n} (--max-n), got {body.n}", "n")
         params = body.sampling_params(max_tokens, logprobs, self.options.default_sampling)
+        if structured is not None:  # the tool-call grammar
+            try:
+                params = replace(params, structured=structured)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
         options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
                                  body.pin_prefix, split_special_tokens, body.truncate_prompt_tokens)
         return await self.engine.submit(base_id, prompts, params, options)
@@ -288,6 +299,15 @@ class Serving:
             choices += [fmt.final_choice(i * body.n + o.index, o, prefix) for o in out.outputs]
         return self._respond(t, fmt, choices, streams)
 
+    @staticmethod
+    def _tool_grammar(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
+        """tool_choice "required" or a named function: the output is constrained to valid calls."""
+        choice = body.tool_choice
+        if not tools or choice in (None, "none", "auto"):
+            return None
+        only = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return StructuredOutput(StructuredKind.GRAMMAR, call_grammar(tools, only, body.parallel_tool_calls))
+
     # -- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
         body.check()
@@ -295,14 +315,16 @@ class Serving:
             raise InvalidRequestError("a request's own chat_template is refused: the server runs it; start the "
                                       "server with --trust-request-chat-template to allow it", "chat_template")
         rid = body.request_id or random_id("chatcmpl")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-        prompt = ChatPrompt(messages, body.add_generation_prompt, body.continue_final_message,
-                            body.chat_template or self.options.chat_template, body.chat_template_kwargs)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        prompt = ChatPrompt([m.for_template() for m in body.messages], body.add_generation_prompt,
+                            body.continue_final_message, body.chat_template or self.options.chat_template,
+                            body.chat_template_kwargs, tools)
         k = body.top_logprobs or 0
-        streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid)
+        streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid,
+                                     structured=self._tool_grammar(body, tools))
         t = Tracker(rid, "chat.completions", body.user, model)
-        fmt = ChatFormat(self.engine.token_text, k, bool(body.logprobs))
+        fmt = ChatFormat(self.engine.token_text, k, bool(body.logprobs),
+                         PARSERS[self.options.tool_parser] if body.calls_tools() else None)
         if body.stream:
             return self._sse(streams, t, body, fmt)
         (final,) = await self._collect(streams, t, raw)

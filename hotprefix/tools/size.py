@@ -101,6 +101,10 @@ def _human(n: int | None) -> str:
     return str(n)
 
 
+def _tier(blocks: int, prompts: int, block_size: int) -> str:
+    return "-" if not blocks else f"{blocks * block_size:,} tokens, {prompts:,} prompts"
+
+
 def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight_bytes: int) -> str:
     rows = [
         ("bytes per token", lambda r: f"{r.bytes_per_token:,} ({_human(r.bytes_per_token)})"),
@@ -118,6 +122,8 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
          lambda r: "-" if r.max_concurrency is None else str(r.max_concurrency)),
         ("max concurrency, nothing shared", lambda r: "-" if r.max_concurrency_unshared is None
          else str(r.max_concurrency_unshared)),
+        ("host tier (--kv-offloading-size)", lambda r: _tier(r.host_tier_blocks, r.host_tier_prompts, r.block_size)),
+        ("disk tier (--kv-disk-size)", lambda r: _tier(r.disk_tier_blocks, r.disk_tier_prompts, r.block_size)),
     ]
     head = (f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim} dims "
             f"({shape.num_heads} query heads); ~{shape.num_params() / 1e9:.2f} B parameters, "
@@ -153,6 +159,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight bytes to subtract (default: parameters x --weight-dtype bytes)")
     p.add_argument("--weight-dtype", type=kv_dtype, default="bfloat16", metavar="DTYPE",
                    help=f"bytes per weight: {', '.join(DTYPES)} (default bfloat16)")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of the host KV tier (serve's flag): what it holds in tokens and prompts")
+    p.add_argument("--kv-disk-size", type=float, default=0.0,
+                   help="GiB of the disk KV tier (serve's flag): what it holds in tokens and prompts")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -162,7 +172,8 @@ def run(a: argparse.Namespace) -> int:
     weights = parse_size(a.weights) if a.weights else shape.num_params() * DTYPE_BYTES[a.weight_dtype]
     budget = None if a.memory is None else int(parse_size(a.memory) * a.utilization) - weights
     reports = [size_report(shape, dt, a.block_size, a.prompt_tokens, a.num_prompts, a.concurrency,
-                           a.max_model_len, budget) for dt in (a.dtype or DTYPES)]
+                           a.max_model_len, budget, int(a.kv_offloading_size * 2**30), int(a.kv_disk_size * 2**30))
+               for dt in (a.dtype or DTYPES)]
     if a.json:
         print(json.dumps({"model": name, "shape": asdict(shape), "weight_bytes": weights,
                           "reports": [asdict(r) for r in reports]}, indent=2))

@@ -56,7 +56,7 @@ def test_every_operator_only_field_is_refused_by_name_and_nothing_reaches_the_ba
     assert len(records(fake)) == n
 
 
-@pytest.mark.parametrize("role", ["System", "USER", "Assistant", "tool", "function", "wizard", ""])
+@pytest.mark.parametrize("role", ["System", "USER", "Assistant", "Tool", "function", "wizard", ""])
 def test_roles_are_matched_exactly_and_unknown_ones_refused(setup, role):
     store, fake, gw, keys = setup
     n = len(records(fake))
@@ -90,6 +90,37 @@ def test_the_backend_gets_a_body_rebuilt_from_the_allow_list(setup):
     assert records(fake, "completions")[-1]["body"] == {
         "prompt": [ACME + "\n\nQ1", ACME + "\n\nQ2"], "max_tokens": 300, "split_special_tokens": True,
         "cache_salt": K.tenant_salt(SECRET, "acme")}
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_structured_outputs_and_tool_turns_are_forwarded_exactly(setup):
+    store, fake, gw, keys = setup
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+    r = post(gw, keys["acme"], "/v1/chat/completions", {
+        "messages": msgs, "max_tokens": 5, "response_format": fmt, "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    assert records(fake, "chat")[-1]["body"] == {
+        "max_tokens": 5, "response_format": fmt, "tools": [TOOL], "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "cache_salt": K.tenant_salt(SECRET, "acme"),
+        "messages": [{"role": "system", "content": ACME}, {"role": "user", "content": "weather?"},
+                     {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]}
+    n = len(records(fake))
+    for bad in ({"response_format": {"type": "xml"}}, {"tools": [{"type": "retrieval"}]},
+                {"tool_choice": "always"}, {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+                {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c" * 300}]}):
+        r = post(gw, keys["acme"], "/v1/chat/completions", {**CHAT, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), (bad, r.text)
+    assert len(records(fake)) == n
 
 
 def test_max_tokens_is_cut_to_the_keys_remaining_budget(setup):

@@ -144,3 +144,29 @@ def test_int8_matmul_stays_close_to_float32():
     kl = (ref.exp() * (ref - q)).sum(-1)
     agree = (ref.argmax(-1) == q.argmax(-1)).float().mean()
     assert float(kl.mean()) <= 0.015 and float(agree) >= 0.9, (float(kl.mean()), float(agree))
+
+
+def test_int8_mode_keeps_no_float32_copy_of_the_weights_its_blocks_serve():
+    """The released weights were never read: logits before and after are bit-identical,
+    and what is left in float32 is the embedding (tied to the logits), norms and biases."""
+    from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
+    from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+    from hotprefix.engine.llm_engine import LLMEngine
+    from hotprefix.model.loader import load_model
+    loaded = load_model(None)
+    ids = loaded.tokenizer(TEXT)["input_ids"][:100]
+    so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(8)), True, SamplingParams(), ids, [])])
+    # float32 mode keeps every weight; attaching int8 blocks by hand gives int8 products on it
+    kept_eng = LLMEngine(EngineConfig(ModelConfig(quantized_matmul="float32"), CacheConfig(num_blocks_override=8)),
+                         loaded=loaded)
+    kept_eng.runner.model.attach_blocks(kept_eng.runner.packed, int8=True)
+    int8_eng = LLMEngine(EngineConfig(ModelConfig(quantized_matmul="int8"), CacheConfig(num_blocks_override=8)),
+                         loaded=loaded)
+    kept, released = kept_eng.runner.model, int8_eng.runner.model
+    assert torch.equal(kept_eng.runner.all_logits(so), int8_eng.runner.all_logits(so))
+    left = sum(p.numel() * p.element_size() for p in released.parameters())
+    full = sum(p.numel() * p.element_size() for p in kept.parameters())
+    embed = released.model.embed_tokens.weight
+    assert full - left > 400e6  # ~425 MB of float32 projections gone
+    assert left - embed.numel() * 4 < 1e6  # what stays besides the embedding: norms
+    assert released.model.layers[0].self_attn.q_proj.weight.numel() == 0

@@ -241,10 +241,10 @@ def test_completion_errors(live, body, status, needle, param):
 
 @pytest.mark.parametrize("body,needle", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools are not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "content"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs"),
 ])
 def test_chat_errors(live, body, needle):
