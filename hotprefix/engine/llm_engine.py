@@ -350,7 +350,10 @@ class LLMEngine:
             self.warmed = True
 
     def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
-        """The block hashes a request with this prompt would get (full blocks only)."""
+        """The block hashes a request with this prompt would get (full blocks only).
+        Raises InvalidRequestError for a token id, salt or offset no request may carry."""
+        check_token_ids(ids, self.arch.vocab_size, "prompt")
+        check_request_options(0, cache_salt, cache_salt_offset)
         return self.kv.hasher.hashes_of(ids, cache_salt, cache_salt_offset)
 
     def check_pin_room(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> None:

@@ -92,6 +92,22 @@ FIELDS = ["prompt", "messages", "max_tokens", "n", "seed", "temperature", "top_p
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/pin", "/unpin"]
 
 
+
+@pytest.mark.parametrize("path", ["/pin", "/unpin"])
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [1] * 40 + [2 ** 63]}, "prompt"),  # past int64 (the block hash packed it: a 500, found by fuzzing)
+    ({"prompt": [1] * 40 + [-1]}, "prompt"),
+    ({"prompt": [1] * 40 + [10 ** 6]}, "prompt"),
+    ({"prompt": [1] * 40, "cache_salt_offset": -1}, "cache_salt_offset"),
+    ({"prompt": [1] * 40, "cache_salt": "x" * 100_000}, "cache_salt"),
+])
+def test_pin_and_unpin_refuse_ids_and_salts_no_request_may_carry(server, path, body, param):
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert_openai_error(r.status_code, r.text)
+    assert r.json()["error"]["param"] == param, r.text
+    server.check_drained()
+
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(endpoint=st.sampled_from(ENDPOINTS), field=st.sampled_from(FIELDS), value=st.sampled_from(HOSTILE),
        stream=st.booleans(), where=st.sampled_from(["top", "in_message", "in_list"]))
