@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from hotprefix.config import KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZED_MATMUL, ConfigError, parse_size
+from hotprefix.config import KEEP_ALIVE_S, KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZED_MATMUL, ConfigError, parse_size
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +135,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        allowed_origins=_list(a.allowed_origins), allowed_methods=_list(a.allowed_methods),
                        allowed_headers=_list(a.allowed_headers), allow_credentials=a.allow_credentials,
                        root_path=a.root_path, ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile,
-                       ssl_ca_certs=a.ssl_ca_certs, log_stats=not a.disable_log_stats,
+                       ssl_ca_certs=a.ssl_ca_certs, timeout_keep_alive=a.timeout_keep_alive,
+                       log_stats=not a.disable_log_stats,
                        metrics_prefix=a.metrics_prefix, tool_call_parser=a.tool_call_parser))
     return 0
 
@@ -244,6 +245,9 @@ def _add_http_args(h: argparse._ArgumentGroup) -> None:
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
     h.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     h.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client certificates")
+    h.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open (longer than clients' and load "
+                        "balancers' idle timeouts, so that they close first)")
     h.add_argument("--allowed-origins", default=None,
                    help='CORS origins, a JSON list (\'["*"]\') or comma-separated (default: no CORS headers)')
     h.add_argument("--allowed-methods", default='["*"]', help="CORS methods (with --allowed-origins)")

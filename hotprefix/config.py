@@ -290,6 +290,14 @@ class AdmissionConfig:
             raise ConfigError(f"preprocess_workers must be >= 1, got {self.preprocess_workers}")
 
 
+# How long an idle HTTP keep-alive connection stays open, server and gateway. Longer than
+# what clients and load balancers keep an idle connection for (httpx and the openai client
+# 5 s, aiohttp 15 s, AWS ALB 60 s): the side that closes an idle connection must be the
+# client, or a request sent as the server closes it fails ("Server disconnected without
+# sending a response"; uvicorn's own default, 5 s, equals httpx's).
+KEEP_ALIVE_S = 65.0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server around the engine.
@@ -307,6 +315,7 @@ class ServerConfig:
     (no origins: no CORS headers at all; vLLM allows every origin by default).
     root_path: the path prefix a proxy serves the app under.
     ssl_keyfile / ssl_certfile / ssl_ca_certs: serve HTTPS.
+    timeout_keep_alive: seconds an idle keep-alive connection stays open (KEEP_ALIVE_S).
     log_stats: log throughput, queue, KV usage and prefix hit rate every stats_interval s.
     metrics_prefix: the Prometheus names' prefix ("hotprefix"; "vllm" for vLLM dashboards).
     tool_call_parser: how tool calls are read from the model's output (server/tool_parsers.py).
@@ -333,6 +342,7 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
+    timeout_keep_alive: float = KEEP_ALIVE_S
     log_stats: bool = True
     stats_interval: float = 10.0
     metrics_prefix: str = "hotprefix"
@@ -350,6 +360,8 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.timeout_keep_alive > 0:
+            raise ConfigError(f"--timeout-keep-alive must be > 0, got {self.timeout_keep_alive}")
         for flag, value in (("--max-n", self.max_n), ("--max-request-body-bytes", self.max_request_body_bytes)):
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")

@@ -133,7 +133,8 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
         background.add(task)
         task.add_done_callback(background.discard)
 
-    monitor = BackendMonitor(cfg, store, secret, router, client, spawn)
+    health_client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4 * len(cfg.backends)))
+    monitor = BackendMonitor(cfg, store, secret, router, client, health_client, spawn)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -147,6 +148,7 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
             t.cancel()
         await acct.drain()
         await client.aclose()
+        await health_client.aclose()
         await limiter.close()
 
     app = FastAPI(title="hotprefix gateway", version=hotprefix.__version__, lifespan=lifespan)

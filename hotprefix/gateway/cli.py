@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from hotprefix.config import ConfigError, parse_size
+from hotprefix.config import KEEP_ALIVE_S, ConfigError, parse_size
 
 MAX_DURATION_S = 10 * 365 * 86400.0
 
@@ -166,7 +166,9 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     cfg = GatewayConfig(backends=tuple(u.rstrip("/") for u in a.backend), host=a.host, port=a.port,
                         database_url=a.database_url or default_database_url(), redis_url=a.redis_url,
                         admin_key=a.admin_key, secret_file=a.secret_file, backend_api_key=a.backend_api_key,
-                        health_interval=a.health_interval, load_factor=a.load_factor, min_cap=a.min_cap,
+                        health_interval=a.health_interval, health_fails=a.health_fails,
+                        timeout_keep_alive=a.timeout_keep_alive,
+                        load_factor=a.load_factor, min_cap=a.min_cap,
                         default_rpm=a.default_rpm, default_tpm=a.default_tpm,
                         default_max_concurrent=a.default_max_concurrent,
                         default_max_tokens=a.default_max_tokens, auth_cache_s=a.auth_cache_s,
@@ -186,7 +188,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
             raise ConfigError(f"cannot reach Redis at {cfg.redis_url}: {e}") from None
     app = build_gateway_app(cfg, store, secret, make_limiter(cfg))
     uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                  access_log=False, timeout_graceful_shutdown=30)).run()
+                                  access_log=False, timeout_graceful_shutdown=30,
+                                  timeout_keep_alive=cfg.timeout_keep_alive)).run()
     return 0
 
 
@@ -216,6 +219,11 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     gw.add_argument("--backend-api-key", default=os.environ.get("HOTPREFIX_BACKEND_API_KEY"),
                     help="bearer key the backends expect (env HOTPREFIX_BACKEND_API_KEY)")
     gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between backend health checks")
+    gw.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                    help="seconds an idle client keep-alive connection stays open")
+    gw.add_argument("--health-fails", type=int, default=3,
+                    help="health checks in a row that must time out before a backend is marked down "
+                         "(a refused connection or an error status marks it down at once)")
     gw.add_argument("--load-factor", type=float, default=1.25,
                     help="bounded load: skip a tenant's home backend when it has this many times the mean load")
     gw.add_argument("--load-min-cap", type=int, default=4, dest="min_cap",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hotprefix.config import ConfigError
+from hotprefix.config import KEEP_ALIVE_S, ConfigError
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class GatewayConfig:
     secret_file: str | None = None
     backend_api_key: str | None = None
     health_interval: float = 2.0
+    health_fails: int = 3
+    timeout_keep_alive: float = KEEP_ALIVE_S
     load_factor: float = 1.25
     min_cap: int = 4
     default_rpm: int | None = None
@@ -46,6 +48,11 @@ class GatewayConfig:
     max_request_body_bytes: int = 4 << 20
     warmup: bool = True
     log_level: str = "info"
+
+    @property
+    def health_timeout(self) -> float:
+        """How long one health check may take: twice the interval, within 1-5 seconds."""
+        return max(1.0, min(5.0, 2 * self.health_interval))
 
     @property
     def lease_s(self) -> float:
@@ -72,6 +79,10 @@ class GatewayConfig:
             raise ConfigError(f"--load-min-cap must be >= 1, got {self.min_cap}")
         if self.health_interval <= 0:
             raise ConfigError(f"--health-interval must be > 0, got {self.health_interval}")
+        if not self.timeout_keep_alive > 0:
+            raise ConfigError(f"--timeout-keep-alive must be > 0, got {self.timeout_keep_alive}")
+        if self.health_fails < 1:
+            raise ConfigError(f"--health-fails must be >= 1, got {self.health_fails}")
         for name in ("default_rpm", "default_tpm", "default_max_concurrent"):
             v = getattr(self, name)
             if v is not None and v < 1:

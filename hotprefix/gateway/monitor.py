@@ -1,6 +1,12 @@
 """The backends' health, kind and warm-up: one task checks every backend every
 --health-interval seconds; a backend that comes (back) up is probed (hotprefix or
-another OpenAI-compatible server, its model and context) and warmed (warmup.py)."""
+another OpenAI-compatible server, its model and context) and warmed (warmup.py).
+
+A backend is marked down at once when it refuses the connection or answers its
+health check with an error status, but only after --health-fails checks in a row
+time out: a backend busy with a burst answers late, and marking the only one down
+turned a burst into 503s. The checks use their own HTTP client, so they never
+wait for a connection behind the traffic they are checking."""
 
 from __future__ import annotations
 
@@ -38,11 +44,14 @@ class BackendMonitor:
     finished warm-ups. `spawn` runs its background work."""
 
     def __init__(self, cfg: GatewayConfig, store: Store, secret: bytes, router: Router, client: httpx.AsyncClient,
-                 spawn) -> None:
+                 health_client: httpx.AsyncClient, spawn) -> None:
+        """`client` carries the warm-up traffic; `health_client` only the checks and probes."""
         self.cfg, self.store, self.secret, self.router, self.client = cfg, store, secret, router, client
+        self.health_client = health_client
         self.headers = {"authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else {}
         self.spawn = spawn
         self.warmups = 0
+        self.timeouts: dict[str, int] = {}  # backend url -> health checks timed out in a row
 
     async def warm(self, backend: Backend) -> None:
         """Send every prompt whose home is `backend` to it (and pin it on hotprefix)."""
@@ -52,16 +61,24 @@ class BackendMonitor:
         log.info("warm-up of %s done: %d prompt(s)", backend.url, n)
 
     async def check(self, backend: Backend) -> None:
-        """One health check; a backend that comes up is probed and (with --warmup) warmed."""
+        """One health check; a backend that comes up is probed and (with --warmup) warmed.
+        Mutates the backend's health fields."""
+        timed_out = False
         try:
-            r = await self.client.get(backend.url + "/health", headers=self.headers,
-                                      timeout=min(5.0, self.cfg.health_interval * 2))
+            r = await self.health_client.get(backend.url + "/health", headers=self.headers,
+                                             timeout=self.cfg.health_timeout)
             ok = r.status_code == 200
             err = None if ok else f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
             ok, err = False, f"{type(e).__name__}: {e}"
+            timed_out = isinstance(e, httpx.TimeoutException)
+        self.timeouts[backend.url] = self.timeouts.get(backend.url, 0) + 1 if timed_out else 0
+        if timed_out and backend.healthy and self.timeouts[backend.url] < self.cfg.health_fails:
+            log.info("backend %s: health check %d of %d in a row timed out", backend.url,
+                     self.timeouts[backend.url], self.cfg.health_fails)
+            return
         if ok and not backend.healthy:
-            await probe(self.client, backend, self.headers)
+            await probe(self.health_client, backend, self.headers)
             backend.healthy, backend.last_error = True, None
             backend.token_counts.clear()  # it may have restarted with another model or template
             log.info("backend %s is up (%s, model %s)", backend.url, backend.kind, backend.model)

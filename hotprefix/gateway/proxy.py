@@ -303,7 +303,7 @@ class Proxy:
     async def _send(self, endpoint: str, body: dict[str, Any], caller: Caller, flight: InFlight) -> Upstream:
         """Try backends in routing order until one answers with less than 500. Only a
         backend that cannot be connected to is skipped (the request never reached
-        it); a timeout or a broken answer ends the request. Raises GatewayError."""
+        it; one that refuses is marked down); a timeout or a broken answer ends the request. Raises GatewayError."""
         key = route_key(caller.prompt.text if caller.prompt else None, bool(caller.prompt and caller.prompt.public),
                         caller.tenant.name)
         outcome = flight.outcome
@@ -315,7 +315,8 @@ class Proxy:
                 up = await self._open(backend, self.client.build_request("POST", backend.url + ENDPOINTS[endpoint],
                                                                          json=b, headers=fwd))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: try the next
-                self.mark_down(backend, e)
+                if isinstance(e, httpx.ConnectError):  # refused: down. A connect timeout may be a busy
+                    self.mark_down(backend, e)  # backend: the health checks decide (monitor.py)
                 errors.append(f"{backend.url}: {type(e).__name__}")
                 continue
             except httpx.TimeoutException:

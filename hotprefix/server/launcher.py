@@ -29,7 +29,7 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
                             timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False,
                             root_path=cfg.root_path, ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
-                            ssl_ca_certs=cfg.ssl_ca_certs)
+                            ssl_ca_certs=cfg.ssl_ca_certs, timeout_keep_alive=cfg.timeout_keep_alive)
     return uvicorn.Server(config)
 
 

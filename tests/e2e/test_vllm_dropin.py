@@ -199,3 +199,39 @@ def test_cors_only_when_asked_and_the_stats_line(tiny_llama):
     finally:
         s.stop()
         plain.stop()
+
+
+def _get_twice_on_one_connection(url: str, idle_s: float) -> tuple[int, bytes]:
+    """GET /health, wait idle_s, GET again on the same socket: the second status line's
+    code (0 when the server had closed the connection) and what came back."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    req = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(req)
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        time.sleep(idle_s)
+        try:
+            s.sendall(req)
+            second = s.recv(65536)
+        except (BrokenPipeError, ConnectionResetError):
+            second = b""
+    return (int(second.split(b" ")[1]) if second.startswith(b"HTTP/1.1") else 0), second
+
+
+def test_idle_keep_alive_connections_outlive_the_clients_expiry(tiny_llama):
+    """The server keeps an idle connection longer (--timeout-keep-alive, 65 s) than
+    httpx and the openai client do (5 s), so the client always closes first: with
+    uvicorn's own 5 s, a request sent as the server closed its connection failed."""
+    proc, url = launch([str(tiny_llama[0]), "--max-model-len", "256"])
+    try:
+        assert _get_twice_on_one_connection(url, 6.0)[0] == 200
+    finally:
+        stop(proc)
+    proc, url = launch([str(tiny_llama[0]), "--max-model-len", "256", "--timeout-keep-alive", "1"])
+    try:
+        assert _get_twice_on_one_connection(url, 3.0) == (0, b"")  # closed by the server: the flag is honoured
+    finally:
+        stop(proc)

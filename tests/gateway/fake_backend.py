@@ -9,7 +9,7 @@ chunks and then waits for the client to go away, recording what it sent;
 `WAIT:s` (not streamed) waits s seconds before answering, recording "aborted"
 if the client goes away first; `DROP` sends its headers and part of a body, then
 drops the connection. It also answers /tokenize (a token per word) and records
-the Authorization header of every call.
+the Authorization header of every call. `app.state.health_delay` slows /health.
 
 Runs in-process (`make_app`) or as a process: python -m tests.gateway.fake_backend --port P.
 """
@@ -53,8 +53,11 @@ def make_app(name: str = "fake", kind: str = "openai") -> FastAPI:
     records: list[dict[str, Any]] = []
     app.state.records = records
 
+    app.state.health_delay = 0.0  # seconds /health waits before answering (tests set it)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
+        await asyncio.sleep(app.state.health_delay)
         return {}
 
     @app.get("/version")

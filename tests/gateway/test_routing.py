@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import signal
@@ -9,9 +10,11 @@ import signal
 import httpx
 import pytest
 
+from hotprefix.gateway.config import GatewayConfig
+from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.routing import Backend, Router, route_key
 from hotprefix.gateway.store import Store
-from tests.gateway.conftest import SECRET, start_fake_process, start_gateway, wait_until
+from tests.gateway.conftest import SECRET, free_port, start_fake, start_fake_process, start_gateway, wait_until
 
 
 def test_rendezvous_ranking_moves_only_the_keys_of_a_removed_backend():
@@ -145,3 +148,37 @@ def test_a_backend_that_comes_back_is_warmed_and_gets_its_tenants_back(tmp_path)
         for _, p in procs:
             p.kill()
             p.wait()
+
+
+def test_health_checks_that_time_out_mark_a_backend_down_only_after_health_fails_in_a_row(tmp_path):
+    """A busy backend answers its health check late: that alone (up to --health-fails
+    times in a row) does not take it out of routing; a refused connection does at once."""
+    fake = start_fake()
+    refused = f"http://127.0.0.1:{free_port()}"
+    cfg = GatewayConfig(backends=(fake.url, refused), health_interval=0.2, health_fails=3, warmup=False)
+    router = Router([Backend(fake.url, healthy=True), Backend(refused, healthy=True)])
+    store = Store(f"sqlite:///{tmp_path / 'g.db'}")
+    store.migrate()
+    slow, dead = router.backends
+
+    async def go() -> tuple[list[bool], bool, bool]:
+        async with httpx.AsyncClient() as c:
+            mon = BackendMonitor(cfg, store, SECRET, router, c, c, spawn=lambda coro: coro.close())
+            fake.app.state.health_delay = cfg.health_timeout + 1
+            seen = []
+            for _ in range(3):
+                await mon.check(slow)
+                seen.append(slow.healthy)
+            fake.app.state.health_delay = 0.0
+            await mon.check(slow)
+            back = slow.healthy
+            await mon.check(dead)
+            return seen, back, dead.healthy
+
+    try:
+        seen, back, dead_healthy = asyncio.run(go())
+    finally:
+        fake.stop()
+    assert seen == [True, True, False]
+    assert back and slow.last_error is None and slow.model == "fake-model"  # up again, probed
+    assert not dead_healthy and "ConnectError" in dead.last_error

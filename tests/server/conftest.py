@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from hotprefix.config import KEEP_ALIVE_S, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.server.app import build_app
@@ -98,7 +98,8 @@ def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
 def serve_in_thread(app, port: int | None = None) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Run an ASGI app under uvicorn on a loopback port in a daemon thread; return when it serves."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))  # as `hotprefix serve` runs it
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(400):
