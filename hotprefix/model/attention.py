@@ -218,6 +218,11 @@ def _paged_plan(meta: AttentionMetadata, h: int, kvh: int, cascades: bool) -> Pa
                      torch.cat(parts).to(torch.int64))
 
 
+def paged_plan_own(meta: AttentionMetadata, h: int, kvh: int) -> PagedPlan:
+    """The decode batch's plan over each member's own keys (see _paged_plan)."""
+    return _paged_plan(meta, h, kvh, cascades=False)
+
+
 def _paged_attend(lib: ctypes.CDLL, q: torch.Tensor, kv: LayerKV, plan: PagedPlan, scale: float,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """Run one hp_paged_attention plan: q [T, H, D] contiguous; writes the planned rows
@@ -241,7 +246,7 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scal
         q = q.contiguous()
         plans = batch.plans
         if plans.own is None:  # the same for every layer of the step
-            plans.own = _paged_plan(meta, h, kv.k.shape[0], cascades=False)
+            plans.own = paged_plan_own(meta, h, kv.k.shape[0])
             if meta.cascades:
                 plans.shared = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
         o, lse = torch.empty(t * h, d), torch.empty(t * h)

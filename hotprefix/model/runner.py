@@ -14,6 +14,7 @@ from hotprefix.config import CacheConfig, ConfigError, ModelConfig, PreemptionMo
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.grammar import GrammarCompiler
 from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_batch, build_seq_attn
+from hotprefix.model.fused_decode import FusedDecode, fusable
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.llama import LlamaForCausalLM
@@ -53,10 +54,12 @@ class AttentionPaths:
     """Which attention paths a forward pass may take (all by default; tests turn them
     off to compare the paths on one step). decode_batch: on a float32 CPU, all
     single-query decodes attend in one batch; cascade: within it, groups sharing
-    leading blocks attend to them once."""
+    leading blocks attend to them once; fused_decode: in int8 mode, a step of decodes
+    only runs every layer in one C call (model/fused_decode.py)."""
 
     decode_batch: bool = True
     cascade: bool = True
+    fused_decode: bool = True
 
 
 ALL_PATHS = AttentionPaths()
@@ -145,6 +148,10 @@ class ModelRunner:
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,
                                 kernel=self._attention_kernel)
+        # int8 mode: steps of decodes only run every layer in one call (model/fused_decode.py)
+        self.fused = FusedDecode(self.model, self.kv_cache, self._attention_kernel) \
+            if self.quantized_matmul is QuantizedMatmul.INT8 and \
+            fusable(self.model, self.kv_cache, self._attention_kernel) else None
         self.num_host_blocks = 0
         self.host_kv: list = []
         if sched_cfg.preemption_mode is PreemptionMode.SWAP:
@@ -249,6 +256,8 @@ class ModelRunner:
         """Run the batch; return the final hidden states [T, E]."""
         input_ids, positions, meta = self._prepare(sched, paths)
         self.num_computed_tokens_total += input_ids.numel()
+        if paths.fused_decode and self.fused is not None and self.fused.serves(meta, input_ids.numel()):
+            return self.fused.forward(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()

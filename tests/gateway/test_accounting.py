@@ -64,7 +64,8 @@ def test_a_burst_of_200_never_admits_more_tokens_than_the_limit(store, mode, req
         got = burst([gw.url for gw in gws], key, 200)
         refill = (time.monotonic() - t0) * TPM / 60
         codes = [r.status_code for r in got]
-        assert set(codes) <= {200, 429} and codes.count(429) > 100
+        # the limit bit (how many got through depends on how long the burst took: the bound is below)
+        assert set(codes) <= {200, 429} and 429 in codes
         sent = [r for r in fake.app.state.records if r["endpoint"] == "completions"]
         assert len(sent) == codes.count(200)
         # what the backend was allowed to do: its prompt tokens and the max_tokens it was given

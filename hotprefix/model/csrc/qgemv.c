@@ -461,39 +461,46 @@ AVX2_TYPE(Q8_0)
 #define GROUP(T) group_avx2_##T
 #endif
 
+/* The body of hp_qmatmul_i8 for a thread of an enclosing parallel region (its work-sharing
+ * loops end in barriers): quantizes x into xq/dx/xsum/sx (shared scratch of M * K bytes and
+ * M * K / 32 entries each), then every thread takes groups of 16 weight rows. */
+static void qmm_i8_team(int qtype, const float *x, int M, int K, const uint8_t *wp, int N, float *y,
+                        int8_t *xq, float *dx, int32_t *xsum, float *sx) {
+    const int nb = K / QK, groups = (N + G - 1) / G;
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        quantize_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nb, xsum + (size_t)m * nb,
+                     sx + (size_t)m * nb);
+    #pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *gp = wp + (size_t)g * nb * unit_bytes(qtype);
+        const int nvalid = N - g * G < G ? N - g * G : G;
+#if defined(GROUP_MT)
+        for (int m0 = 0; m0 < M; m0 += GROUP_MT) {
+            const int mt = M - m0 < GROUP_MT ? M - m0 : GROUP_MT;
+            const size_t xo = (size_t)m0 * nb;
+            float *yo = y + (size_t)m0 * N + (size_t)g * G;
+            if (qtype == Q4_0) GROUP(Q4_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+            else if (qtype == Q4_1) GROUP(Q4_1)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+            else GROUP(Q8_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
+        }
+#else
+        group_c(qtype, gp, nb, xq, dx, xsum, sx, M, K, y + (size_t)g * G, N, nvalid);
+#endif
+    }
+}
+
 /* y[M, N] = x[M, K] @ W^T with x quantized to int8 per block; W repacked by hp_repack.
  * Returns 0; -1 for an unknown type or K not a multiple of 32; -2 when out of memory. */
 int hp_qmatmul_i8(int qtype, const float *x, int M, int K, const uint8_t *wp, int N, float *y, int nthreads) {
     if (!block_bytes(qtype) || K % QK) return -1;
-    const int nb = K / QK, groups = (N + G - 1) / G;
+    const int nb = K / QK;
     int8_t *xq = malloc((size_t)M * K);
     float *dx = malloc(sizeof(float) * (size_t)M * nb), *sx = malloc(sizeof(float) * (size_t)M * nb);
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)M * nb);
     if (!xq || !dx || !sx || !xsum) { free(xq); free(dx); free(sx); free(xsum); return -2; }
     #pragma omp parallel num_threads(nthreads)
-    {
-        #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nb, xsum + (size_t)m * nb,
-                         sx + (size_t)m * nb);
-        #pragma omp for schedule(static)
-        for (int g = 0; g < groups; g++) {
-            const uint8_t *gp = wp + (size_t)g * nb * unit_bytes(qtype);
-            const int nvalid = N - g * G < G ? N - g * G : G;
-#if defined(GROUP_MT)
-            for (int m0 = 0; m0 < M; m0 += GROUP_MT) {
-                const int mt = M - m0 < GROUP_MT ? M - m0 : GROUP_MT;
-                const size_t xo = (size_t)m0 * nb;
-                float *yo = y + (size_t)m0 * N + (size_t)g * G;
-                if (qtype == Q4_0) GROUP(Q4_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-                else if (qtype == Q4_1) GROUP(Q4_1)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-                else GROUP(Q8_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
-            }
-#else
-            group_c(qtype, gp, nb, xq, dx, xsum, sx, M, K, y + (size_t)g * G, N, nvalid);
-#endif
-        }
-    }
+    qmm_i8_team(qtype, x, M, K, wp, N, y, xq, dx, xsum, sx);
     free(xq); free(dx); free(sx); free(xsum);
     return 0;
 }
@@ -534,130 +541,153 @@ static inline float exp_nonpos(float x) {
     return p * scale2n;
 }
 
+/* Per-thread scratch of the attention tasks: rows of up to maxr queries of D floats. */
+typedef struct { float *acc, *s, *kt, *mx, *l; } att_scratch;
+
+static int att_scratch_alloc(att_scratch *a, int maxr, int D) {
+    a->acc = malloc(sizeof(float) * (size_t)maxr * D);
+    a->s = malloc(sizeof(float) * (size_t)maxr * ATT_CHUNK);
+    a->kt = malloc(sizeof(float) * (size_t)D * ATT_CHUNK);  /* a chunk of keys, transposed [D, CHUNK] */
+    a->mx = malloc(sizeof(float) * maxr);
+    a->l = malloc(sizeof(float) * maxr);
+    return a->acc && a->s && a->kt && a->mx && a->l;
+}
+
+static void att_scratch_free(att_scratch *a) { free(a->acc); free(a->s); free(a->kt); free(a->mx); free(a->l); }
+
+/* One attention task (see hp_paged_attention): tk = (row offset, nrows, slot offset, nslots, kv head). */
+static void attend_task(const float *q, const int64_t *rows, const int64_t *tk, const float *k, const float *v,
+                        int64_t head_stride, int D, const int64_t *slots, float scale, float *out, float *lse,
+                        const att_scratch *scr) {
+    float *acc = scr->acc, *s = scr->s, *kt = scr->kt, *mx = scr->mx, *l = scr->l;
+    const int64_t *rw = rows + tk[0], *sl = slots + tk[2];
+    const int R = (int)tk[1], n = (int)tk[3];
+    const float *kh = k + tk[4] * head_stride, *vh = v + tk[4] * head_stride;
+    for (int r = 0; r < R; r++) {
+        mx[r] = -INFINITY; l[r] = 0.0f;
+        for (int d = 0; d < D; d++) acc[(size_t)r * D + d] = 0.0f;
+    }
+    for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
+        const int c = n - j0 < ATT_CHUNK ? n - j0 : ATT_CHUNK;
+        int direct = 0;  /* few rows: dot products on the keys as stored, no transposition */
+#if defined(__AVX512F__)
+        if (R <= 4 && D % 16 == 0) {
+            direct = 1;
+            for (int j = 0; j < c; j++) {
+                const float *kj = kh + sl[j0 + j] * D;
+                for (int r = 0; r < R; r++) {
+                    const float *qr = q + rw[r] * D;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kj + d), a);
+                    s[(size_t)r * ATT_CHUNK + j] = _mm512_reduce_add_ps(a);
+                }
+            }
+        }
+#endif
+        if (!direct) {
+            for (int j = 0; j < ATT_CHUNK; j++) {  /* keys as columns: scores need no horizontal sums */
+                const float *kj = kh + sl[j0 + (j < c ? j : 0)] * D;
+                for (int d = 0; d < D; d++) kt[(size_t)d * ATT_CHUNK + j] = j < c ? kj[d] : 0.0f;
+            }
+            for (int r = 0; r < R; r++) {
+                const float *qr = q + rw[r] * D;
+                float *sr = s + (size_t)r * ATT_CHUNK;
+#if defined(__AVX512F__)
+                __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  /* ATT_CHUNK = 32 keys */
+                for (int d = 0; d < D; d++) {
+                    const __m512 qd = _mm512_set1_ps(qr[d]);
+                    s0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK), s0);
+                    s1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK + 16), s1);
+                }
+                _mm512_storeu_ps(sr, s0);
+                _mm512_storeu_ps(sr + 16, s1);
+#else
+                for (int j = 0; j < ATT_CHUNK; j++) sr[j] = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    const float qd = qr[d];
+                    const float *kd = kt + (size_t)d * ATT_CHUNK;
+                    #pragma omp simd
+                    for (int j = 0; j < ATT_CHUNK; j++) sr[j] = fmaf(qd, kd[j], sr[j]);
+                }
+#endif
+            }
+        }
+        for (int r = 0; r < R; r++) {  /* online softmax: rescale what came before */
+            float *sr = s + (size_t)r * ATT_CHUNK;
+            float m = mx[r];
+            for (int j = 0; j < c; j++) { sr[j] *= scale; m = sr[j] > m ? sr[j] : m; }
+            const float corr = expf(mx[r] - m);  /* 0 on the first chunk (exp(-inf)) */
+            float sum = 0.0f;
+            #pragma omp simd reduction(+:sum)
+            for (int j = 0; j < c; j++) { sr[j] = exp_nonpos(sr[j] - m); sum += sr[j]; }
+            l[r] = l[r] * corr + sum;
+            mx[r] = m;
+            float *ar = acc + (size_t)r * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) ar[d] *= corr;
+        }
+#if defined(__AVX512F__)
+        if (D % 64 == 0) {  /* 64 output columns of a row stay in registers over the chunk */
+            for (int d0 = 0; d0 < D; d0 += 64)
+                for (int r = 0; r < R; r++) {
+                    float *ar = acc + (size_t)r * D + d0;
+                    const float *pr = s + (size_t)r * ATT_CHUNK;
+                    __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
+                    __m512 a2 = _mm512_loadu_ps(ar + 32), a3 = _mm512_loadu_ps(ar + 48);
+                    for (int j = 0; j < c; j++) {
+                        const float *vj = vh + sl[j0 + j] * D + d0;
+                        const __m512 p = _mm512_set1_ps(pr[j]);
+                        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj), a0);
+                        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16), a1);
+                        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 32), a2);
+                        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 48), a3);
+                    }
+                    _mm512_storeu_ps(ar, a0); _mm512_storeu_ps(ar + 16, a1);
+                    _mm512_storeu_ps(ar + 32, a2); _mm512_storeu_ps(ar + 48, a3);
+                }
+            continue;
+        }
+#endif
+        for (int j = 0; j < c; j++) {  /* each value row once, for every query row */
+            const float *vj = vh + sl[j0 + j] * D;
+            for (int r = 0; r < R; r++) {
+                const float p = s[(size_t)r * ATT_CHUNK + j];
+                float *ar = acc + (size_t)r * D;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) ar[d] = fmaf(p, vj[d], ar[d]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *o = out + rw[r] * D;
+        const float inv = 1.0f / l[r];
+        for (int d = 0; d < D; d++) o[d] = acc[(size_t)r * D + d] * inv;
+        lse[rw[r]] = mx[r] + logf(l[r]);
+    }
+}
+
+static int max_task_rows(const int64_t *task, int ntasks) {
+    int maxr = 1;
+    for (int t = 0; t < ntasks; t++) maxr = task[5 * t + 1] > maxr ? (int)task[5 * t + 1] : maxr;
+    return maxr;
+}
+
 int hp_paged_attention(const float *q, const int64_t *rows, const int64_t *task, int ntasks,
                        const float *k, const float *v, int64_t head_stride, int D, const int64_t *slots,
                        float scale, float *out, float *lse, int nthreads) {
-    int maxr = 1;
-    for (int t = 0; t < ntasks; t++) maxr = task[5 * t + 1] > maxr ? (int)task[5 * t + 1] : maxr;
+    const int maxr = max_task_rows(task, ntasks);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
-        float *acc = malloc(sizeof(float) * (size_t)maxr * D);
-        float *s = malloc(sizeof(float) * (size_t)maxr * ATT_CHUNK);
-        float *kt = malloc(sizeof(float) * (size_t)D * ATT_CHUNK);  /* a chunk of keys, transposed [D, CHUNK] */
-        float *mx = malloc(sizeof(float) * maxr), *l = malloc(sizeof(float) * maxr);
-        if (!acc || !s || !kt || !mx || !l) failed = 1;
+        att_scratch scr;
+        if (!att_scratch_alloc(&scr, maxr, D)) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < ntasks; t++) {
             if (failed) continue;
-            const int64_t *tk = task + 5 * t;
-            const int64_t *rw = rows + tk[0], *sl = slots + tk[2];
-            const int R = (int)tk[1], n = (int)tk[3];
-            const float *kh = k + tk[4] * head_stride, *vh = v + tk[4] * head_stride;
-            for (int r = 0; r < R; r++) {
-                mx[r] = -INFINITY; l[r] = 0.0f;
-                for (int d = 0; d < D; d++) acc[(size_t)r * D + d] = 0.0f;
-            }
-            for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
-                const int c = n - j0 < ATT_CHUNK ? n - j0 : ATT_CHUNK;
-                int direct = 0;  /* few rows: dot products on the keys as stored, no transposition */
-#if defined(__AVX512F__)
-                if (R <= 4 && D % 16 == 0) {
-                    direct = 1;
-                    for (int j = 0; j < c; j++) {
-                        const float *kj = kh + sl[j0 + j] * D;
-                        for (int r = 0; r < R; r++) {
-                            const float *qr = q + rw[r] * D;
-                            __m512 a = _mm512_setzero_ps();
-                            for (int d = 0; d < D; d += 16)
-                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kj + d), a);
-                            s[(size_t)r * ATT_CHUNK + j] = _mm512_reduce_add_ps(a);
-                        }
-                    }
-                }
-#endif
-                if (!direct) {
-                    for (int j = 0; j < ATT_CHUNK; j++) {  /* keys as columns: scores need no horizontal sums */
-                        const float *kj = kh + sl[j0 + (j < c ? j : 0)] * D;
-                        for (int d = 0; d < D; d++) kt[(size_t)d * ATT_CHUNK + j] = j < c ? kj[d] : 0.0f;
-                    }
-                    for (int r = 0; r < R; r++) {
-                        const float *qr = q + rw[r] * D;
-                        float *sr = s + (size_t)r * ATT_CHUNK;
-#if defined(__AVX512F__)
-                        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  /* ATT_CHUNK = 32 keys */
-                        for (int d = 0; d < D; d++) {
-                            const __m512 qd = _mm512_set1_ps(qr[d]);
-                            s0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK), s0);
-                            s1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK + 16), s1);
-                        }
-                        _mm512_storeu_ps(sr, s0);
-                        _mm512_storeu_ps(sr + 16, s1);
-#else
-                        for (int j = 0; j < ATT_CHUNK; j++) sr[j] = 0.0f;
-                        for (int d = 0; d < D; d++) {
-                            const float qd = qr[d];
-                            const float *kd = kt + (size_t)d * ATT_CHUNK;
-                            #pragma omp simd
-                            for (int j = 0; j < ATT_CHUNK; j++) sr[j] = fmaf(qd, kd[j], sr[j]);
-                        }
-#endif
-                    }
-                }
-                for (int r = 0; r < R; r++) {  /* online softmax: rescale what came before */
-                    float *sr = s + (size_t)r * ATT_CHUNK;
-                    float m = mx[r];
-                    for (int j = 0; j < c; j++) { sr[j] *= scale; m = sr[j] > m ? sr[j] : m; }
-                    const float corr = expf(mx[r] - m);  /* 0 on the first chunk (exp(-inf)) */
-                    float sum = 0.0f;
-                    #pragma omp simd reduction(+:sum)
-                    for (int j = 0; j < c; j++) { sr[j] = exp_nonpos(sr[j] - m); sum += sr[j]; }
-                    l[r] = l[r] * corr + sum;
-                    mx[r] = m;
-                    float *ar = acc + (size_t)r * D;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) ar[d] *= corr;
-                }
-#if defined(__AVX512F__)
-                if (D % 64 == 0) {  /* 64 output columns of a row stay in registers over the chunk */
-                    for (int d0 = 0; d0 < D; d0 += 64)
-                        for (int r = 0; r < R; r++) {
-                            float *ar = acc + (size_t)r * D + d0;
-                            const float *pr = s + (size_t)r * ATT_CHUNK;
-                            __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
-                            __m512 a2 = _mm512_loadu_ps(ar + 32), a3 = _mm512_loadu_ps(ar + 48);
-                            for (int j = 0; j < c; j++) {
-                                const float *vj = vh + sl[j0 + j] * D + d0;
-                                const __m512 p = _mm512_set1_ps(pr[j]);
-                                a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj), a0);
-                                a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16), a1);
-                                a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 32), a2);
-                                a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 48), a3);
-                            }
-                            _mm512_storeu_ps(ar, a0); _mm512_storeu_ps(ar + 16, a1);
-                            _mm512_storeu_ps(ar + 32, a2); _mm512_storeu_ps(ar + 48, a3);
-                        }
-                    continue;
-                }
-#endif
-                for (int j = 0; j < c; j++) {  /* each value row once, for every query row */
-                    const float *vj = vh + sl[j0 + j] * D;
-                    for (int r = 0; r < R; r++) {
-                        const float p = s[(size_t)r * ATT_CHUNK + j];
-                        float *ar = acc + (size_t)r * D;
-                        #pragma omp simd
-                        for (int d = 0; d < D; d++) ar[d] = fmaf(p, vj[d], ar[d]);
-                    }
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                float *o = out + rw[r] * D;
-                const float inv = 1.0f / l[r];
-                for (int d = 0; d < D; d++) o[d] = acc[(size_t)r * D + d] * inv;
-                lse[rw[r]] = mx[r] + logf(l[r]);
-            }
+            attend_task(q, rows, task + 5 * t, k, v, head_stride, D, slots, scale, out, lse, &scr);
         }
-        free(acc); free(s); free(kt); free(mx); free(l);
+        att_scratch_free(&scr);
     }
     return failed ? -2 : 0;
 }
@@ -665,18 +695,19 @@ int hp_paged_attention(const float *q, const int64_t *rows, const int64_t *task,
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i] for gu = [gate | up] rows of 2I floats
  * (the fused gate/up product), silu(x) = x / (1 + e^-x) with exp_nonpos: the MLP's
  * activation in one pass instead of two strided torch ops and a temporary. */
+static inline void silu_mul_row(const float *g, int I, float *o) {
+    const float *u = g + I;
+    #pragma omp simd
+    for (int i = 0; i < I; i++) {
+        const float x = g[i], e = exp_nonpos(x < 0.0f ? x : -x);  /* e^-|x| */
+        const float s = x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+        o[i] = s * u[i];
+    }
+}
+
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int m = 0; m < M; m++) {
-        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
-        float *o = out + (size_t)m * I;
-        #pragma omp simd
-        for (int i = 0; i < I; i++) {
-            const float x = g[i], e = exp_nonpos(x < 0.0f ? x : -x);  /* e^-|x| */
-            const float s = x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
-            o[i] = s * u[i];
-        }
-    }
+    for (int m = 0; m < M; m++) silu_mul_row(gu + (size_t)m * 2 * I, I, out + (size_t)m * I);
 }
 
 /* Store T tokens' keys and values in a float32 pool ([KVH, S, D] per tensor) at their
@@ -693,37 +724,134 @@ void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t 
 
 /* RMSNorm of M rows of E floats (row m at x + m * x_row): out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w,
  * out contiguous [M, E]. */
+static inline void rmsnorm_row(const float *xr, int E, const float *w, float eps, float *o) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int e = 0; e < E; e++) ss += xr[e] * xr[e];
+    const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+    #pragma omp simd
+    for (int e = 0; e < E; e++) o[e] = xr[e] * inv * w[e];
+}
+
 void hp_rmsnorm(const float *x, int M, int E, int64_t x_row, const float *w, float eps, float *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 16)
-    for (int m = 0; m < M; m++) {
-        const float *xr = x + m * x_row;
-        float ss = 0.0f;
-        #pragma omp simd reduction(+:ss)
-        for (int e = 0; e < E; e++) ss += xr[e] * xr[e];
-        const float inv = 1.0f / sqrtf(ss / (float)E + eps);
-        float *o = out + (size_t)m * E;
-        #pragma omp simd
-        for (int e = 0; e < E; e++) o[e] = xr[e] * inv * w[e];
-    }
+    for (int m = 0; m < M; m++) rmsnorm_row(x + m * x_row, E, w, eps, out + (size_t)m * E);
 }
 
 /* Rotary embedding in place, Llama's rotate-half form, on T rows of nh heads of D floats
  * (row t at x + t * x_row, heads contiguous): for i < D/2, with c, s = cos, sin [t, i]:
  * x[i] <- x[i] c - x[i + D/2] s and x[i + D/2] <- x[i + D/2] c + x[i] s. cos, sin: [T, D]
  * (their two halves equal, as rope() builds them). */
-void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, const float *sin_, int nthreads) {
+static inline void rope_row(float *xr, int nh, int D, const float *c, const float *s) {
     const int h2 = D / 2;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
-    for (int t = 0; t < T; t++) {
-        const float *c = cos_ + (size_t)t * D, *s = sin_ + (size_t)t * D;
-        for (int h = 0; h < nh; h++) {
-            float *v = x + t * x_row + (int64_t)h * D;
-            #pragma omp simd
-            for (int i = 0; i < h2; i++) {
-                const float a = v[i], b = v[i + h2];
-                v[i] = a * c[i] - b * s[i];
-                v[i + h2] = b * c[i] + a * s[i];
-            }
+    for (int h = 0; h < nh; h++) {
+        float *v = xr + (int64_t)h * D;
+        #pragma omp simd
+        for (int i = 0; i < h2; i++) {
+            const float a = v[i], b = v[i + h2];
+            v[i] = a * c[i] - b * s[i];
+            v[i + h2] = b * c[i] + a * s[i];
         }
     }
+}
+
+void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, const float *sin_, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+    for (int t = 0; t < T; t++) rope_row(x + t * x_row, nh, D, cos_ + (size_t)t * D, sin_ + (size_t)t * D);
+}
+
+/* ------------------------------------------------------------------------
+ * Every decoder layer of a decode step in one call and one parallel region.
+ *
+ * A decode step of M single-token rows (no prefill, no cascade) otherwise makes ~10
+ * calls per layer from Python, each with its own parallel region, plus torch's small
+ * ops between them. Here the threads stay in one region for all layers and meet at the
+ * work-sharing loops' barriers. Each stage is the same code as the separate calls
+ * (rmsnorm_row, qmm_i8_team, rope_row, attend_task, silu_mul_row), in the same order
+ * with the same additions, so the result is the same bits as the layer-by-layer path.
+ * ------------------------------------------------------------------------ */
+
+/* One layer's weights (repacked by hp_repack, with their GGUF types) and cache. */
+typedef struct {
+    const float *norm1, *norm2;                     /* [E] */
+    const uint8_t *w_qkv, *w_o, *w_gu, *w_down;     /* [(H + 2 KVH) D, E], [E, H D], [2I, E], [E, I] */
+    int t_qkv, t_o, t_gu, t_down;
+    const float *b_qkv, *b_o;                       /* [(H + 2 KVH) D], [E], or NULL */
+    float *kpool, *vpool;                           /* [KVH, S, D] */
+} hp_layer;
+
+/* x [M, E]: the rows' hidden states, updated in place through nlayers layers. cos, sin:
+ * [M, D] (rope()'s halves); wslots [M]: where each row's key and value go; rows, task,
+ * ntasks, aslots: the attention plan over each row's context (hp_paged_attention's, with
+ * rows indexing q as [M * H, D]). Returns 0; -1 for a K not a multiple of 32; -2 when out
+ * of memory. */
+int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int H, int KVH, int D, int I,
+                     float eps, const float *cos_, const float *sin_, const int64_t *wslots, int64_t head_stride,
+                     const int64_t *rows, const int64_t *task, int ntasks, const int64_t *aslots, float scale,
+                     int nthreads) {
+    const int HD = H * D, NQKV = (H + 2 * KVH) * D;
+    if (E % QK || HD % QK || I % QK) return -1;
+    const int kmax = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
+    const size_t nbmax = (size_t)M * (kmax / QK);
+    float *h = malloc(sizeof(float) * (size_t)M * E), *qkv = malloc(sizeof(float) * (size_t)M * NQKV);
+    float *qb = malloc(sizeof(float) * (size_t)M * HD), *o = malloc(sizeof(float) * (size_t)M * HD);
+    float *lse = malloc(sizeof(float) * (size_t)M * H), *tmp = malloc(sizeof(float) * (size_t)M * E);
+    float *gu = malloc(sizeof(float) * (size_t)M * 2 * I), *act = malloc(sizeof(float) * (size_t)M * I);
+    int8_t *xq = malloc((size_t)M * kmax);
+    float *dx = malloc(sizeof(float) * nbmax), *sx = malloc(sizeof(float) * nbmax);
+    int32_t *xsum = malloc(sizeof(int32_t) * nbmax);
+    int failed = !(h && qkv && qb && o && lse && tmp && gu && act && xq && dx && sx && xsum);
+    const int maxr = max_task_rows(task, ntasks);
+    if (!failed) {
+        #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+        {
+            att_scratch scr;
+            const int ok = att_scratch_alloc(&scr, maxr, D);  /* a thread without it still meets every barrier */
+            if (!ok) failed = 1;
+            for (int l = 0; l < nlayers; l++) {
+                const hp_layer *ly = L + l;
+                #pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) rmsnorm_row(x + (size_t)m * E, E, ly->norm1, eps, h + (size_t)m * E);
+                qmm_i8_team(ly->t_qkv, h, M, E, ly->w_qkv, NQKV, qkv, xq, dx, xsum, sx);
+                #pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) {
+                    float *r = qkv + (size_t)m * NQKV;
+                    if (ly->b_qkv) for (int j = 0; j < NQKV; j++) r[j] = r[j] + ly->b_qkv[j];
+                    rope_row(r, H, D, cos_ + (size_t)m * D, sin_ + (size_t)m * D);
+                    rope_row(r + HD, KVH, D, cos_ + (size_t)m * D, sin_ + (size_t)m * D);
+                    memcpy(qb + (size_t)m * HD, r, sizeof(float) * HD);
+                    for (int g = 0; g < KVH; g++) {
+                        memcpy(ly->kpool + g * head_stride + wslots[m] * D, r + HD + g * D, sizeof(float) * D);
+                        memcpy(ly->vpool + g * head_stride + wslots[m] * D, r + HD + (KVH + g) * D,
+                               sizeof(float) * D);
+                    }
+                }
+                #pragma omp for schedule(dynamic, 1)
+                for (int t = 0; t < ntasks; t++)
+                    if (ok) attend_task(qb, rows, task + 5 * t, ly->kpool, ly->vpool, head_stride, D, aslots, scale,
+                                        o, lse, &scr);
+                qmm_i8_team(ly->t_o, o, M, HD, ly->w_o, E, tmp, xq, dx, xsum, sx);
+                #pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) {
+                    float *xr = x + (size_t)m * E, *tr = tmp + (size_t)m * E;
+                    if (ly->b_o) for (int e = 0; e < E; e++) xr[e] = xr[e] + (tr[e] + ly->b_o[e]);
+                    else for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
+                    rmsnorm_row(xr, E, ly->norm2, eps, h + (size_t)m * E);
+                }
+                qmm_i8_team(ly->t_gu, h, M, E, ly->w_gu, 2 * I, gu, xq, dx, xsum, sx);
+                #pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) silu_mul_row(gu + (size_t)m * 2 * I, I, act + (size_t)m * I);
+                qmm_i8_team(ly->t_down, act, M, I, ly->w_down, E, tmp, xq, dx, xsum, sx);
+                #pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) {
+                    float *xr = x + (size_t)m * E, *tr = tmp + (size_t)m * E;
+                    for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
+                }
+            }
+            att_scratch_free(&scr);
+        }
+    }
+    free(h); free(qkv); free(qb); free(o); free(lse); free(tmp); free(gu); free(act);
+    free(xq); free(dx); free(sx); free(xsum);
+    return failed ? -2 : 0;
 }

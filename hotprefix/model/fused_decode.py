@@ -1,0 +1,101 @@
+"""Decode steps through every decoder layer in one C call (csrc/qgemv.c's
+hp_decode_layers), in int8 mode on the CPU.
+
+A step in which every sequence decodes one token spends a large share of its time
+between kernels on 2 cores: about ten ctypes calls per layer, each opening its own
+OpenMP region, and torch's small ops between them (docs/benchmarks.md measures it).
+FusedDecode hands the whole stack of layers to one call that keeps its threads in one
+parallel region. Each stage runs the same C code as the layer-by-layer path, so the
+hidden states are the same bits (tests/model/test_fused_decode.py compares them);
+the embedding, the final norm and the logits stay in Python.
+
+It serves only what it was built for: int8 blocks for every projection (q/k/v and
+gate/up fused), no q/k norms, a float32 KV pool on the CPU, and a step of single-token
+decodes without cascades (any other step takes the layer-by-layer path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hotprefix.model.attention import AttentionMetadata, paged_plan_own
+from hotprefix.model.kv_cache import KVCache
+from hotprefix.model.llama import LlamaForCausalLM
+
+_p = ctypes.c_void_p
+
+
+class HpLayer(ctypes.Structure):
+    """csrc/qgemv.c's hp_layer: one layer's weights and cache, as addresses."""
+
+    _fields_ = [("norm1", _p), ("norm2", _p), ("w_qkv", _p), ("w_o", _p), ("w_gu", _p), ("w_down", _p),
+                ("t_qkv", ctypes.c_int), ("t_o", ctypes.c_int), ("t_gu", ctypes.c_int), ("t_down", ctypes.c_int),
+                ("b_qkv", _p), ("b_o", _p), ("kpool", _p), ("vpool", _p)]
+
+
+def fusable(model: LlamaForCausalLM, kv: KVCache, lib: ctypes.CDLL | None) -> bool:
+    """Whether every layer of `model` over `kv` can run in hp_decode_layers."""
+    pool = kv.layers[0].k
+    if lib is None or model.arch.qk_norm or pool.dtype != torch.float32 or pool.device.type != "cpu":
+        return False
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        packs = (a.qkv_packed, a.o_proj.packed, m.gate_up_packed, m.down_proj.packed)
+        if any(p is None or not p.int8 for p in packs):
+            return False
+    return True
+
+
+class FusedDecode:
+    """The decoder layers of `model` over the pool `kv`, for hp_decode_layers. Holds the
+    addresses of the model's weights and the pool's tensors: both must outlive it and
+    stay where they are (the runner builds it once, after both). Raises ValueError
+    unless `fusable`."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, lib: ctypes.CDLL) -> None:
+        if not fusable(model, kv, lib):
+            raise ValueError("this model and cache cannot take the fused decode path")
+        self.model, self.kv, self.lib = model, kv, lib
+        arch = model.arch
+        self.h, self.kvh, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.e, self.i = arch.hidden_size, arch.intermediate_size
+        self.eps = float(model.model.norm.eps)
+        self.scale = model.model.layers[0].self_attn.scale
+        self.layers = (HpLayer * arch.num_layers)()
+        for spec, layer, lkv in zip(self.layers, model.model.layers, kv.layers):
+            a, m = layer.self_attn, layer.mlp
+            spec.norm1, spec.norm2 = layer.input_layernorm.weight.data_ptr(), \
+                layer.post_attention_layernorm.weight.data_ptr()
+            for name, pack in (("qkv", a.qkv_packed), ("o", a.o_proj.packed), ("gu", m.gate_up_packed),
+                               ("down", m.down_proj.packed)):
+                setattr(spec, f"w_{name}", pack.raw.data_ptr())
+                setattr(spec, f"t_{name}", pack.qtype)
+            spec.b_qkv = a.qkv_bias.data_ptr() if a.qkv_bias is not None else None
+            spec.b_o = a.o_proj.bias.data_ptr() if a.o_proj.bias is not None else None
+            spec.kpool, spec.vpool = lkv.k.data_ptr(), lkv.v.data_ptr()
+        self.head_stride = kv.layers[0].k.shape[1] * self.d
+
+    @staticmethod
+    def serves(meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step's batch is single-token decodes only, attended by the kernel, no cascades."""
+        d = meta.decode
+        return d is not None and d.kernel is not None and not meta.cascades and \
+            len(d.members) == len(meta.seqs) == num_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states [T, E] of a step that `serves` accepts; writes the
+        step's keys and values into the pool. Raises RuntimeError if the kernel fails."""
+        x = self.model.model.embed_tokens(input_ids).contiguous()  # [T, E], updated in place below
+        cos, sin = self.model.rope(positions, x.dtype)  # [T, 1, D] each
+        plan = meta.decode.plans.own = meta.decode.plans.own or paged_plan_own(meta, self.h, self.kvh)
+        slots = meta.slot_mapping.contiguous()
+        rc = self.lib.hp_decode_layers(
+            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), x.shape[0], self.e, self.h, self.kvh,
+            self.d, self.i, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), self.head_stride,
+            plan.rows.data_ptr(), plan.task.data_ptr(), plan.task.shape[0], plan.slots.data_ptr(), self.scale,
+            torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"hp_decode_layers failed ({rc})")
+        return self.model.model.norm(x)

@@ -1,0 +1,106 @@
+"""The fused decode step (model/fused_decode.py, csrc/qgemv.c's hp_decode_layers) gives
+the same bits as the layer-by-layer int8 path, writes the same keys and values, and
+serves exactly the steps it was built for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
+from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+from hotprefix.model.loader import default_model_path, load_model
+from hotprefix.model.runner import AttentionPaths, ModelRunner
+from hotprefix.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model
+from tests.gguf_util import write_gguf
+
+GREEDY = SamplingParams(temperature=0)
+LAYERED = AttentionPaths(fused_decode=False)
+
+
+def runner_for(path, block_size: int = 8, blocks: int = 64) -> ModelRunner:
+    r = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
+                    CacheConfig(block_size=block_size, num_blocks_override=blocks), SchedulerConfig())
+    assert r.fused is not None, "int8 mode with a C compiler always builds the fused path"
+    return r
+
+
+def prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> None:
+    for i, (p, t) in enumerate(zip(prompts, tables)):
+        runner.all_logits(SchedulerOutput([ScheduledRequest(f"p{i}", p[:-1], 0, t, False, GREEDY, p, [])]))
+
+
+def decode_step(prompts: list[list[int]], tables: list[list[int]]) -> SchedulerOutput:
+    return SchedulerOutput([ScheduledRequest(f"d{i}", [p[-1]], len(p) - 1, t, True, GREEDY, p, [])
+                            for i, (p, t) in enumerate(zip(prompts, tables))])
+
+
+def pool(runner: ModelRunner) -> list[torch.Tensor]:
+    """A copy of every layer's K and V, as bits (the pool starts as uninitialised memory, NaNs included)."""
+    return [t.clone().view(torch.int32) for layer in runner.kv_cache.layers for t in (layer.k, layer.v)]
+
+
+def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
+    """The step fused and layer by layer: the same logits and the same pool, bit for bit."""
+    before = pool(runner)
+    layered = runner.all_logits(step, LAYERED)
+    after_layered = pool(runner)
+    for live, saved in zip((t for layer in runner.kv_cache.layers for t in (layer.k, layer.v)), before):
+        live.view(torch.int32).copy_(saved)  # as it was: the fused run must write the step's keys and values
+    fused = runner.all_logits(step)
+    assert fused.equal(layered), float((fused - layered).abs().max())
+    assert all(a.equal(b) for a, b in zip(pool(runner), after_layered))
+    assert not all(a.equal(b) for a, b in zip(before, after_layered))  # the step did write keys and values
+
+
+def test_default_model_fused_step_is_the_layered_step_bit_for_bit():
+    """SmolLM2 (Q4_1 and Q8_0 blocks): one sequence, then four of different lengths."""
+    runner = runner_for(default_model_path(), block_size=16, blocks=64)
+    prompts = [[(7 * i + 3 * j) % 4000 + 100 for j in range(n)] for i, n in enumerate((9, 30, 17, 64))]
+    tables = [[4 * i + b for b in range(4)] for i in range(4)]
+    prefill(runner, prompts, tables)
+    check_same_bits(runner, decode_step(prompts[:1], tables[:1]))
+    check_same_bits(runner, decode_step(prompts, tables))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_qkv_biases_and_other_block_types_fused(tmp_path, qtype):
+    """A Qwen2-shaped model (q/k/v biases) in Q4_0 and Q8_0 blocks."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "src"
+    model = build_tiny_model(d, "qwen2", seed=3, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=2)
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, AutoTokenizer.from_pretrained(str(d)), qtype)
+    runner = runner_for(path)
+    assert runner.model.model.layers[0].self_attn.qkv_bias is not None
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate((5, 21, 12))]
+    tables = [[8 * i + b for b in range(8)] for i in range(3)]
+    prefill(runner, prompts, tables)
+    check_same_bits(runner, decode_step(prompts, tables))
+
+
+def test_only_decode_steps_without_cascades_take_the_fused_path():
+    runner = runner_for(default_model_path(), block_size=16, blocks=64)
+    calls = []
+    original = runner.fused.forward
+
+    def spy(*a):
+        calls.append(a[0].numel())
+        return original(*a)
+
+    runner.fused.forward = spy
+    shared = list(range(200, 232))  # two full blocks, shared by two sequences: a cascade when both decode
+    prompts = [shared + [300], shared + [301, 302, 303]]
+    tables = [[0, 1, 2], [0, 1, 3]]
+    runner.all_logits(SchedulerOutput([ScheduledRequest("s", shared, 0, tables[0], False, GREEDY, shared, [])]))
+    runner.all_logits(SchedulerOutput([ScheduledRequest("t", [301, 302], 32, tables[1], False, GREEDY, prompts[1],
+                                                        [])]))
+    assert calls == []  # prefills: layered (a one-token chunk would be fused: its attention is a decode's)
+    runner.all_logits(decode_step(prompts[:1], tables[:1]))  # one decode: fused
+    assert calls == [1]
+    runner.all_logits(decode_step(prompts, tables))  # two decodes sharing two blocks: a cascade, layered
+    assert calls == [1]
+    runner.all_logits(decode_step(prompts, tables), AttentionPaths(cascade=False))  # no cascade: fused
+    assert calls == [1, 2]
