@@ -219,8 +219,12 @@ def _paged_plan(meta: AttentionMetadata, h: int, kvh: int, cascades: bool) -> Pa
 
 
 def paged_plan_own(meta: AttentionMetadata, h: int, kvh: int) -> PagedPlan:
-    """The decode batch's plan over each member's own keys (see _paged_plan)."""
-    return _paged_plan(meta, h, kvh, cascades=False)
+    """The decode batch's plan over each member's own keys (see _paged_plan), made by
+    the first caller of a step and kept in meta.decode.plans for the others."""
+    plans = meta.decode.plans
+    if plans.own is None:
+        plans.own = _paged_plan(meta, h, kvh, cascades=False)
+    return plans.own
 
 
 def _paged_attend(lib: ctypes.CDLL, q: torch.Tensor, kv: LayerKV, plan: PagedPlan, scale: float,
@@ -244,13 +248,11 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scal
     if batch.kernel is not None and kv.k.dtype == torch.float32 and q.dtype == torch.float32:
         t, h, d = q.shape
         q = q.contiguous()
-        plans = batch.plans
-        if plans.own is None:  # the same for every layer of the step
-            plans.own = paged_plan_own(meta, h, kv.k.shape[0])
-            if meta.cascades:
-                plans.shared = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
+        plans = batch.plans  # the same for every layer of the step
+        if meta.cascades and plans.shared is None:
+            plans.shared = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
         o, lse = torch.empty(t * h, d), torch.empty(t * h)
-        _paged_attend(batch.kernel, q, kv, plans.own, scale, o, lse)
+        _paged_attend(batch.kernel, q, kv, paged_plan_own(meta, h, kv.k.shape[0]), scale, o, lse)
         if plans.shared is not None:
             rows = plans.shared.rows
             o_sh, l_sh = torch.empty(t * h, d), torch.empty(t * h)

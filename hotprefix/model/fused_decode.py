@@ -89,7 +89,7 @@ class FusedDecode:
         step's keys and values into the pool. Raises RuntimeError if the kernel fails."""
         x = self.model.model.embed_tokens(input_ids).contiguous()  # [T, E], updated in place below
         cos, sin = self.model.rope(positions, x.dtype)  # [T, 1, D] each
-        plan = meta.decode.plans.own = meta.decode.plans.own or paged_plan_own(meta, self.h, self.kvh)
+        plan = paged_plan_own(meta, self.h, self.kvh)
         slots = meta.slot_mapping.contiguous()
         rc = self.lib.hp_decode_layers(
             ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), x.shape[0], self.e, self.h, self.kvh,

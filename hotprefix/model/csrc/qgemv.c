@@ -713,13 +713,17 @@ void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads) {
 /* Store T tokens' keys and values in a float32 pool ([KVH, S, D] per tensor) at their
  * slots: row t of k (and v) starts at k + t * k_row (v + t * v_row) and holds KVH * D
  * floats. One copy of D floats per token and head. */
+static inline void kv_write_row(float *kpool, float *vpool, int64_t head_stride, int64_t slot, const float *k,
+                                const float *v, int KVH, int D) {
+    for (int h = 0; h < KVH; h++) {
+        memcpy(kpool + h * head_stride + slot * D, k + (int64_t)h * D, sizeof(float) * D);
+        memcpy(vpool + h * head_stride + slot * D, v + (int64_t)h * D, sizeof(float) * D);
+    }
+}
+
 void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,
                  int64_t k_row, const float *v, int64_t v_row, int KVH, int D) {
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < KVH; h++) {
-            memcpy(kpool + h * head_stride + slots[t] * D, k + t * k_row + (int64_t)h * D, sizeof(float) * D);
-            memcpy(vpool + h * head_stride + slots[t] * D, v + t * v_row + (int64_t)h * D, sizeof(float) * D);
-        }
+    for (int t = 0; t < T; t++) kv_write_row(kpool, vpool, head_stride, slots[t], k + t * k_row, v + t * v_row, KVH, D);
 }
 
 /* RMSNorm of M rows of E floats (row m at x + m * x_row): out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w,
@@ -820,11 +824,7 @@ int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int
                     rope_row(r, H, D, cos_ + (size_t)m * D, sin_ + (size_t)m * D);
                     rope_row(r + HD, KVH, D, cos_ + (size_t)m * D, sin_ + (size_t)m * D);
                     memcpy(qb + (size_t)m * HD, r, sizeof(float) * HD);
-                    for (int g = 0; g < KVH; g++) {
-                        memcpy(ly->kpool + g * head_stride + wslots[m] * D, r + HD + g * D, sizeof(float) * D);
-                        memcpy(ly->vpool + g * head_stride + wslots[m] * D, r + HD + (KVH + g) * D,
-                               sizeof(float) * D);
-                    }
+                    kv_write_row(ly->kpool, ly->vpool, head_stride, wslots[m], r + HD, r + HD + KVH * D, KVH, D);
                 }
                 #pragma omp for schedule(dynamic, 1)
                 for (int t = 0; t < ntasks; t++)
