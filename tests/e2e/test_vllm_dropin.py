@@ -81,6 +81,8 @@ def test_a_vllm_launch_line_and_vllm_metric_names(tiny_llama):
     (["-tp", "2"], "one engine per device"),
     (["--model", "/no/such", "/other/path"], "two models given"),
     (["--allowed-origins", "[1, 2]"], "JSON list of strings"),
+    (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be > 0, got 0.0"),
+    (["--timeout-keep-alive", "nan"], "--timeout-keep-alive must be > 0, got nan"),
 ])
 def test_launch_lines_hotprefix_cannot_honour_fail_with_one_line(tiny_llama, args, needle):
     r = subprocess.run([sys.executable, "-m", "hotprefix", "serve", *args], capture_output=True, text=True,

@@ -182,3 +182,15 @@ def test_health_checks_that_time_out_mark_a_backend_down_only_after_health_fails
     assert seen == [True, True, False]
     assert back and slow.last_error is None and slow.model == "fake-model"  # up again, probed
     assert not dead_healthy and "ConnectError" in dead.last_error
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"health_fails": 0}, "--health-fails must be >= 1, got 0"),
+    ({"timeout_keep_alive": 0.0}, "--timeout-keep-alive must be > 0, got 0.0"),
+    ({"timeout_keep_alive": float("nan")}, "--timeout-keep-alive must be > 0, got nan"),
+])
+def test_health_and_keep_alive_settings_out_of_range_are_refused(kw, needle):
+    from hotprefix.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        GatewayConfig(backends=("http://127.0.0.1:1",), **kw)
