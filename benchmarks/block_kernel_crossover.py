@@ -30,11 +30,12 @@ def timed(fn, reps: int = 5) -> float:
 def main() -> None:
     torch.set_num_threads(2)
     lm = load_model(None)
+    weights = lm.model_weights(blocks_only=False)  # the float32 weights, dequantized from the blocks
     names = [f"model.layers.{i}.{p}.weight" for i in range(lm.arch.num_layers) for p in PROJ]
     for m in (1, 4, 8, 12, 16, 24):
         xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         blocks = timed(lambda xs=xs: [qmatmul(xs[lm.packed[n].k], lm.packed[n]) for n in names])
-        dense = timed(lambda xs=xs: [torch.nn.functional.linear(xs[lm.weights[n].shape[1]], lm.weights[n])
+        dense = timed(lambda xs=xs: [torch.nn.functional.linear(xs[weights[n].shape[1]], weights[n])
                                      for n in names])
         print(f"M={m:2d}  block kernel {blocks:6.1f} ms   float32 linear {dense:6.1f} ms")
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hotprefix.model.arch import GGUF_ARCHITECTURES, ModelArch, ModelLoadError
 from hotprefix.model.gguf_file import ArrayField, GGUFFile, GGUFFormatError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hotprefix.model.qlinear import PackedWeight
 
 # Tensor types we dequantize (gguf.quants implements each of these in numpy).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
@@ -95,9 +100,12 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks: bool = False
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """All tensors, dequantized to float32 and renamed to HF's names; and, when
-    keep_blocks, the 2-D ones the block kernel reads (Q4_0, Q4_1, Q8_0) also as
-    their GGUF blocks (`qlinear.PackedWeight`, rows in the same order).
+    """All tensors, renamed to HF's names: dequantized to float32, except, when
+    keep_blocks, the 2-D ones the block kernel reads (Q4_0, Q4_1, Q8_0): those are
+    kept as their GGUF blocks (`qlinear.PackedWeight`, rows in the same order) and
+    appear in the first dict as meta tensors of their shape, dequantized only for a
+    mode that needs them (`dequantize_rows`, LoadedModel.model_weights), so that
+    int8 mode never holds the float32 copies, not even while loading.
 
     Raises ModelLoadError for a tensor type we cannot dequantize.
     """
@@ -136,14 +144,26 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
             if base not in _TOP_NAMES:
                 raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
             name = f"{_TOP_NAMES[base]}.{kind}"
-        w = np.asarray(dequantize(raw, qtype), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])
+        shape = [int(d) for d in reversed(t.shape)]
+        if keep_blocks and len(shape) == 2:
+            rows = _unpermute(raw, permute_heads) if permute_heads is not None else raw
+            p = PackedWeight.from_gguf(ttype, torch.from_numpy(np.array(rows, order="C")), *shape)
+            if p is not None:
+                packed[name] = p
+                out[name] = torch.empty(shape, device="meta")
+                continue
+        w = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
         if permute_heads is not None:
             w = _unpermute(w, permute_heads)
         out[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else np.array(w, order="C"))
-        if keep_blocks and w.ndim == 2:
-            rows = _unpermute(raw, permute_heads) if permute_heads is not None else raw
-            p = PackedWeight.from_gguf(ttype, torch.from_numpy(np.array(rows, order="C")), w.shape[0], w.shape[1])
-            if p is not None:
-                packed[name] = p
     return out, packed
+
+
+def dequantize_rows(p: PackedWeight) -> torch.Tensor:
+    """A `qlinear.PackedWeight` of GGUF rows as float32 [N, K], dequantized by gguf
+    (the values load_gguf_weights would have given)."""
+    import torch
+    from gguf import GGMLQuantizationType, dequantize
+
+    w = dequantize(p.raw.numpy(), GGMLQuantizationType(p.qtype))
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C").reshape(p.n, p.k))

@@ -16,7 +16,17 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
-from hotprefix.model.qlinear import Linear, PackedWeight, concat_rows, library, qmatmul, rms_norm, rope_, silu_mul
+from hotprefix.model.qlinear import (
+    Embedding,
+    Linear,
+    PackedWeight,
+    concat_rows,
+    library,
+    qmatmul,
+    rms_norm,
+    rope_,
+    silu_mul,
+)
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +150,7 @@ class DecoderLayer(nn.Module):
 class _Inner(nn.Module):
     def __init__(self, arch: ModelArch, bias: bool, o_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, bias, o_bias) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -163,8 +173,10 @@ class LlamaForCausalLM(nn.Module):
                      device: torch.device, blocks: dict[str, PackedWeight] | None = None,
                      int8: bool = False) -> LlamaForCausalLM:
         """Build the module, load HF-named weights and attach GGUF `blocks` (see
-        attach_blocks). Raises ModelLoadError on a missing or unexpected tensor, or a
-        shape that does not match the config."""
+        attach_blocks). A meta tensor in `weights` (LoadedModel.model_weights) stays a
+        meta parameter until release_served_weights drops it: only int8 mode, which reads
+        those weights as blocks alone, is given any. Raises ModelLoadError on a missing
+        or unexpected tensor, or a shape that does not match the config."""
         weights = dict(weights)
         rope_freqs = weights.pop("rope_freqs", None)
         bias = "model.layers.0.self_attn.q_proj.bias" in weights
@@ -187,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(weights[name].shape) != tuple(p.shape):
                 raise ModelLoadError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
                                      f"the config implies {tuple(p.shape)}")
-        state = {n: w.to(device=device, dtype=dtype) for n, w in weights.items()}
+        state = {n: w if w.is_meta else w.to(device=device, dtype=dtype) for n, w in weights.items()}
         m.load_state_dict(state, assign=True)
         m.inv_freq = rope_inv_freq(arch, rope_freqs).to(device)
         if blocks:
@@ -236,6 +248,7 @@ class LlamaForCausalLM(nn.Module):
                     p.packed = None  # the fused copy serves them
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         self.logits_packed = packed.get(head)
+        self.model.embed_tokens.packed = packed.get("model.embed_tokens.weight")  # GGUF rows, never regrouped
         if int8:  # every product at every batch size from the int8 layout
             self._regroup()
         lib = library() if int8 else None
@@ -246,9 +259,12 @@ class LlamaForCausalLM(nn.Module):
 
     def release_served_weights(self) -> int:
         """Drop the float32 weights that attached int8 blocks serve at every batch size
-        (int8 mode never reads them: ~430 MB on the default model). Biases, norms and
-        the embedding stay. Returns the bytes released; afterwards the model cannot be
-        re-attached for float32 activations (benchmarks that compare load twice)."""
+        (int8 mode never reads them: ~540 MB on the default model), the embedding table
+        too when its GGUF rows are attached (lookups dequantize the rows they need).
+        Biases and norms stay. Returns the bytes of float32 weights done without (released,
+        or never dequantized: meta); afterwards the model cannot be
+        re-attached for float32 activations (benchmarks that compare load twice).
+        Raises ModelLoadError if a weight that was never loaded (meta) is not served."""
         served: set[nn.Module] = set()
         for mod in self.modules():
             if isinstance(mod, Linear) and mod.packed is not None and mod.packed.int8:
@@ -259,10 +275,17 @@ class LlamaForCausalLM(nn.Module):
                 served.update((mod.gate_proj, mod.up_proj))
         if not self.arch.tie_word_embeddings and self.logits_packed is not None and self.logits_packed.int8:
             served.add(self.lm_head)
+        embed = self.model.embed_tokens
+        if embed.packed is not None and (self.logits_packed is None or self.logits_packed.int8):
+            served.add(embed)  # (a tied table must be left to float32 logits)
         freed = 0
-        for lin in served:
-            freed += lin.weight.numel() * lin.weight.element_size()
-            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        for mod in served:
+            w = mod.weight
+            freed += w.numel() * w.element_size()  # (meta: a weight the loader never dequantized)
+            mod.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        unloaded = [n for n, w in self.named_parameters() if w.is_meta]
+        if unloaded:
+            raise ModelLoadError(f"weights neither loaded nor read as blocks: {unloaded[:3]}")
         return freed
 
     def _regroup(self) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from hotprefix.config import cache_root
 from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
-from hotprefix.model.gguf_loader import load_gguf_weights, read_gguf_arch
+from hotprefix.model.gguf_loader import dequantize_rows, load_gguf_weights, read_gguf_arch
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    """Shape, weights (HF names; float32 or the checkpoint's dtype), tokenizer, and where from."""
+    """Shape, weights (HF names; float32 or the checkpoint's dtype; meta for those kept
+    only as GGUF blocks, see model_weights), tokenizer, and where from."""
 
     arch: ModelArch
     weights: dict[str, torch.Tensor]
@@ -35,6 +36,14 @@ class LoadedModel:
     source: str
     name: str
     packed: dict[str, Any] = field(default_factory=dict)  # HF name -> qlinear.PackedWeight (GGUF blocks)
+
+    def model_weights(self, blocks_only: bool) -> dict[str, torch.Tensor]:
+        """HF name -> tensor for LlamaForCausalLM.from_weights (a new dict; self is
+        unchanged). A weight held only as GGUF blocks (a meta tensor) is dequantized to
+        float32 here, or, with blocks_only (int8 mode, which reads it as blocks alone),
+        stays meta."""
+        return {n: w if not w.is_meta or blocks_only else dequantize_rows(self.packed[n])
+                for n, w in self.weights.items()}
 
 
 def default_model_path() -> Path:

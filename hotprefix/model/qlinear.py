@@ -260,6 +260,23 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that, given `packed` GGUF rows of its table and no float32 table
+    (int8 mode releases it, see LlamaForCausalLM.release_served_weights), looks rows up
+    in the blocks and dequantizes just those (exactly as gguf does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed: PackedWeight | None = None  # GGUF rows (not regrouped), see attach_blocks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        if p is None or self.weight.numel():
+            return super().forward(ids)
+        rows = p.raw.index_select(0, ids.reshape(-1))  # [T, bytes per row]
+        return dequantize(PackedWeight(p.qtype, rows, rows.shape[0], p.k)).reshape(*ids.shape, p.k)
+
+
 def packable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the block kernel can serve a model on `device` in `dtype`."""
     return device.type == "cpu" and dtype == torch.float32 and library() is not None

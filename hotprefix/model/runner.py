@@ -126,15 +126,18 @@ class ModelRunner:
                  grammars: GrammarCompiler | None = None) -> None:
         self.device = resolve_device(model_cfg.device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
-        self.packed = loaded.packed if packable(self.device, self.dtype) else {}
-        self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if self.packed else None
-        self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.weights, self.dtype, self.device,
-                                                   self.packed, self.quantized_matmul is QuantizedMatmul.INT8)
-        if self.quantized_matmul is QuantizedMatmul.INT8:
-            log.info("int8 mode: released %.0f MB of float32 weights the blocks serve",
+        packed = loaded.packed if packable(self.device, self.dtype) else {}
+        self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if packed else None
+        int8 = self.quantized_matmul is QuantizedMatmul.INT8
+        self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.model_weights(blocks_only=int8), self.dtype,
+                                                   self.device, packed, int8)
+        if int8:
+            log.info("int8 mode: the blocks serve %.0f MB of float32 weights, never held",
                      self.model.release_served_weights() / 1e6)
-        if self.packed:
-            log.info("%d weights are read as GGUF blocks (%.0f MB), %s", len(self.packed),
+        # the GGUF rows as loaded, to attach again (benchmarks); int8 mode holds regrouped copies instead
+        self.packed = {} if int8 else packed
+        if packed:
+            log.info("%d weights are read as GGUF blocks (%.0f MB), %s", len(packed),
                      sum(p.nbytes for p in loaded.packed.values()) / 1e6,
                      "with int8 activations" if self.quantized_matmul is QuantizedMatmul.INT8 else
                      "with float32 activations for small batches")

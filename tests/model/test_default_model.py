@@ -147,13 +147,17 @@ def test_int8_matmul_stays_close_to_float32():
 
 
 def test_int8_mode_keeps_no_float32_copy_of_the_weights_its_blocks_serve():
-    """The released weights were never read: logits before and after are bit-identical,
-    and what is left in float32 is the embedding (tied to the logits), norms and biases."""
+    """The loader dequantizes no weight it keeps as GGUF blocks (meta until a mode needs
+    it); int8 mode never does, and its logits are bit-identical to float32 weights with
+    int8 blocks attached by hand: what is left in float32 is norms, and embedding rows
+    come from the blocks exactly as from the float32 table."""
     from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
     from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
     from hotprefix.engine.llm_engine import LLMEngine
     from hotprefix.model.loader import load_model
     loaded = load_model(None)
+    assert set(loaded.packed) == {n for n, w in loaded.weights.items() if w.is_meta}
+    assert "model.embed_tokens.weight" in loaded.packed and len(loaded.packed) == 30 * 7 + 1
     ids = loaded.tokenizer(TEXT)["input_ids"][:100]
     so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(8)), True, SamplingParams(), ids, [])])
     # float32 mode keeps every weight; attaching int8 blocks by hand gives int8 products on it
@@ -166,7 +170,10 @@ def test_int8_mode_keeps_no_float32_copy_of_the_weights_its_blocks_serve():
     assert torch.equal(kept_eng.runner.all_logits(so), int8_eng.runner.all_logits(so))
     left = sum(p.numel() * p.element_size() for p in released.parameters())
     full = sum(p.numel() * p.element_size() for p in kept.parameters())
-    embed = released.model.embed_tokens.weight
-    assert full - left > 400e6  # ~425 MB of float32 projections gone
-    assert left - embed.numel() * 4 < 1e6  # what stays besides the embedding: norms
+    assert full - left > 530e6  # ~425 MB of float32 projections and the 113 MB table never held
+    assert left < 1e6  # what stays: norms
     assert released.model.layers[0].self_attn.q_proj.weight.numel() == 0
+    assert released.model.embed_tokens.weight.numel() == 0 and int8_eng.runner.packed == {}
+    every = torch.tensor([[0, 1, 2], [49151, 7, 7]])
+    assert torch.equal(released.model.embed_tokens(every), kept.model.embed_tokens(every))
+    assert torch.equal(released.model.embed_tokens(torch.arange(49152)), kept.model.embed_tokens.weight)

@@ -65,15 +65,21 @@ def test_f32_gguf_equals_the_hf_folder(tmp_path, hf_pair):
     assert err < 1e-5
 
 
-def test_k_quant_weights_are_dequantized_by_gguf(tmp_path, hf_pair):
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1"])
+def test_weights_are_dequantized_by_gguf(tmp_path, hf_pair, qtype):
+    """A K-quant is dequantized at load; a type the block kernel reads is kept as blocks
+    (a meta tensor until a mode asks for float32) and dequantized to the same values."""
     import gguf
 
     _, model, tok = hf_pair
-    path = write_gguf(tmp_path / "q6k.gguf", model, tok, "Q6_K")
+    path = write_gguf(tmp_path / "q.gguf", model, tok, qtype)
     loaded = load_model(str(path))
     t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
     expect = gguf.quants.dequantize(t.data, t.tensor_type).reshape(256, 512)
-    assert np.array_equal(loaded.weights["model.layers.0.mlp.down_proj.weight"].numpy(), expect)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert loaded.weights[name].is_meta == (qtype == "Q4_1") == (name in loaded.packed)
+    assert np.array_equal(loaded.model_weights(blocks_only=False)[name].numpy(), expect)
+    assert loaded.model_weights(blocks_only=True)[name].is_meta == (qtype == "Q4_1")
 
 
 def test_gguf_tokenizer_and_chat_template(tmp_path, hf_pair, monkeypatch):
