@@ -18,7 +18,7 @@ ways to multiply by the blocks (`--quantized-matmul`):
 
 The same library also holds the decode attention over the paged pool and, for
 int8 mode, RMSNorm, RoPE and silu * up. It is compiled at first use with the
-system's C compiler (-O3 -march=native -fopenmp) into $HOTPREFIX_CACHE/kernels
+system's C compiler (-O3 -march=native -fopenmp, see build_library) into $HOTPREFIX_CACHE/kernels
 and loaded with ctypes; without a compiler, or with HOTPREFIX_QKERNEL=0, all of
 it falls back to torch on the float32 weights.
 """
@@ -68,15 +68,16 @@ def build_library(force: bool = False, march: str = "native") -> Path | None:
         log.info("no C compiler: decoding uses float32 weights")
         return None
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + _cpu_signature().encode() + cc.encode() + march.encode()).hexdigest()[:16]
+    # no FP traps are ever read: selects of values computed anyway (silu, exp) may vectorize
+    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+    key = hashlib.sha256(src + _cpu_signature().encode() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"qgemv-{key}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
-               str(SOURCE), "-o", str(so), "-lm"]
+        cmd = [cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(so), "-lm"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             log.warning("could not build the GGUF block kernel (%s): decoding uses float32 weights",

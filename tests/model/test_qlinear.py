@@ -89,7 +89,7 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 7, 8, 9, 40])
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 40, 64, 130])  # (64 rows of x a chunk: 130 = 2 chunks and 2 rows)
 def test_int8_product_is_the_quantized_activations_times_the_weights(type_name, m, lib, native_lib):
     p, ref = packed(type_name, 200, 576, seed=m)  # 200 rows: the last group of 16 is padded
     x = torch.randn(m, 576)

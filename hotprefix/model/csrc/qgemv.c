@@ -435,6 +435,7 @@ static inline __attribute__((always_inline)) void group_avx2(
             }
         }
         for (int m = 0; m < MT; m++) {
+            if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(y + (size_t)m * N + 8 * half, acc[m]); continue; }
             float tmp[8];
             _mm256_storeu_ps(tmp, acc[m]);
             for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
@@ -461,6 +462,8 @@ AVX2_TYPE(Q8_0)
 #define GROUP(T) group_avx2_##T
 #endif
 
+#define M_CHUNK 64  /* rows of x whose int8 form (M_CHUNK * K bytes) stays in L2 while the groups pass */
+
 /* The body of hp_qmatmul_i8 for a thread of an enclosing parallel region (its work-sharing
  * loops end in barriers): quantizes x into xq/dx/xsum/sx (shared scratch of M * K bytes and
  * M * K / 32 entries each), then every thread takes groups of 16 weight rows. */
@@ -471,13 +474,18 @@ static void qmm_i8_team(int qtype, const float *x, int M, int K, const uint8_t *
     for (int m = 0; m < M; m++)
         quantize_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nb, xsum + (size_t)m * nb,
                      sx + (size_t)m * nb);
-    #pragma omp for schedule(static)
+    /* (rows of x in chunks of M_CHUNK, groups): a chunk's int8 rows stay in cache while
+     * the groups pass over them, instead of all of x streaming past every group */
+    const int chunks = (M + M_CHUNK - 1) / M_CHUNK;
+    #pragma omp for schedule(static) collapse(2)
+    for (int c = 0; c < chunks; c++)
     for (int g = 0; g < groups; g++) {
         const uint8_t *gp = wp + (size_t)g * nb * unit_bytes(qtype);
         const int nvalid = N - g * G < G ? N - g * G : G;
+        const int m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
 #if defined(GROUP_MT)
-        for (int m0 = 0; m0 < M; m0 += GROUP_MT) {
-            const int mt = M - m0 < GROUP_MT ? M - m0 : GROUP_MT;
+        for (int m0 = c * M_CHUNK; m0 < m_end; m0 += GROUP_MT) {
+            const int mt = m_end - m0 < GROUP_MT ? m_end - m0 : GROUP_MT;
             const size_t xo = (size_t)m0 * nb;
             float *yo = y + (size_t)m0 * N + (size_t)g * G;
             if (qtype == Q4_0) GROUP(Q4_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
@@ -485,7 +493,9 @@ static void qmm_i8_team(int qtype, const float *x, int M, int K, const uint8_t *
             else GROUP(Q8_0)(mt, gp, nb, xq + (size_t)m0 * K, dx + xo, xsum + xo, sx + xo, K, yo, N, nvalid);
         }
 #else
-        group_c(qtype, gp, nb, xq, dx, xsum, sx, M, K, y + (size_t)g * G, N, nvalid);
+        const size_t xo = (size_t)c * M_CHUNK * nb;
+        group_c(qtype, gp, nb, xq + (size_t)c * M_CHUNK * K, dx + xo, xsum + xo, sx + xo, m_end - c * M_CHUNK, K,
+                y + (size_t)c * M_CHUNK * N + (size_t)g * G, N, nvalid);
 #endif
     }
 }
@@ -602,6 +612,19 @@ static void attend_task(const float *q, const int64_t *rows, const int64_t *tk, 
                 }
                 _mm512_storeu_ps(sr, s0);
                 _mm512_storeu_ps(sr + 16, s1);
+#elif defined(__AVX2__)
+                __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();  /* the 32 scores in registers */
+                __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+                for (int d = 0; d < D; d++) {
+                    const __m256 qd = _mm256_set1_ps(qr[d]);
+                    const float *kd = kt + (size_t)d * ATT_CHUNK;
+                    s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), s0);
+                    s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), s1);
+                    s2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 16), s2);
+                    s3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 24), s3);
+                }
+                _mm256_storeu_ps(sr, s0); _mm256_storeu_ps(sr + 8, s1);
+                _mm256_storeu_ps(sr + 16, s2); _mm256_storeu_ps(sr + 24, s3);
 #else
                 for (int j = 0; j < ATT_CHUNK; j++) sr[j] = 0.0f;
                 for (int d = 0; d < D; d++) {
@@ -645,6 +668,27 @@ static void attend_task(const float *q, const int64_t *rows, const int64_t *tk, 
                     }
                     _mm512_storeu_ps(ar, a0); _mm512_storeu_ps(ar + 16, a1);
                     _mm512_storeu_ps(ar + 32, a2); _mm512_storeu_ps(ar + 48, a3);
+                }
+            continue;
+        }
+#elif defined(__AVX2__)
+        if (D % 32 == 0) {  /* 32 output columns of a row stay in registers over the chunk */
+            for (int d0 = 0; d0 < D; d0 += 32)
+                for (int r = 0; r < R; r++) {
+                    float *ar = acc + (size_t)r * D + d0;
+                    const float *pr = s + (size_t)r * ATT_CHUNK;
+                    __m256 a0 = _mm256_loadu_ps(ar), a1 = _mm256_loadu_ps(ar + 8);
+                    __m256 a2 = _mm256_loadu_ps(ar + 16), a3 = _mm256_loadu_ps(ar + 24);
+                    for (int j = 0; j < c; j++) {
+                        const float *vj = vh + sl[j0 + j] * D + d0;
+                        const __m256 p = _mm256_set1_ps(pr[j]);
+                        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);
+                        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
+                        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);
+                        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
+                    }
+                    _mm256_storeu_ps(ar, a0); _mm256_storeu_ps(ar + 8, a1);
+                    _mm256_storeu_ps(ar + 16, a2); _mm256_storeu_ps(ar + 24, a3);
                 }
             continue;
         }
@@ -699,9 +743,9 @@ static inline void silu_mul_row(const float *g, int I, float *o) {
     const float *u = g + I;
     #pragma omp simd
     for (int i = 0; i < I; i++) {
-        const float x = g[i], e = exp_nonpos(x < 0.0f ? x : -x);  /* e^-|x| */
-        const float s = x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
-        o[i] = s * u[i];
+        const float x = g[i], e = exp_nonpos(-fabsf(x)), xe = x * e;  /* e^-|x| */
+        const float num = x >= 0.0f ? x : xe;  /* a select of values computed anyway: the loop vectorizes */
+        o[i] = num / (1.0f + e) * u[i];
     }
 }
 
