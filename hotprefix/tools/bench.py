@@ -26,7 +26,7 @@ from hotprefix.config import ConfigError
 from hotprefix.tools.logs import percentile
 from hotprefix.tools.watch import parse_metrics
 
-WORKLOADS = ("ttft", "tenants", "rag", "chat", "unique")
+WORKLOADS = ("ttft", "tenants", "rag", "chat", "unique", "decode")
 _WORDS = ("time people year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact be have do say get make go know take see come think look "
           "want give use find tell ask seem feel try leave call good new first last long great little own other "
@@ -39,11 +39,13 @@ _WORDS = ("time people year way day thing man world life hand part child eye wom
 
 @dataclass
 class Job:
-    """One request: its prompt, and for chat the conversation and turn it belongs to."""
+    """One request: its prompt, for chat the conversation and turn it belongs to, and
+    its own output length where the workload sets one (else --max-tokens)."""
 
     prompt: str
     conversation: int | None = None
     turn: int = 0
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -86,6 +88,8 @@ def build(workload: str, seed: int = 0, scale: float = 1.0) -> tuple[list[Job], 
         return [Job(f"User: {_words(rng, s(40))}", conversation=c) for c in range(s(8))], 8, 6
     if workload == "unique":
         return [Job(f"Item {i} {rng.random():.6f}: " + _words(rng, s(300))) for i in range(s(64))], 8, 0
+    if workload == "decode":  # one stream at a time, long outputs: the per-stream decode rate
+        return [Job(f"Story {i}: {_words(rng, 30)}", max_tokens=128) for i in range(3)], 1, 0
     raise ConfigError(f"unknown workload {workload!r} (one of {', '.join(WORKLOADS)})")
 
 
@@ -168,9 +172,9 @@ async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.
         sem = asyncio.Semaphore(concurrency)
         results: list[Result] = []
 
-        async def one(prompt: str) -> Result:
+        async def one(prompt: str, n: int | None = None) -> Result:
             async with sem:
-                r = await _request(client, url, model, prompt, max_tokens)
+                r = await _request(client, url, model, prompt, n or max_tokens)
             results.append(r)
             if bar is not None:
                 bar.update(1)
@@ -189,8 +193,11 @@ async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.
                 await one(job.prompt)
         elif turns:
             await asyncio.gather(*(conversation(j) for j in jobs))
+        elif concurrency == 1:  # (decode) one at a time, in order
+            for job in jobs:
+                await one(job.prompt, job.max_tokens)
         else:
-            await asyncio.gather(*(one(j.prompt) for j in jobs))
+            await asyncio.gather(*(one(j.prompt, j.max_tokens) for j in jobs))
         wall = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -203,6 +210,9 @@ def summarise(workload: str, url: str, model: str, results: list[Result], wall: 
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itls]
+    # a stream's decode rate: the tokens after its first over the time after its first
+    streams = [(r.output_tokens - 1) / (r.end - r.start - r.ttft) for r in ok
+               if r.ttft is not None and r.output_tokens > 1 and r.end > r.start + r.ttft]
     out_tokens = sum(r.output_tokens for r in ok)
     hit_rate, source = None, None
     if before is not None and after is not None and after.prefix_queries > before.prefix_queries:
@@ -225,6 +235,7 @@ def summarise(workload: str, url: str, model: str, results: list[Result], wall: 
                    "first": ok[0].ttft if ok and workload == "ttft" else None,
                    "warm_median": statistics.median(ttfts[1:]) if workload == "ttft" and len(ttfts) > 1 else None},
         "itl_s": {"p50": p(itls, 50), "p95": p(itls, 95)},
+        "stream_tokens_per_s_median": statistics.median(streams) if streams else None,
         "prefix_cache_hit_rate": hit_rate, "hit_rate_source": source, "server_peak_rss_bytes": rss,
     }
 
@@ -235,6 +246,8 @@ ROWS = [("requests", lambda r: f"{r['requests']} ({r['failed']} failed)"),
         ("output tokens/s", lambda r: f"{r['output_tokens_per_s']:.1f}"),
         ("TTFT p50 / p95", lambda r: _pair(r["ttft_s"]["p50"], r["ttft_s"]["p95"])),
         ("ITL p50 / p95", lambda r: _pair(r["itl_s"]["p50"], r["itl_s"]["p95"])),
+        ("tokens/s of a stream (median)", lambda r: "-" if r.get("stream_tokens_per_s_median") is None
+         else f"{r['stream_tokens_per_s_median']:.1f}"),
         ("prefix-cache hit rate", lambda r: "-" if r["prefix_cache_hit_rate"] is None
          else f"{100 * r['prefix_cache_hit_rate']:.1f} % ({r['hit_rate_source']})"),
         ("server peak RSS", lambda r: "-" if r["server_peak_rss_bytes"] is None
@@ -273,7 +286,8 @@ def render(results: list[dict[str, Any]], ratio: dict[str, Any] | None = None) -
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="shared-prefix workloads against any OpenAI-compatible server",
-                       description="Run BENCHMARKS.md's workloads (ttft, tenants, rag, chat, unique) against a server.")
+                       description="Run BENCHMARKS.md's workloads (ttft, tenants, rag, chat, unique) and a "
+                                   "single-stream decode one (decode) against a server.")
     p.add_argument("url", help="base URL of the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable (default: all)")
     p.add_argument("--compare", default=None, metavar="URL2", help="run the same workload against URL2 too")

@@ -30,6 +30,8 @@ def test_workloads_are_deterministic_and_shaped_as_specified():
     assert len(jobs) == 32 and len({j.prompt.split("\nQuestion")[0] for j in jobs}) == 1
     jobs, conc, _ = build("ttft")
     assert len(jobs) == 6 and conc == 1 and len(jobs[0].prompt.split("\n")[0].split()) == 1000
+    jobs, conc, _ = build("decode", scale=0.1)  # (lengths do not scale: it measures a stream)
+    assert (len(jobs), conc) == (3, 1) and all(j.max_tokens == 128 and len(j.prompt.split()) == 32 for j in jobs)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,23 @@ def test_bench_compare_two_servers(two_servers, tmp_path):
     chat = res["chat"]["results"][0]
     assert chat["requests"] == 6 and chat["prefix_cache_hit_rate"] > 0.3  # history is re-sent each turn
     assert chat["ttft_s"]["p50"] > 0 and chat["itl_s"]["p50"] > 0
+
+
+def test_bench_decode_measures_each_stream_after_its_first_token(tiny_llama, tmp_path):
+    out = tmp_path / "decode.json"
+    s = start_server(tiny_llama[0], max_model_len=512)
+    try:
+        r = subprocess.run([sys.executable, "-m", "hotprefix.cli", "bench", s.url, "--workload", "decode",
+                            "--json", str(out)], capture_output=True, text=True, timeout=600)
+    finally:
+        s.stop()
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())[0]["results"][0]
+    assert (res["requests"], res["failed"], res["output_tokens"]) == (3, 0, 3 * 128), res["errors"]
+    # 127 gaps between tokens per stream: the rate is 1 / (their mean), whatever the TTFT
+    itl = res["itl_s"]["p50"]
+    assert 0.5 / itl < res["stream_tokens_per_s_median"] < 2 / itl
+    assert "tokens/s of a stream (median)" in r.stdout
 
 
 def test_bench_against_a_keyed_server(tiny_llama):
