@@ -35,7 +35,7 @@ meta "benchmarks/run_all.sh $SCALE" > "$OUT/meta.json"
 # Memory of a server: the resident set of its whole process group (vLLM runs its engine in a
 # child process), idle once it answers, and the most seen while the workloads run (sampled
 # every 0.5 s into $2.peak until the group is gone or the file $2.stop appears).
-rss_group() { ps -o rss= -g "$1" | awk '{s += $1} END {print s * 1024}'; }
+rss_group() { ps -o rss= -g "$1" | awk '{s += $1} END {printf "%.0f\n", s * 1024}'; }
 watch_rss() {
   local max=0 v
   while kill -0 -- -"$1" 2>/dev/null && [ ! -e "$2.stop" ]; do

@@ -91,9 +91,27 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ready = threading.Event()  # set once the engine thread has warmed the model up
         self._workers = ThreadPoolExecutor(self.limits.preprocess_workers, thread_name_prefix="hotprefix-prep")
+        self._copy_tokenizers()
         self.dead: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------
+    def _copy_tokenizers(self) -> None:
+        """Make every preprocessing worker's own tokenizer copy now (PromptEncoder: about
+        0.1-0.3 s each), not during the first requests: each task holds its thread at a
+        barrier until all have started, so that every worker thread takes one."""
+        n = self.limits.preprocess_workers
+        barrier = threading.Barrier(n)
+
+        def copy() -> None:
+            _ = self.engine.encoder.tokenizer
+            try:
+                barrier.wait(timeout=30)
+            except threading.BrokenBarrierError:  # a worker slow to start: it copies on first use
+                pass
+
+        for f in [self._workers.submit(copy) for _ in range(n)]:
+            f.result()
+
     @classmethod
     def load(cls, build: Callable[[], LLMEngine], limits: AdmissionConfig | None = None) -> AsyncEngine:
         """Build the engine on the engine thread itself and return once it is built
@@ -403,6 +421,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine.warmup()  # here, not on the main thread: see load()
+            _ = self.engine.encoder.tokenizer  # this thread's copy (detokenizing), before the first request
             self._ready.set()
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished_requests())

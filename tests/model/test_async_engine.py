@@ -289,3 +289,40 @@ def test_load_builds_warms_and_steps_on_one_thread(tiny_llama):
     assert seen["step"] is seen["build"]
     with pytest.raises(ModelLoadError, match="does not exist"):
         AsyncEngine.load(lambda: LLMEngine(EngineConfig(ModelConfig(model="/no/such/model.gguf"))))
+
+
+def test_tokenizer_copies_are_made_before_the_first_request(tiny_llama, monkeypatch):
+    """Each preprocessing worker and the engine thread copy the tokenizer at start-up
+    (a first request used to pay for the copies: 0.6 s on the default model), and no
+    request makes another."""
+    import threading
+
+    from hotprefix.engine import tokenizer as tok_mod
+
+    engine = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64).engine
+    original = engine.encoder._original
+    copies: list[str] = []
+    real = tok_mod.copy.deepcopy
+
+    def counted(x, *a):
+        if x is original:
+            copies.append(threading.current_thread().name)
+        return real(x, *a)
+
+    monkeypatch.setattr(tok_mod.copy, "deepcopy", counted)
+
+    async def main():
+        eng = AsyncEngine(engine, AdmissionConfig(preprocess_workers=3))
+        made = sorted(copies)
+        eng.start()
+        await eng.call(lambda e: None)  # the engine thread has warmed up
+        started = len(copies)
+        outs = [o async for o in eng.generate("r", "Hello there, how are", SamplingParams(max_tokens=3))]
+        await idle(eng)
+        await eng.shutdown()
+        return made, started, outs
+
+    made, started, outs = asyncio.run(main())
+    assert len(made) == 3 and len(set(made)) == 3 and all(n.startswith("hotprefix-prep") for n in made)
+    assert started == 4 and copies[3] == "hotprefix-engine"
+    assert len(copies) == 4 and outs[-1].finished
