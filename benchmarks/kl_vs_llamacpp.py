@@ -28,6 +28,7 @@ from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.model.loader import load_model
+from hotprefix.model.qlinear import cpu_vector_flags
 from hotprefix.sampling_params import SamplingParams
 
 TEXT = (
@@ -97,7 +98,7 @@ def main() -> None:
     full_int8 = (ref.exp() * (ref - q8)).sum(-1)
     ref_top1 = ref.argmax(-1).tolist()
     res = {
-        "tokens": len(ids), "k": a.k, "date": time.strftime("%Y-%m-%d"),
+        "tokens": len(ids), "k": a.k, "date": time.strftime("%Y-%m-%d"), "cpu_flags": cpu_vector_flags(),
         "llama_server": {"kl_topk_mean": statistics.fmean(kl_llama), "kl_topk_median": statistics.median(kl_llama),
                          "top1_agrees": statistics.fmean(max(d, key=d.get) == t for d, t in zip(llama, ref_top1))},
         "hotprefix_int8": {"kl_topk_mean": statistics.fmean(kl_int8), "kl_topk_median": statistics.median(kl_int8),

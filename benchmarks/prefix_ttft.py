@@ -18,6 +18,7 @@ import subprocess
 import time
 
 from hotprefix import LLM, SamplingParams
+from hotprefix.model.qlinear import cpu_vector_flags
 
 
 def ttft(llm: LLM, rid: str, ids: list[int]) -> float:
@@ -78,6 +79,7 @@ def main() -> None:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
         "date": time.strftime("%Y-%m-%d"),
+        "cpu_flags": cpu_vector_flags(),
     }
     print(json.dumps(result, indent=2))
     if a.json:

@@ -19,10 +19,10 @@ PEERS_HOME=${PEERS_HOME:-$HOME/.cache/hotprefix-peers}
 
 meta() {
   $PY - "$@" <<'EOF'
-import json, platform, re, subprocess, sys, time
-flags = sorted(set(re.findall(r"\b(avx512_vnni|avx512f|avx2|avx_vnni|fma)\b", open("/proc/cpuinfo").read())))
+import json, platform, subprocess, sys, time
+from hotprefix.model.qlinear import cpu_vector_flags
 print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "cpu_flags": flags,
+                  "cpu_flags": cpu_vector_flags(),
                   "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip(),
                   "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores, "

@@ -52,12 +52,22 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_signature() -> str:
+def _cpu_flags_line() -> str:
     try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return f"{platform.machine()}|{flags}"
+        return ""
+
+
+def _cpu_signature() -> str:
+    return f"{platform.machine()}|{_cpu_flags_line()}"
+
+
+def cpu_vector_flags() -> list[str]:
+    """The CPU flags that decide which kernels run (sorted; empty off Linux/x86), for
+    benchmark results: avx2, avx512f, avx512_vnni, avx_vnni, fma."""
+    have = set(_cpu_flags_line().split())
+    return sorted(have & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
 
 
 def build_library(force: bool = False, march: str = "native") -> Path | None:

@@ -19,7 +19,7 @@ from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
-from hotprefix.model.qlinear import library, packable, resolve_matmul
+from hotprefix.model.qlinear import cpu_vector_flags, library, packable, resolve_matmul
 from hotprefix.model.sampler import Sampler, SampleRow
 from hotprefix.model.structured import GrammarMatchers, StepMasks
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
@@ -137,10 +137,10 @@ class ModelRunner:
         # the GGUF rows as loaded, to attach again (benchmarks); int8 mode holds regrouped copies instead
         self.packed = {} if int8 else packed
         if packed:
-            log.info("%d weights are read as GGUF blocks (%.0f MB), %s", len(packed),
+            log.info("%d weights are read as GGUF blocks (%.0f MB), %s; CPU vector flags: %s", len(packed),
                      sum(p.nbytes for p in loaded.packed.values()) / 1e6,
                      "with int8 activations" if self.quantized_matmul is QuantizedMatmul.INT8 else
-                     "with float32 activations for small batches")
+                     "with float32 activations for small batches", " ".join(cpu_vector_flags()) or "none")
         self.arch = self.model.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)

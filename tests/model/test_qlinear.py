@@ -167,3 +167,11 @@ def test_rms_norm_and_rope_match_torch(lib):
     untouched = qkv[:, 48:].clone()
     assert qlinear.rope_(q, cos, sin, lib) is q
     assert torch.allclose(q, want, rtol=1e-5, atol=1e-6) and torch.equal(qkv[:, 48:], untouched)
+
+
+def test_the_flags_reported_with_benchmarks_are_the_ones_the_native_build_used(native_lib):
+    """cpu_vector_flags (written into every benchmark result) says AVX2 or AVX-512 VNNI
+    exactly when the native kernel build multiplies int8 on vector instructions."""
+    flags = qlinear.cpu_vector_flags()
+    assert set(flags) <= {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"} and flags == sorted(flags)
+    assert bool(native_lib.hp_int8_vectorized()) == bool({"avx2", "avx512_vnni"} & set(flags))
