@@ -138,8 +138,8 @@ class ModelRunner:
         self.packed = {} if int8 else packed
         if packed:
             log.info("%d weights are read as GGUF blocks (%.0f MB), %s; CPU vector flags: %s", len(packed),
-                     sum(p.nbytes for p in loaded.packed.values()) / 1e6,
-                     "with int8 activations" if self.quantized_matmul is QuantizedMatmul.INT8 else
+                     sum(p.nbytes for p in packed.values()) / 1e6,
+                     "with int8 activations" if int8 else
                      "with float32 activations for small batches", " ".join(cpu_vector_flags()) or "none")
         self.arch = self.model.arch
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

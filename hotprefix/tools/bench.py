@@ -188,12 +188,9 @@ async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.
                 history += f"\nAssistant:{r.text}\nUser: {_words(rng, max(1, round(40 * scale)))}"
 
         t0 = time.perf_counter()
-        if workload == "ttft":  # one at a time: the cold request first, then warm ones
-            for job in jobs:
-                await one(job.prompt)
-        elif turns:
+        if turns:
             await asyncio.gather(*(conversation(j) for j in jobs))
-        elif concurrency == 1:  # (decode) one at a time, in order
+        elif concurrency == 1:  # one at a time, in order (ttft: the cold request first, then warm ones)
             for job in jobs:
                 await one(job.prompt, job.max_tokens)
         else:
