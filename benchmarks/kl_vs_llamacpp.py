@@ -16,19 +16,17 @@ KL of int8 mode is printed too.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import time
 
 import httpx
 import torch
+from run_facts import report
 
 from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.model.loader import load_model
-from hotprefix.model.qlinear import cpu_vector_flags
 from hotprefix.sampling_params import SamplingParams
 
 TEXT = (
@@ -98,17 +96,14 @@ def main() -> None:
     full_int8 = (ref.exp() * (ref - q8)).sum(-1)
     ref_top1 = ref.argmax(-1).tolist()
     res = {
-        "tokens": len(ids), "k": a.k, "date": time.strftime("%Y-%m-%d"), "cpu_flags": cpu_vector_flags(),
+        "tokens": len(ids), "k": a.k,
         "llama_server": {"kl_topk_mean": statistics.fmean(kl_llama), "kl_topk_median": statistics.median(kl_llama),
                          "top1_agrees": statistics.fmean(max(d, key=d.get) == t for d, t in zip(llama, ref_top1))},
         "hotprefix_int8": {"kl_topk_mean": statistics.fmean(kl_int8), "kl_topk_median": statistics.median(kl_int8),
                            "kl_full_mean": float(full_int8.mean()),
                            "top1_agrees": float((q8.argmax(-1) == ref.argmax(-1)).double().mean())},
     }
-    print(json.dumps(res, indent=2))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    report(res, a.json)
 
 
 if __name__ == "__main__":

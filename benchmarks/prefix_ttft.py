@@ -10,15 +10,13 @@ time from add_request to the first sampled token, through the engine's step loop
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
-import subprocess
 import time
 
+from run_facts import report
+
 from hotprefix import LLM, SamplingParams
-from hotprefix.model.qlinear import cpu_vector_flags
 
 
 def ttft(llm: LLM, rid: str, ids: list[int]) -> float:
@@ -74,17 +72,8 @@ def main() -> None:
         "warm_over_cold": statistics.median(warm) / cold[0],
         "prefix_cache_hit_rate": stats.hit_rate,
         "decode_tokens_per_s_1_seq": decode,
-        "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()}"
-                   " cores",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
-        "date": time.strftime("%Y-%m-%d"),
-        "cpu_flags": cpu_vector_flags(),
     }
-    print(json.dumps(result, indent=2))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, a.json)
 
 
 if __name__ == "__main__":

@@ -17,20 +17,7 @@ mkdir -p "$OUT"
 PEERS=${PEERS:-../shared/peers}
 PEERS_HOME=${PEERS_HOME:-$HOME/.cache/hotprefix-peers}
 
-meta() {
-  $PY - "$@" <<'EOF'
-import json, platform, subprocess, sys, time
-from hotprefix.model.qlinear import cpu_vector_flags
-print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "cpu_flags": cpu_vector_flags(),
-                  "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip(),
-                  "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores, "
-                             f"{platform.processor() or 'cpu'}",
-                  "command": " ".join(sys.argv[1:])}))
-EOF
-}
-meta "benchmarks/run_all.sh $SCALE" > "$OUT/meta.json"
+$PY benchmarks/run_facts.py "benchmarks/run_all.sh $SCALE" > "$OUT/meta.json"
 
 # Memory of a server: the resident set of its whole process group (vLLM runs its engine in a
 # child process), idle once it answers, and the most seen while the workloads run (sampled
