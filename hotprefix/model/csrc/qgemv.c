@@ -529,6 +529,25 @@ int hp_qmatmul_i8(int qtype, const float *x, int M, int K, const uint8_t *wp, in
  * ------------------------------------------------------------------------ */
 #define ATT_CHUNK 32
 
+/* This build's float vector, for attention's register tiles: VF_W lanes (none: plain C). */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VF_W 16
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_fma _mm512_fmadd_ps
+#elif defined(__AVX2__)
+typedef __m256 vf;
+#define VF_W 8
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_fma _mm256_fmadd_ps
+#endif
+
 /* exp(x) for x <= 0, in plain arithmetic so that loops over it vectorize: 2^n * e^r with
  * n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), e^r by its Taylor polynomial to
  * degree 7 (|r| <= 0.35: relative error < 1e-7, about one float ulp). Below -87 it
@@ -603,28 +622,15 @@ static void attend_task(const float *q, const int64_t *rows, const int64_t *tk, 
             for (int r = 0; r < R; r++) {
                 const float *qr = q + rw[r] * D;
                 float *sr = s + (size_t)r * ATT_CHUNK;
-#if defined(__AVX512F__)
-                __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  /* ATT_CHUNK = 32 keys */
+#if defined(VF_W)
+                vf sv[ATT_CHUNK / VF_W];  /* the chunk's scores stay in registers over D */
+                for (int u = 0; u < ATT_CHUNK / VF_W; u++) sv[u] = vf_zero();
                 for (int d = 0; d < D; d++) {
-                    const __m512 qd = _mm512_set1_ps(qr[d]);
-                    s0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK), s0);
-                    s1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt + (size_t)d * ATT_CHUNK + 16), s1);
-                }
-                _mm512_storeu_ps(sr, s0);
-                _mm512_storeu_ps(sr + 16, s1);
-#elif defined(__AVX2__)
-                __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();  /* the 32 scores in registers */
-                __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
-                for (int d = 0; d < D; d++) {
-                    const __m256 qd = _mm256_set1_ps(qr[d]);
+                    const vf qd = vf_set1(qr[d]);
                     const float *kd = kt + (size_t)d * ATT_CHUNK;
-                    s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), s0);
-                    s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), s1);
-                    s2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 16), s2);
-                    s3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 24), s3);
+                    for (int u = 0; u < ATT_CHUNK / VF_W; u++) sv[u] = vf_fma(qd, vf_load(kd + u * VF_W), sv[u]);
                 }
-                _mm256_storeu_ps(sr, s0); _mm256_storeu_ps(sr + 8, s1);
-                _mm256_storeu_ps(sr + 16, s2); _mm256_storeu_ps(sr + 24, s3);
+                for (int u = 0; u < ATT_CHUNK / VF_W; u++) vf_store(sr + u * VF_W, sv[u]);
 #else
                 for (int j = 0; j < ATT_CHUNK; j++) sr[j] = 0.0f;
                 for (int d = 0; d < D; d++) {
@@ -650,45 +656,20 @@ static void attend_task(const float *q, const int64_t *rows, const int64_t *tk, 
             #pragma omp simd
             for (int d = 0; d < D; d++) ar[d] *= corr;
         }
-#if defined(__AVX512F__)
-        if (D % 64 == 0) {  /* 64 output columns of a row stay in registers over the chunk */
-            for (int d0 = 0; d0 < D; d0 += 64)
+#if defined(VF_W)
+        if (D % (4 * VF_W) == 0) {  /* 4 vectors of a row's output columns stay in registers over the chunk */
+            for (int d0 = 0; d0 < D; d0 += 4 * VF_W)
                 for (int r = 0; r < R; r++) {
                     float *ar = acc + (size_t)r * D + d0;
                     const float *pr = s + (size_t)r * ATT_CHUNK;
-                    __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
-                    __m512 a2 = _mm512_loadu_ps(ar + 32), a3 = _mm512_loadu_ps(ar + 48);
+                    vf a[4];
+                    for (int u = 0; u < 4; u++) a[u] = vf_load(ar + u * VF_W);
                     for (int j = 0; j < c; j++) {
                         const float *vj = vh + sl[j0 + j] * D + d0;
-                        const __m512 p = _mm512_set1_ps(pr[j]);
-                        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj), a0);
-                        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16), a1);
-                        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 32), a2);
-                        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 48), a3);
+                        const vf p = vf_set1(pr[j]);
+                        for (int u = 0; u < 4; u++) a[u] = vf_fma(p, vf_load(vj + u * VF_W), a[u]);
                     }
-                    _mm512_storeu_ps(ar, a0); _mm512_storeu_ps(ar + 16, a1);
-                    _mm512_storeu_ps(ar + 32, a2); _mm512_storeu_ps(ar + 48, a3);
-                }
-            continue;
-        }
-#elif defined(__AVX2__)
-        if (D % 32 == 0) {  /* 32 output columns of a row stay in registers over the chunk */
-            for (int d0 = 0; d0 < D; d0 += 32)
-                for (int r = 0; r < R; r++) {
-                    float *ar = acc + (size_t)r * D + d0;
-                    const float *pr = s + (size_t)r * ATT_CHUNK;
-                    __m256 a0 = _mm256_loadu_ps(ar), a1 = _mm256_loadu_ps(ar + 8);
-                    __m256 a2 = _mm256_loadu_ps(ar + 16), a3 = _mm256_loadu_ps(ar + 24);
-                    for (int j = 0; j < c; j++) {
-                        const float *vj = vh + sl[j0 + j] * D + d0;
-                        const __m256 p = _mm256_set1_ps(pr[j]);
-                        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);
-                        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
-                        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);
-                        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
-                    }
-                    _mm256_storeu_ps(ar, a0); _mm256_storeu_ps(ar + 8, a1);
-                    _mm256_storeu_ps(ar + 16, a2); _mm256_storeu_ps(ar + 24, a3);
+                    for (int u = 0; u < 4; u++) vf_store(ar + u * VF_W, a[u]);
                 }
             continue;
         }
