@@ -384,49 +384,55 @@ VNNI_TYPE(Q8_0)
  * multiplies unsigned codes by signed activations into pairs of int16; for 4-bit codes
  * (<= 15) the 8 products of a block's 32 values fit in int16 (8 * 2 * 15 * 127 < 32767),
  * so they are summed there and widened once. Q8_0's signed codes go through
- * |w| * sign(x, w) and are widened per 4 values. The float steps are the VNNI path's. */
+ * |w| * sign(x, w) and are widened per 4 values. The loop over a block's 4-value slices
+ * is outside the loop over the MT rows of x, so one slice of codes and MT partial sums
+ * are live at once and 16 registers hold them without spilling (a layer's four products
+ * on 1,030 rows: 37 -> 25 ms on a 2-core Zen 3). The float steps are the VNNI path's. */
+#define AVX2_MT 5  /* rows of x per call: 5 is ~6 % faster than 4, 6 or 8 on Zen 3 */
 static inline __attribute__((always_inline)) void group_avx2(
         const int qtype, const int MT, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
         const int32_t *xsum, const float *sx, int K, float *y, int N, int nvalid) {
     const int ub = unit_bytes(qtype), co = codes_offset(qtype);
     const int32_t off = qtype == Q4_0 ? 8 : 0;
-    const __m256i ones16 = _mm256_set1_epi16(1);
+    const __m256i ones16 = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
     for (int half = 0; half < 2; half++) {
-        __m256 acc[MT];
+        __m256 acc[AVX2_MT];  /* MT <= AVX2_MT: fixed sizes, not VLAs, so they live in registers */
         for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
-            const uint8_t *u = gp + (size_t)b * ub;
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
-            __m256i W[8];
+            const uint8_t *u = gp + (size_t)b * ub, *cw = u + co + 32 * half;
+            const int8_t *xb = xq + b * QK;
+            __m256i s[AVX2_MT];
+            for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
             if (qtype == Q8_0) {
-                for (int i = 0; i < 8; i++) W[i] = _mm256_loadu_si256((const __m256i *)(u + co + 64 * i + 32 * half));
+                for (int i = 0; i < 8; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(cw + 64 * i)), aw = _mm256_abs_epi8(w);
+                    for (int m = 0; m < MT; m++) {
+                        int32_t v; memcpy(&v, xb + (size_t)m * K + 4 * i, 4);
+                        const __m256i pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(v), w));
+                        s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(pr, ones16));
+                        __asm__("" : "+x"(s[m]));  /* see below */
+                    }
+                }
             } else {
-                const __m256i mask = _mm256_set1_epi8(0x0f);
                 for (int i = 0; i < 4; i++) {
-                    const __m256i p = _mm256_loadu_si256((const __m256i *)(u + co + 64 * i + 32 * half));
-                    W[i] = _mm256_and_si256(p, mask);
-                    W[i + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                    const __m256i p = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
+                    const __m256i lo = _mm256_and_si256(p, mask), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                    for (int m = 0; m < MT; m++) {
+                        int32_t vl, vh;
+                        memcpy(&vl, xb + (size_t)m * K + 4 * i, 4);
+                        memcpy(&vh, xb + (size_t)m * K + 16 + 4 * i, 4);
+                        s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(vl)));
+                        s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vh)));
+                        /* keeps each row's sum in one register, added in this order: without it gcc
+                         * reassociates the integer sums, computes all products first and spills them */
+                        __asm__("" : "+x"(s[m]));
+                    }
                 }
             }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
             for (int m = 0; m < MT; m++) {
-                const int8_t *xb = xq + (size_t)m * K + b * QK;
-                __m256i isum;
-                if (qtype == Q8_0) {
-                    isum = _mm256_setzero_si256();
-                    for (int i = 0; i < 8; i++) {
-                        int32_t v; memcpy(&v, xb + 4 * i, 4);
-                        const __m256i xv = _mm256_set1_epi32(v);
-                        const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(W[i]), _mm256_sign_epi8(xv, W[i]));
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pr, ones16));
-                    }
-                } else {
-                    __m256i s16 = _mm256_setzero_si256();
-                    for (int i = 0; i < 8; i++) {
-                        int32_t v; memcpy(&v, xb + 4 * i, 4);
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(W[i], _mm256_set1_epi32(v)));
-                    }
-                    isum = _mm256_add_epi32(_mm256_madd_epi16(s16, ones16), _mm256_set1_epi32(-off * xsum[m * nb + b]));
-                }
+                const __m256i isum = qtype == Q8_0 ? s[m]
+                    : _mm256_add_epi32(_mm256_madd_epi16(s[m], ones16), _mm256_set1_epi32(-off * xsum[m * nb + b]));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
                 if (qtype == Q4_1) {
                     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 32 + 16 * half)));
@@ -443,11 +449,10 @@ static inline __attribute__((always_inline)) void group_avx2(
     }
 }
 
-#define AVX2_MT 4
 #define AVX2_CASE(T, MT) case MT: group_avx2(T, MT, gp, nb, xq, dx, xsum, sx, K, y, N, nvalid); break;
 #define AVX2_TYPE(T) static void group_avx2_##T(int mt, const uint8_t *gp, int nb, const int8_t *xq, const float *dx, \
         const int32_t *xsum, const float *sx, int K, float *y, int N, int nvalid) { \
-    switch (mt) { AVX2_CASE(T, 1) AVX2_CASE(T, 2) AVX2_CASE(T, 3) AVX2_CASE(T, 4) } }
+    switch (mt) { AVX2_CASE(T, 1) AVX2_CASE(T, 2) AVX2_CASE(T, 3) AVX2_CASE(T, 4) AVX2_CASE(T, 5) } }
 AVX2_TYPE(Q4_0)
 AVX2_TYPE(Q4_1)
 AVX2_TYPE(Q8_0)
