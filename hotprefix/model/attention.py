@@ -227,6 +227,15 @@ def paged_plan_own(meta: AttentionMetadata, h: int, kvh: int) -> PagedPlan:
     return plans.own
 
 
+def paged_plan_shared(meta: AttentionMetadata, h: int, kvh: int) -> PagedPlan | None:
+    """The plan over the step's cascades' shared prefixes (see _paged_plan), or None
+    without cascades; made by the first caller of a step and kept like paged_plan_own."""
+    plans = meta.decode.plans
+    if meta.cascades and plans.shared is None:
+        plans.shared = _paged_plan(meta, h, kvh, cascades=True)
+    return plans.shared
+
+
 def _paged_attend(lib: ctypes.CDLL, q: torch.Tensor, kv: LayerKV, plan: PagedPlan, scale: float,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
     """Run one hp_paged_attention plan: q [T, H, D] contiguous; writes the planned rows
@@ -248,15 +257,13 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scal
     if batch.kernel is not None and kv.k.dtype == torch.float32 and q.dtype == torch.float32:
         t, h, d = q.shape
         q = q.contiguous()
-        plans = batch.plans  # the same for every layer of the step
-        if meta.cascades and plans.shared is None:
-            plans.shared = _paged_plan(meta, h, kv.k.shape[0], cascades=True)
+        shared = paged_plan_shared(meta, h, kv.k.shape[0])  # plans: the same for every layer of the step
         o, lse = torch.empty(t * h, d), torch.empty(t * h)
         _paged_attend(batch.kernel, q, kv, paged_plan_own(meta, h, kv.k.shape[0]), scale, o, lse)
-        if plans.shared is not None:
-            rows = plans.shared.rows
+        if shared is not None:
+            rows = shared.rows
             o_sh, l_sh = torch.empty(t * h, d), torch.empty(t * h)
-            _paged_attend(batch.kernel, q, kv, plans.shared, scale, o_sh, l_sh)
+            _paged_attend(batch.kernel, q, kv, shared, scale, o_sh, l_sh)
             o[rows] = _merge(o_sh[rows], l_sh[rows], o[rows], lse[rows])
         out[batch.rows] = o.view(t, h, d)[batch.rows]
         return

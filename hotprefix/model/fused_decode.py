@@ -11,7 +11,10 @@ the embedding, the final norm and the logits stay in Python.
 
 It serves only what it was built for: int8 blocks for every projection (q/k/v and
 gate/up fused), no q/k norms, a float32 KV pool on the CPU, and a step of single-token
-decodes without cascades (any other step takes the layer-by-layer path).
+decodes (any other step takes the layer-by-layer path). A cascade's shared prefix is
+attended once for its group and merged into each member's rows by log-sum-exp, as the
+layer-by-layer path does; that merge is the one stage not computed in the same order
+(C's expf/log1pf against torch's logaddexp), so such steps agree to float rounding.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import ctypes
 
 import torch
 
-from hotprefix.model.attention import AttentionMetadata, paged_plan_own
+from hotprefix.model.attention import AttentionMetadata, paged_plan_own, paged_plan_shared
 from hotprefix.model.kv_cache import KVCache
 from hotprefix.model.llama import LlamaForCausalLM
 
@@ -79,10 +82,9 @@ class FusedDecode:
 
     @staticmethod
     def serves(meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether a step's batch is single-token decodes only, attended by the kernel, no cascades."""
+        """Whether a step's batch is single-token decodes only, attended by the kernel."""
         d = meta.decode
-        return d is not None and d.kernel is not None and not meta.cascades and \
-            len(d.members) == len(meta.seqs) == num_tokens
+        return d is not None and d.kernel is not None and len(d.members) == len(meta.seqs) == num_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states [T, E] of a step that `serves` accepts; writes the
@@ -90,12 +92,15 @@ class FusedDecode:
         x = self.model.model.embed_tokens(input_ids).contiguous()  # [T, E], updated in place below
         cos, sin = self.model.rope(positions, x.dtype)  # [T, 1, D] each
         plan = paged_plan_own(meta, self.h, self.kvh)
+        shared = paged_plan_shared(meta, self.h, self.kvh)
+        sh = (shared.rows.data_ptr(), shared.rows.numel(), shared.task.data_ptr(), shared.task.shape[0],
+              shared.slots.data_ptr()) if shared is not None else (None, 0, None, 0, None)
         slots = meta.slot_mapping.contiguous()
         rc = self.lib.hp_decode_layers(
             ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), x.shape[0], self.e, self.h, self.kvh,
             self.d, self.i, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), self.head_stride,
-            plan.rows.data_ptr(), plan.task.data_ptr(), plan.task.shape[0], plan.slots.data_ptr(), self.scale,
-            torch.get_num_threads())
+            plan.rows.data_ptr(), plan.task.data_ptr(), plan.task.shape[0], plan.slots.data_ptr(), *sh,
+            self.scale, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"hp_decode_layers failed ({rc})")
         return self.model.model.norm(x)

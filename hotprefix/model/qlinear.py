@@ -140,7 +140,8 @@ def bind(path: Path) -> ctypes.CDLL:
     lib.hp_rope.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int]
     lib.hp_rope.restype = None
     i, f = ctypes.c_int, ctypes.c_float
-    lib.hp_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, f, p, p, p, ctypes.c_int64, p, p, i, p, f, i]
+    lib.hp_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, f, p, p, p, ctypes.c_int64, p, p, i, p,
+                                     p, i, p, i, p, f, i]
     lib.hp_decode_layers.restype = ctypes.c_int
     return lib
 

@@ -41,16 +41,35 @@ def pool(runner: ModelRunner) -> list[torch.Tensor]:
     return [t.clone().view(torch.int32) for layer in runner.kv_cache.layers for t in (layer.k, layer.v)]
 
 
-def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
-    """The step fused and layer by layer: the same logits and the same pool, bit for bit."""
+def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(p) || softmax(q)) per row of logits."""
+    lp, lq = p.log_softmax(-1), q.log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def check_same_bits(runner: ModelRunner, step: SchedulerOutput, exact: bool = True) -> None:
+    """The step fused and layer by layer: the same pool and the same logits, bit for bit;
+    or (`exact` False) the same slots written, and logits with the same argmax and next-token distributions as
+    close as two roundings of the same sum are after int8 activations (a rounding that
+    moves one value across a quantization step moves the logits by up to ~0.5 and the
+    distribution by KL ~0.005; omitting the shared prefix gives KL 5-7)."""
     before = pool(runner)
     layered = runner.all_logits(step, LAYERED)
     after_layered = pool(runner)
     for live, saved in zip((t for layer in runner.kv_cache.layers for t in (layer.k, layer.v)), before):
         live.view(torch.int32).copy_(saved)  # as it was: the fused run must write the step's keys and values
     fused = runner.all_logits(step)
-    assert fused.equal(layered), float((fused - layered).abs().max())
-    assert all(a.equal(b) for a, b in zip(pool(runner), after_layered))
+    if exact:
+        assert fused.equal(layered), float((fused - layered).abs().max())
+    else:
+        assert fused.argmax(-1).equal(layered.argmax(-1))
+        assert kl(layered, fused).max() < 0.02, kl(layered, fused)
+    after_fused = pool(runner)
+    if exact:
+        assert all(a.equal(b) for a, b in zip(after_fused, after_layered))
+    else:  # layer 0's keys and values come before any attention; later ones carry its rounding
+        assert after_fused[0].equal(after_layered[0]) and after_fused[1].equal(after_layered[1])
+        assert all((f != b).equal(y != b) for f, y, b in zip(after_fused, after_layered, before))  # same slots
     assert not all(a.equal(b) for a, b in zip(before, after_layered))  # the step did write keys and values
 
 
@@ -81,7 +100,31 @@ def test_qkv_biases_and_other_block_types_fused(tmp_path, qtype):
     check_same_bits(runner, decode_step(prompts, tables))
 
 
-def test_only_decode_steps_without_cascades_take_the_fused_path():
+def test_cascade_steps_fused_agree_with_the_layered_path():
+    """Three sequences sharing two blocks (one cascade) and one alone: the shared prefix is
+    attended once and merged in C as attention.py merges it."""
+    runner = runner_for(default_model_path(), block_size=16, blocks=64)
+    shared = [(11 * j) % 3000 + 150 for j in range(32)]
+    prompts = [shared + [400 + i] * (2 + 5 * i) for i in range(3)] + [[(13 * j) % 3000 + 90 for j in range(40)]]
+    tables = [[0, 1, 2 + i] for i in range(3)] + [[10, 11, 12]]
+    runner.all_logits(SchedulerOutput([ScheduledRequest("s", shared, 0, tables[0], False, GREEDY, shared, [])]))
+    for i, (p, t) in enumerate(zip(prompts, tables)):  # the rest of each prompt after the shared blocks
+        start = 32 if i < 3 else 0
+        runner.all_logits(SchedulerOutput([ScheduledRequest(f"p{i}", p[start:-1], start, t, False, GREEDY, p, [])]))
+    calls = []
+    original = runner.fused.forward
+    runner.fused.forward = lambda *a: calls.append(a[2].cascades[:]) or original(*a)
+    step = decode_step(prompts, tables)
+    check_same_bits(runner, step, exact=False)
+    assert [[c.members for c in cs] for cs in calls] == [[[0, 1, 2]]]  # fused, with the one cascade
+    # the sequence outside the cascade: the same bits as the layered path; and the cascade
+    # agrees with attending each member's whole context (no cascade) as closely
+    fused, alone = runner.all_logits(step), runner.all_logits(step, AttentionPaths(cascade=False))
+    assert fused[3].equal(runner.all_logits(step, LAYERED)[3])
+    assert fused.argmax(-1).equal(alone.argmax(-1)) and kl(alone, fused).max() < 0.02
+
+
+def test_only_decode_steps_take_the_fused_path():
     runner = runner_for(default_model_path(), block_size=16, blocks=64)
     calls = []
     original = runner.fused.forward
@@ -100,7 +143,7 @@ def test_only_decode_steps_without_cascades_take_the_fused_path():
     assert calls == []  # prefills: layered (a one-token chunk would be fused: its attention is a decode's)
     runner.all_logits(decode_step(prompts[:1], tables[:1]))  # one decode: fused
     assert calls == [1]
-    runner.all_logits(decode_step(prompts, tables))  # two decodes sharing two blocks: a cascade, layered
-    assert calls == [1]
-    runner.all_logits(decode_step(prompts, tables), AttentionPaths(cascade=False))  # no cascade: fused
+    runner.all_logits(decode_step(prompts, tables))  # two decodes sharing two blocks: a cascade, fused too
+    assert calls == [1, 2]
+    runner.all_logits(decode_step(prompts, tables), AttentionPaths(fused_decode=False))  # asked layered
     assert calls == [1, 2]

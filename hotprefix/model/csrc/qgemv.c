@@ -797,13 +797,25 @@ void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, c
 /* ------------------------------------------------------------------------
  * Every decoder layer of a decode step in one call and one parallel region.
  *
- * A decode step of M single-token rows (no prefill, no cascade) otherwise makes ~10
+ * A decode step of M single-token rows (no prefill) otherwise makes ~10
  * calls per layer from Python, each with its own parallel region, plus torch's small
  * ops between them. Here the threads stay in one region for all layers and meet at the
  * work-sharing loops' barriers. Each stage is the same code as the separate calls
  * (rmsnorm_row, qmm_i8_team, rope_row, attend_task, silu_mul_row), in the same order
  * with the same additions, so the result is the same bits as the layer-by-layer path.
  * ------------------------------------------------------------------------ */
+
+/* Row r of attention over two disjoint key sets, combined exactly (attention.py's _merge):
+ * o[r] <- o_sh[r] e^(l_sh - L) + o[r] e^(l - L), L = log(e^l_sh + e^l), for D floats. */
+static inline void merge_row(float *o, float *lse, const float *osh, const float *lsh, int64_t r, int D) {
+    const float a = lsh[r], b = lse[r], m = a > b ? a : b;
+    const float L = m + log1pf(expf(-fabsf(a - b)));
+    const float wa = expf(a - L), wb = expf(b - L);
+    float *orow = o + r * D;
+    const float *srow = osh + r * D;
+    for (int d = 0; d < D; d++) orow[d] = srow[d] * wa + orow[d] * wb;
+    lse[r] = L;
+}
 
 /* One layer's weights (repacked by hp_repack, with their GGUF types) and cache. */
 typedef struct {
@@ -816,13 +828,16 @@ typedef struct {
 
 /* x [M, E]: the rows' hidden states, updated in place through nlayers layers. cos, sin:
  * [M, D] (rope()'s halves); wslots [M]: where each row's key and value go; rows, task,
- * ntasks, aslots: the attention plan over each row's context (hp_paged_attention's, with
- * rows indexing q as [M * H, D]). Returns 0; -1 for a K not a multiple of 32; -2 when out
- * of memory. */
+ * ntasks, aslots: the attention plan over each row's own context (hp_paged_attention's,
+ * with rows indexing q as [M * H, D]); srows, stask, nstasks, sslots: the plan over the
+ * cascades' shared prefixes (nsrows rows, each in one task; nstasks 0: none), whose
+ * output is merged into those rows' by log-sum-exp (merge_row). Returns 0; -1 for a K
+ * not a multiple of 32; -2 when out of memory. */
 int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int H, int KVH, int D, int I,
                      float eps, const float *cos_, const float *sin_, const int64_t *wslots, int64_t head_stride,
-                     const int64_t *rows, const int64_t *task, int ntasks, const int64_t *aslots, float scale,
-                     int nthreads) {
+                     const int64_t *rows, const int64_t *task, int ntasks, const int64_t *aslots,
+                     const int64_t *srows, int nsrows, const int64_t *stask, int nstasks, const int64_t *sslots,
+                     float scale, int nthreads) {
     const int HD = H * D, NQKV = (H + 2 * KVH) * D;
     if (E % QK || HD % QK || I % QK) return -1;
     const int kmax = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
@@ -830,12 +845,14 @@ int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int
     float *h = malloc(sizeof(float) * (size_t)M * E), *qkv = malloc(sizeof(float) * (size_t)M * NQKV);
     float *qb = malloc(sizeof(float) * (size_t)M * HD), *o = malloc(sizeof(float) * (size_t)M * HD);
     float *lse = malloc(sizeof(float) * (size_t)M * H), *tmp = malloc(sizeof(float) * (size_t)M * E);
+    float *osh = malloc(sizeof(float) * (size_t)M * HD), *lsh = malloc(sizeof(float) * (size_t)M * H);
     float *gu = malloc(sizeof(float) * (size_t)M * 2 * I), *act = malloc(sizeof(float) * (size_t)M * I);
     int8_t *xq = malloc((size_t)M * kmax);
     float *dx = malloc(sizeof(float) * nbmax), *sx = malloc(sizeof(float) * nbmax);
     int32_t *xsum = malloc(sizeof(int32_t) * nbmax);
-    int failed = !(h && qkv && qb && o && lse && tmp && gu && act && xq && dx && sx && xsum);
-    const int maxr = max_task_rows(task, ntasks);
+    int failed = !(h && qkv && qb && o && lse && tmp && osh && lsh && gu && act && xq && dx && sx && xsum);
+    const int maxr_own = max_task_rows(task, ntasks), maxr_sh = max_task_rows(stask, nstasks);
+    const int maxr = maxr_own > maxr_sh ? maxr_own : maxr_sh;
     if (!failed) {
         #pragma omp parallel num_threads(nthreads) reduction(|:failed)
         {
@@ -860,6 +877,12 @@ int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int
                 for (int t = 0; t < ntasks; t++)
                     if (ok) attend_task(qb, rows, task + 5 * t, ly->kpool, ly->vpool, head_stride, D, aslots, scale,
                                         o, lse, &scr);
+                #pragma omp for schedule(dynamic, 1)
+                for (int t = 0; t < nstasks; t++)
+                    if (ok) attend_task(qb, srows, stask + 5 * t, ly->kpool, ly->vpool, head_stride, D, sslots,
+                                        scale, osh, lsh, &scr);
+                #pragma omp for schedule(static)
+                for (int i = 0; i < nsrows; i++) merge_row(o, lse, osh, lsh, srows[i], D);
                 qmm_i8_team(ly->t_o, o, M, HD, ly->w_o, E, tmp, xq, dx, xsum, sx);
                 #pragma omp for schedule(static)
                 for (int m = 0; m < M; m++) {
@@ -881,7 +904,7 @@ int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int
             att_scratch_free(&scr);
         }
     }
-    free(h); free(qkv); free(qb); free(o); free(lse); free(tmp); free(gu); free(act);
+    free(h); free(qkv); free(qb); free(o); free(lse); free(tmp); free(osh); free(lsh); free(gu); free(act);
     free(xq); free(dx); free(sx); free(xsum);
     return failed ? -2 : 0;
 }
