@@ -49,25 +49,25 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def check_same_bits(runner: ModelRunner, step: SchedulerOutput, exact: bool = True) -> None:
     """The step fused and layer by layer: the same pool and the same logits, bit for bit;
-    or (`exact` False) the same slots written, and logits with the same argmax and next-token distributions as
-    close as two roundings of the same sum are after int8 activations (a rounding that
-    moves one value across a quantization step moves the logits by up to ~0.5 and the
-    distribution by KL ~0.005; omitting the shared prefix gives KL 5-7)."""
+    or (`exact` False) the same slots written, and logits with the same argmax and
+    next-token distributions as close as two roundings of the same sum are after int8
+    activations (a rounding that moves one value across a quantization step moves the
+    logits by up to ~0.5 and the distribution by KL ~0.005; omitting the shared prefix
+    gives KL 5-7)."""
     before = pool(runner)
     layered = runner.all_logits(step, LAYERED)
     after_layered = pool(runner)
     for live, saved in zip((t for layer in runner.kv_cache.layers for t in (layer.k, layer.v)), before):
         live.view(torch.int32).copy_(saved)  # as it was: the fused run must write the step's keys and values
     fused = runner.all_logits(step)
+    after_fused = pool(runner)
     if exact:
         assert fused.equal(layered), float((fused - layered).abs().max())
+        assert all(a.equal(b) for a, b in zip(after_fused, after_layered))
     else:
         assert fused.argmax(-1).equal(layered.argmax(-1))
         assert kl(layered, fused).max() < 0.02, kl(layered, fused)
-    after_fused = pool(runner)
-    if exact:
-        assert all(a.equal(b) for a, b in zip(after_fused, after_layered))
-    else:  # layer 0's keys and values come before any attention; later ones carry its rounding
+        # layer 0's keys and values come before any attention; later ones carry its rounding
         assert after_fused[0].equal(after_layered[0]) and after_fused[1].equal(after_layered[1])
         assert all((f != b).equal(y != b) for f, y, b in zip(after_fused, after_layered, before))  # same slots
     assert not all(a.equal(b) for a, b in zip(before, after_layered))  # the step did write keys and values

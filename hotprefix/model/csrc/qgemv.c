@@ -387,7 +387,7 @@ VNNI_TYPE(Q8_0)
  * |w| * sign(x, w) and are widened per 4 values. The loop over a block's 4-value slices
  * is outside the loop over the MT rows of x, so one slice of codes and MT partial sums
  * are live at once and 16 registers hold them without spilling (a layer's four products
- * on 1,030 rows: 37 -> 25 ms on a 2-core Zen 3). The float steps are the VNNI path's. */
+ * on 1,030 rows: 37 -> 30 ms median on a 2-core Zen 3). The float steps are the VNNI path's. */
 #define AVX2_MT 5  /* rows of x per call: 5 is ~6 % faster than 4, 6 or 8 on Zen 3 */
 static inline __attribute__((always_inline)) void group_avx2(
         const int qtype, const int MT, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
@@ -807,14 +807,13 @@ void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, c
 
 /* Row r of attention over two disjoint key sets, combined exactly (attention.py's _merge):
  * o[r] <- o_sh[r] e^(l_sh - L) + o[r] e^(l - L), L = log(e^l_sh + e^l), for D floats. */
-static inline void merge_row(float *o, float *lse, const float *osh, const float *lsh, int64_t r, int D) {
+static inline void merge_row(float *o, const float *lse, const float *osh, const float *lsh, int64_t r, int D) {
     const float a = lsh[r], b = lse[r], m = a > b ? a : b;
     const float L = m + log1pf(expf(-fabsf(a - b)));
     const float wa = expf(a - L), wb = expf(b - L);
     float *orow = o + r * D;
     const float *srow = osh + r * D;
     for (int d = 0; d < D; d++) orow[d] = srow[d] * wa + orow[d] * wb;
-    lse[r] = L;
 }
 
 /* One layer's weights (repacked by hp_repack, with their GGUF types) and cache. */
@@ -877,12 +876,14 @@ int hp_decode_layers(const hp_layer *L, int nlayers, float *x, int M, int E, int
                 for (int t = 0; t < ntasks; t++)
                     if (ok) attend_task(qb, rows, task + 5 * t, ly->kpool, ly->vpool, head_stride, D, aslots, scale,
                                         o, lse, &scr);
-                #pragma omp for schedule(dynamic, 1)
-                for (int t = 0; t < nstasks; t++)
-                    if (ok) attend_task(qb, srows, stask + 5 * t, ly->kpool, ly->vpool, head_stride, D, sslots,
-                                        scale, osh, lsh, &scr);
-                #pragma omp for schedule(static)
-                for (int i = 0; i < nsrows; i++) merge_row(o, lse, osh, lsh, srows[i], D);
+                if (nstasks) {  /* the same for every thread: without cascades, no extra barriers */
+                    #pragma omp for schedule(dynamic, 1)
+                    for (int t = 0; t < nstasks; t++)
+                        if (ok) attend_task(qb, srows, stask + 5 * t, ly->kpool, ly->vpool, head_stride, D, sslots,
+                                            scale, osh, lsh, &scr);
+                    #pragma omp for schedule(static)
+                    for (int i = 0; i < nsrows; i++) merge_row(o, lse, osh, lsh, srows[i], D);
+                }
                 qmm_i8_team(ly->t_o, o, M, HD, ly->w_o, E, tmp, xq, dx, xsum, sx);
                 #pragma omp for schedule(static)
                 for (int m = 0; m < M; m++) {
