@@ -5,6 +5,7 @@ network."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,27 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
     build_tokenizer(folder)
     model.config._attn_implementation = "eager"
     return model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The files derived from the tests' own models (regrouped int8 weights, converted
+    tokenizers) go to a folder of this session, not to the developer's ~/.cache/hotprefix;
+    the built kernels are shared with it (keyed by sources and flags), so none is rebuilt.
+    Servers the tests start inherit it."""
+    from hotprefix.config import cache_root
+
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("hotprefix-cache")
+    (root / "kernels").symlink_to(kernels, target_is_directory=True)
+    before = os.environ.get("HOTPREFIX_CACHE")
+    os.environ["HOTPREFIX_CACHE"] = str(root)
+    yield root
+    if before is None:
+        os.environ.pop("HOTPREFIX_CACHE", None)
+    else:
+        os.environ["HOTPREFIX_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,26 @@ HF_TO_GGUF = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-# Bytes per 256-value block and where the f16 scales sit, for the K-quants
-# gguf-py can only decode: we write random quants with small finite scales.
-K_LAYOUT = {"Q4_K": (144, [0, 2]), "Q6_K": (210, [208])}
+# Bytes per 256-value block and where the f16 scales sit, for the K-quants that neither
+# gguf-py nor tests/kquants.py quantizes: we write random quants with small finite scales.
+K_LAYOUT = {"Q2_K": (84, [80, 82]), "Q3_K": (110, [108])}
+# llama.cpp's K-quant mixes, as far as a 2-layer model shows them: the base type, the
+# type of output and of attn_v / ffn_down on layers given more bits, and the fallbacks for
+# rows that 256-value blocks do not divide
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def tensor_type(weight_type: str, gguf_name: str, cols: int) -> str:
+    """The type a 2-D tensor is written in: weight_type itself, or its pick in a MIXES
+    mix (layer 0 gets the more bits, as llama.cpp's use_more_bits gives the first layers)."""
+    if weight_type not in MIXES:
+        return weight_type
+    base, more = MIXES[weight_type]
+    more_bits = gguf_name == "output.weight" or (
+        gguf_name.startswith("blk.0.") and gguf_name.split(".")[2] in ("attn_v", "ffn_down"))
+    t = more if more_bits else base
+    return FALLBACK[t] if cols % 256 else t
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -48,10 +65,12 @@ def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator
 
 def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
-    """Write hf_model's weights (2-D ones as weight_type, norms as F32) and
-    tokenizer into a GGUF file at path."""
+    """Write hf_model's weights (2-D ones as weight_type or as a MIXES mix picks, norms as
+    F32) and tokenizer into a GGUF file at path."""
     import gguf
     from gguf import GGMLQuantizationType as Q
+
+    from tests.kquants import quantize
 
     cfg = hf_model.config
     rng = np.random.default_rng(seed)
@@ -99,14 +118,15 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = _permute(a, nkv)
         gname = _gguf_name(name)
-        if a.ndim != 2 or weight_type == "F32":
+        ttype = tensor_type(weight_type, gname, a.shape[-1])
+        if a.ndim != 2 or ttype == "F32":
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
-        elif weight_type in K_LAYOUT:
-            raw = random_k_blocks(weight_type, a.shape, rng)
-            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q[weight_type])
+        elif ttype in K_LAYOUT:
+            raw = random_k_blocks(ttype, a.shape, rng)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q[ttype])
         else:
-            q = gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), Q[weight_type])
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=Q[weight_type])
+            q = quantize(a, ttype)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=Q[ttype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -77,7 +77,7 @@ class PagedPlans:
 @dataclass
 class DecodeBatch:
     """Single-query sequences (decodes, no mask) attended together. With `kernel`
-    (a float32 CPU cache and the C library), csrc/qgemv.c's hp_paged_attention reads
+    (a float32 CPU cache and the C library), csrc/attention.c's hp_paged_attention reads
     their keys and values straight from the pool; otherwise one batched product over
     kv_slots padded to the longest, padding masked out. For cascade members kv_slots
     is their own suffix; the shared prefix is merged in after."""

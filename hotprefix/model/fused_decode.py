@@ -1,4 +1,4 @@
-"""Decode steps through every decoder layer in one C call (csrc/qgemv.c's
+"""Decode steps through every decoder layer in one C call (csrc/decode.c's
 hp_decode_layers), in int8 mode on the CPU.
 
 A step in which every sequence decodes one token spends a large share of its time
@@ -10,7 +10,7 @@ hidden states are the same bits (tests/model/test_fused_decode.py compares them)
 the embedding, the final norm and the logits stay in Python.
 
 It serves only what it was built for: int8 blocks for every projection (q/k/v and
-gate/up fused), no q/k norms, a float32 KV pool on the CPU, and a step of single-token
+gate/up fused, their parts of any types), no q/k norms, a float32 KV pool on the CPU, and a step of single-token
 decodes (any other step takes the layer-by-layer path). A cascade's shared prefix is
 attended once for its group and merged into each member's rows by log-sum-exp, as the
 layer-by-layer path does; that merge is the one stage not computed in the same order
@@ -24,18 +24,10 @@ import ctypes
 import torch
 
 from hotprefix.model.attention import AttentionMetadata, paged_plan_own, paged_plan_shared
+from hotprefix.model.kernel_abi import HpLayer, HpStack, HpStep
 from hotprefix.model.kv_cache import KVCache
 from hotprefix.model.llama import LlamaForCausalLM
-
-_p = ctypes.c_void_p
-
-
-class HpLayer(ctypes.Structure):
-    """csrc/qgemv.c's hp_layer: one layer's weights and cache, as addresses."""
-
-    _fields_ = [("norm1", _p), ("norm2", _p), ("w_qkv", _p), ("w_o", _p), ("w_gu", _p), ("w_down", _p),
-                ("t_qkv", ctypes.c_int), ("t_o", ctypes.c_int), ("t_gu", ctypes.c_int), ("t_down", ctypes.c_int),
-                ("b_qkv", _p), ("b_o", _p), ("kpool", _p), ("vpool", _p)]
+from hotprefix.model.qlinear import Blocks
 
 
 def fusable(model: LlamaForCausalLM, kv: KVCache, lib: ctypes.CDLL | None) -> bool:
@@ -62,23 +54,22 @@ class FusedDecode:
             raise ValueError("this model and cache cannot take the fused decode path")
         self.model, self.kv, self.lib = model, kv, lib
         arch = model.arch
-        self.h, self.kvh, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.e, self.i = arch.hidden_size, arch.intermediate_size
-        self.eps = float(model.model.norm.eps)
-        self.scale = model.model.layers[0].self_attn.scale
+        self.h, self.kvh = arch.num_heads, arch.num_kv_heads
         self.layers = (HpLayer * arch.num_layers)()
         for spec, layer, lkv in zip(self.layers, model.model.layers, kv.layers):
             a, m = layer.self_attn, layer.mlp
             spec.norm1, spec.norm2 = layer.input_layernorm.weight.data_ptr(), \
                 layer.post_attention_layernorm.weight.data_ptr()
-            for name, pack in (("qkv", a.qkv_packed), ("o", a.o_proj.packed), ("gu", m.gate_up_packed),
-                               ("down", m.down_proj.packed)):
-                setattr(spec, f"w_{name}", pack.raw.data_ptr())
-                setattr(spec, f"t_{name}", pack.qtype)
+            spec.nqkv = _set_parts(spec.qkv, a.qkv_packed)
+            spec.ngu = _set_parts(spec.gu, m.gate_up_packed)
+            _set_parts((spec.o,), a.o_proj.packed)
+            _set_parts((spec.down,), m.down_proj.packed)
             spec.b_qkv = a.qkv_bias.data_ptr() if a.qkv_bias is not None else None
             spec.b_o = a.o_proj.bias.data_ptr() if a.o_proj.bias is not None else None
             spec.kpool, spec.vpool = lkv.k.data_ptr(), lkv.v.data_ptr()
-        self.head_stride = kv.layers[0].k.shape[1] * self.d
+        self.stack = HpStack(self.layers, arch.num_layers, arch.hidden_size, self.h, self.kvh, arch.head_dim,
+                             arch.intermediate_size, float(model.model.norm.eps),
+                             model.model.layers[0].self_attn.scale, kv.layers[0].k.shape[1] * arch.head_dim)
 
     @staticmethod
     def serves(meta: AttentionMetadata, num_tokens: int) -> bool:
@@ -93,14 +84,25 @@ class FusedDecode:
         cos, sin = self.model.rope(positions, x.dtype)  # [T, 1, D] each
         plan = paged_plan_own(meta, self.h, self.kvh)
         shared = paged_plan_shared(meta, self.h, self.kvh)
-        sh = (shared.rows.data_ptr(), shared.rows.numel(), shared.task.data_ptr(), shared.task.shape[0],
-              shared.slots.data_ptr()) if shared is not None else (None, 0, None, 0, None)
         slots = meta.slot_mapping.contiguous()
-        rc = self.lib.hp_decode_layers(
-            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), x.shape[0], self.e, self.h, self.kvh,
-            self.d, self.i, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), self.head_stride,
-            plan.rows.data_ptr(), plan.task.data_ptr(), plan.task.shape[0], plan.slots.data_ptr(), *sh,
-            self.scale, torch.get_num_threads())
+        step = HpStep(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), wslots=slots.data_ptr(),
+                      rows=plan.rows.data_ptr(), task=plan.task.data_ptr(), aslots=plan.slots.data_ptr(),
+                      M=x.shape[0], ntasks=plan.task.shape[0])
+        if shared is not None:
+            step.srows, step.stask = shared.rows.data_ptr(), shared.task.data_ptr()
+            step.sslots = shared.slots.data_ptr()
+            step.nsrows, step.nstasks = shared.rows.numel(), shared.task.shape[0]
+        rc = self.lib.hp_decode_layers(ctypes.byref(self.stack), ctypes.byref(step), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"hp_decode_layers failed ({rc})")
         return self.model.model.norm(x)
+
+
+def _set_parts(slots, w: Blocks) -> int:
+    """Write w's parts (regrouped weights) into the HpPart slots; returns how many."""
+    parts = w.parts
+    if len(parts) > len(slots):
+        raise ValueError(f"{len(parts)} parts, room for {len(slots)}")
+    for slot, p in zip(slots, parts):
+        slot.w, slot.qtype, slot.n = p.raw.data_ptr(), p.qtype, p.n
+    return len(parts)

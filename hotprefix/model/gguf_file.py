@@ -5,10 +5,14 @@ tokenizer's ~100k vocabulary and merge strings), which takes seconds; the
 engine needs a few scalars and the tensors. Arrays are skipped by length here
 and can be decoded on demand. Tensor data is a memory map, as raw bytes shaped
 [rows, bytes per row], which gguf.quants.dequantize accepts for every type.
+
+The map is private and writable (copy-on-write), so that torch tensors can view it
+without a copy; nothing writes to it, so every page stays the page cache's.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class GGUFFormatError(ValueError):
@@ -51,7 +56,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.data = np.memmap(self.path, dtype=np.uint8, mode="c")
         self.buf = memoryview(self.data)
         try:
             self._parse()
@@ -109,6 +114,8 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._unpack("<I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions")
             shape = tuple(self._unpack("<Q") for _ in range(n_dims))
             infos.append((name, shape, self._unpack("<I"), self._unpack("<Q")))
         align = int(self.fields.get("general.alignment", 32))
@@ -123,7 +130,23 @@ class GGUFFile:
         return f.count if isinstance(f, ArrayField) else None
 
     def raw(self, t: TensorInfo, type_size: int, block_size: int) -> np.ndarray:
-        """The tensor's bytes as [rows, bytes per row] (a view of the memory map)."""
+        """The tensor's bytes as [rows, bytes per row] (a view of the memory map).
+        Raises GGUFFormatError for a row length its blocks do not divide or data past
+        the end of the file (a truncated download)."""
         rows, cols = t.rows_cols
+        if cols <= 0 or rows <= 0 or cols % block_size:
+            raise GGUFFormatError(f"tensor {t.name!r} has shape {t.shape}, not whole blocks of {block_size}")
         row_bytes = cols // block_size * type_size
-        return self.data[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
+        end = t.offset + rows * row_bytes
+        if end > len(self.data):
+            raise GGUFFormatError(f"tensor {t.name!r} ends at byte {end:,}, past the end of the file "
+                                  f"({len(self.data):,} bytes): truncated?")
+        return self.data[t.offset:end].reshape(rows, row_bytes)
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process (they stay in the page cache and come
+        back on the next read): after the tensors were copied or regrouped, the resident
+        set holds only what is read again (embedding rows)."""
+        m = getattr(self.data, "_mmap", None)
+        if m is not None and hasattr(m, "madvise"):
+            m.madvise(mmap.MADV_DONTNEED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +17,11 @@ if TYPE_CHECKING:
 
     from hotprefix.model.qlinear import PackedWeight
 
-# Tensor types we dequantize (gguf.quants implements each of these in numpy).
+# Tensor types we dequantize (gguf.quants implements each of these in numpy); of these, the
+# C kernels multiply from their blocks the ones in qlinear.QTYPES.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
                    "Q8_K", "Q2_K", "Q3_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -98,24 +101,72 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks: bool = False
-                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """All tensors, renamed to HF's names: dequantized to float32, except, when
-    keep_blocks, the 2-D ones the block kernel reads (Q4_0, Q4_1, Q8_0): those are
-    kept as their GGUF blocks (`qlinear.PackedWeight`, rows in the same order) and
-    appear in the first dict as meta tensors of their shape, dequantized only for a
-    mode that needs them (`dequantize_rows`, LoadedModel.model_weights), so that
-    int8 mode never holds the float32 copies, not even while loading.
+@dataclass(frozen=True)
+class DeferredRows:
+    """A 2-D tensor of a block type the kernels do not multiply (Q2_K, Q3_K), kept as its
+    mapped bytes: widened to float32 only for a mode that asks (LoadedModel.model_weights)."""
 
-    Raises ModelLoadError for a tensor type we cannot dequantize.
+    type_name: str
+    raw: np.ndarray  # [rows, bytes per row], a view of the mapped file
+    shape: tuple[int, int]  # [N, K] in HF's order
+    permute_heads: int | None  # llama.cpp's Q/K row order to undo
+
+    def dequantize(self) -> torch.Tensor:
+        import torch
+        from gguf import GGMLQuantizationType, dequantize
+
+        w = np.asarray(dequantize(self.raw, GGMLQuantizationType[self.type_name]), dtype=np.float32)
+        w = w.reshape(self.shape)
+        if self.permute_heads is not None:
+            w = _unpermute(w, self.permute_heads)
+        return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+
+@dataclass
+class GGUFWeights:
+    """load_gguf_weights's result, in HF's names. `tensors`: float32 tensors, and meta
+    tensors of the right shape for those held as blocks; `packed`: blocks the kernels
+    multiply (qlinear.PackedWeight, views of the mapped file unless un-permuted); `deferred`:
+    blocks of other types."""
+
+    tensors: dict[str, Any]
+    packed: dict[str, PackedWeight]
+    deferred: dict[str, DeferredRows]
+
+
+def _hf_name(t_name: str, arch: ModelArch, path: Path) -> tuple[str, int | None]:
+    """The HF name of a GGUF tensor and, for llama's Q/K, the heads whose row order to undo.
+    Raises ModelLoadError for a name we do not know."""
+    m = _BLK.match(t_name)
+    if m:
+        layer, short, kind = m.groups()
+        if short not in _LAYER_NAMES:
+            raise ModelLoadError(f"{path.name}: unexpected tensor {t_name}")
+        permute = None
+        if arch.family in ("llama", "mistral"):  # llama.cpp permutes Q/K rows of llama-style models
+            permute = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(short)
+        return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}", permute
+    base, _, kind = t_name.rpartition(".")
+    if base not in _TOP_NAMES:
+        raise ModelLoadError(f"{path.name}: unexpected tensor {t_name}")
+    return f"{_TOP_NAMES[base]}.{kind}", None
+
+
+def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks: bool = False) -> GGUFWeights:
+    """All tensors, renamed to HF's names: 1-D ones and float types as float32; with
+    keep_blocks, 2-D tensors of block types as blocks (meta tensors in `tensors`), which
+    LoadedModel.model_weights widens only for a mode that needs float32, so that int8 mode
+    never holds a float32 copy, not even while loading; without, every tensor as float32.
+
+    Raises ModelLoadError for a tensor type we cannot read, an unknown tensor name, or a
+    file that ends before its tensors do.
     """
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
     from hotprefix.model.qlinear import PackedWeight
 
-    out: dict[str, torch.Tensor] = {}
-    packed: dict[str, PackedWeight] = {}
+    out = GGUFWeights({}, {}, {})
     for t in reader.tensors:
         try:
             qtype = GGMLQuantizationType(t.ggml_type)
@@ -126,37 +177,29 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
             raise ModelLoadError(f"{path.name}: tensor {t.name} has unsupported type {ttype} "
                                  f"(supported: {', '.join(SUPPORTED_TYPES)})")
         block_size, type_size = GGML_QUANT_SIZES[qtype]
-        raw = reader.raw(t, type_size, block_size)
+        try:
+            raw = reader.raw(t, type_size, block_size)
+        except GGUFFormatError as e:
+            raise ModelLoadError(f"{path.name}: {e}") from None
         if t.name == "rope_freqs.weight":
-            out["rope_freqs"] = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32).reshape(-1))
+            out.tensors["rope_freqs"] = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32).reshape(-1))
             continue
-        m = _BLK.match(t.name)
-        permute_heads = None  # llama.cpp permutes Q/K rows of llama-style models
-        if m:
-            layer, short, kind = m.groups()
-            if short not in _LAYER_NAMES:
-                raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}"
-            if arch.family in ("llama", "mistral"):
-                permute_heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(short)
-        else:
-            base, _, kind = t.name.rpartition(".")
-            if base not in _TOP_NAMES:
-                raise ModelLoadError(f"{path.name}: unexpected tensor {t.name}")
-            name = f"{_TOP_NAMES[base]}.{kind}"
-        shape = [int(d) for d in reversed(t.shape)]
-        if keep_blocks and len(shape) == 2:
-            rows = _unpermute(raw, permute_heads) if permute_heads is not None else raw
-            p = PackedWeight.from_gguf(ttype, torch.from_numpy(np.array(rows, order="C")), *shape)
+        name, permute = _hf_name(t.name, arch, path)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if keep_blocks and len(shape) == 2 and ttype not in FLOAT_TYPES:
+            p = PackedWeight.from_gguf(ttype, torch.from_numpy(_unpermute(raw, permute) if permute else raw), *shape)
             if p is not None:
-                packed[name] = p
-                out[name] = torch.empty(shape, device="meta")
-                continue
+                out.packed[name] = p
+            else:
+                out.deferred[name] = DeferredRows(ttype, raw, shape, permute)
+            out.tensors[name] = torch.empty(shape, device="meta")
+            continue
         w = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
-        if permute_heads is not None:
-            w = _unpermute(w, permute_heads)
-        out[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else np.array(w, order="C"))
-    return out, packed
+        if permute is not None:
+            w = _unpermute(w, permute)
+        writable = w.flags.writeable and w.flags.c_contiguous
+        out.tensors[name] = torch.from_numpy(w if writable else np.array(w, order="C"))
+    return out
 
 
 def dequantize_rows(p: PackedWeight) -> torch.Tensor:

@@ -8,6 +8,7 @@ D = head dim, E = hidden size, I = MLP size, V = vocab.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,16 +18,19 @@ from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention import AttentionMetadata, paged_attention
 from hotprefix.model.kv_cache import KVCache
 from hotprefix.model.qlinear import (
+    Blocks,
     Embedding,
     Linear,
     PackedWeight,
-    concat_rows,
+    fuse,
     library,
     qmatmul,
     rms_norm,
     rope_,
     silu_mul,
 )
+
+Regroup = Callable[[str, PackedWeight], PackedWeight]  # (HF name, GGUF rows) -> the int8 form
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +90,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, arch.rms_norm_eps)
         self.scale = self.d ** -0.5
-        self.qkv_packed: PackedWeight | None = None  # q, k, v rows in one block matrix (small batches)
+        self.qkv_packed: Blocks | None = None  # q, k and v as one block product
         self.qkv_bias: torch.Tensor | None = None
         self.kernel = None  # the C library: RoPE in place (int8 mode, see attach_blocks)
 
@@ -122,7 +126,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(e, i, bias=False)
         self.up_proj = Linear(e, i, bias=False)
         self.down_proj = Linear(i, e, bias=False)
-        self.gate_up_packed: PackedWeight | None = None  # gate and up rows in one block matrix
+        self.gate_up_packed: Blocks | None = None  # gate and up as one block product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_packed is not None and self.gate_up_packed.serves(x.shape[0]):
@@ -171,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                      device: torch.device, blocks: dict[str, PackedWeight] | None = None,
-                     int8: bool = False) -> LlamaForCausalLM:
+                     int8: bool = False, regroup: Regroup | None = None) -> LlamaForCausalLM:
         """Build the module, load HF-named weights and attach GGUF `blocks` (see
         attach_blocks). A meta tensor in `weights` (LoadedModel.model_weights) stays a
         meta parameter until release_served_weights drops it: only int8 mode, which reads
@@ -203,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         m.load_state_dict(state, assign=True)
         m.inv_freq = rope_inv_freq(arch, rope_freqs).to(device)
         if blocks:
-            m.attach_blocks(blocks, int8)
+            m.attach_blocks(blocks, int8, regroup)
         return m.eval()
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,37 +224,43 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
 
-    def attach_blocks(self, packed: dict[str, PackedWeight], int8: bool = False) -> int:
+    def attach_blocks(self, packed: dict[str, PackedWeight], int8: bool = False,
+                      regroup: Regroup | None = None) -> int:
         """Let linear layers (and the logits) read these GGUF blocks (an empty dict
-        detaches them all): for small batches, or with `int8`, regrouped for the
-        int8-activation product at every batch size. Returns the number of weights
-        attached. Raises RuntimeError for int8 without the kernel library.
+        detaches them all): for small batches, or with `int8`, in the int8 layout at
+        every batch size, each weight's as `regroup(name, rows)` gives it (default:
+        regrouped in memory; the runner passes weight_cache's). Returns the number of
+        weights attached. Raises RuntimeError for int8 without the kernel library.
 
         from_weights calls it while building the model; benchmarks/ab_inprocess.py
         calls it again to compare the two ways on the same weights."""
+        def form(name: str) -> PackedWeight | None:
+            p = packed.get(name)
+            if p is None or not int8:
+                return p
+            return (regroup or _regroup_in_memory)(name, p)
+
         n = 0
         for name, mod in self.named_modules():
             if isinstance(mod, Linear) and name != "lm_head":
-                mod.packed = packed.get(f"{name}.weight")
+                mod.packed = form(f"{name}.weight")
                 n += mod.packed is not None
         for mod in self.modules():  # fuse the projections that share an input
             if isinstance(mod, Attention):
                 projs = [mod.q_proj, mod.k_proj, mod.v_proj]
-                mod.qkv_packed = fused = concat_rows([p.packed for p in projs])
+                mod.qkv_packed = fused = fuse([p.packed for p in projs])
                 mod.qkv_bias = None if mod.q_proj.bias is None else torch.cat([p.bias.detach() for p in projs])
             elif isinstance(mod, MLP):
                 projs = [mod.gate_proj, mod.up_proj]
-                mod.gate_up_packed = fused = concat_rows([p.packed for p in projs])
+                mod.gate_up_packed = fused = fuse([p.packed for p in projs])
             else:
                 continue
             if fused is not None:
                 for p in projs:
-                    p.packed = None  # the fused copy serves them
+                    p.packed = None  # the fused product serves them
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
-        self.logits_packed = packed.get(head)
+        self.logits_packed = form(head)
         self.model.embed_tokens.packed = packed.get("model.embed_tokens.weight")  # GGUF rows, never regrouped
-        if int8:  # every product at every batch size from the int8 layout
-            self._regroup()
         lib = library() if int8 else None
         for mod in self.modules():
             if isinstance(mod, (RMSNorm, Attention)):  # the small per-layer ops in C too (int8 mode only:
@@ -288,26 +298,16 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"weights neither loaded nor read as blocks: {unloaded[:3]}")
         return freed
 
-    def _regroup(self) -> None:
-        """Every attached block matrix in the int8 kernel's layout (PackedWeight.regrouped)."""
-        def re(p: PackedWeight | None) -> PackedWeight | None:
-            return None if p is None else p.regrouped()
-
-        for mod in self.modules():
-            if isinstance(mod, Linear):
-                mod.packed = re(mod.packed)
-            elif isinstance(mod, Attention):
-                mod.qkv_packed = re(mod.qkv_packed)
-            elif isinstance(mod, MLP):
-                mod.gate_up_packed = re(mod.gate_up_packed)
-        self.logits_packed = re(self.logits_packed)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.logits_packed
         if p is not None and p.serves(hidden.shape[0]) and hidden.dtype == torch.float32:
             return qmatmul(hidden, p)  # [N, V]
         w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
         return (hidden @ w.t()).float()  # [N, V]
+
+
+def _regroup_in_memory(name: str, p: PackedWeight) -> PackedWeight:
+    return p.regrouped()
 
 
 def _with_tied(arch: ModelArch) -> ModelArch:

@@ -17,7 +17,8 @@ import torch
 
 from hotprefix.config import cache_root
 from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
-from hotprefix.model.gguf_loader import dequantize_rows, load_gguf_weights, read_gguf_arch
+from hotprefix.model.gguf_file import GGUFFile
+from hotprefix.model.gguf_loader import DeferredRows, dequantize_rows, load_gguf_weights, read_gguf_arch
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +37,30 @@ class LoadedModel:
     source: str
     name: str
     packed: dict[str, Any] = field(default_factory=dict)  # HF name -> qlinear.PackedWeight (GGUF blocks)
+    deferred: dict[str, DeferredRows] = field(default_factory=dict)  # blocks the kernels do not multiply
+    gguf: GGUFFile | None = None  # the mapped file the blocks are views of
 
     def model_weights(self, blocks_only: bool) -> dict[str, torch.Tensor]:
         """HF name -> tensor for LlamaForCausalLM.from_weights (a new dict; self is
         unchanged). A weight held only as GGUF blocks (a meta tensor) is dequantized to
         float32 here, or, with blocks_only (int8 mode, which reads it as blocks alone),
-        stays meta."""
-        return {n: w if not w.is_meta or blocks_only else dequantize_rows(self.packed[n])
-                for n, w in self.weights.items()}
+        stays meta. Raises ModelLoadError, with blocks_only, for blocks of a type the
+        kernels do not multiply: int8 mode never widens a block type to float32."""
+        if blocks_only and self.deferred:
+            name, d = next(iter(self.deferred.items()))
+            raise ModelLoadError(
+                f"{Path(self.source).name}: {len(self.deferred)} tensors ({name} first) are {d.type_name}, which the "
+                f"int8 kernels do not multiply (they read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); "
+                f"--quantized-matmul float32 widens them to float32 ({self.deferred_float_bytes() / 1e9:.1f} GB)")
+        out = {}
+        for n, w in self.weights.items():
+            if w.is_meta and not blocks_only:
+                w = self.deferred[n].dequantize() if n in self.deferred else dequantize_rows(self.packed[n])
+            out[n] = w
+        return out
+
+    def deferred_float_bytes(self) -> int:
+        return sum(4 * d.shape[0] * d.shape[1] for d in self.deferred.values())
 
 
 def default_model_path() -> Path:
@@ -94,9 +111,9 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")
         arch, reader = read_gguf_arch(path)
-        weights, packed = load_gguf_weights(path, arch, reader, keep_blocks=True)
+        w = load_gguf_weights(path, arch, reader, keep_blocks=True)
         tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(path)
-        return LoadedModel(arch, weights, tok, str(path), path.stem, packed)
+        return LoadedModel(arch, w.tensors, tok, str(path), path.stem, w.packed, w.deferred, reader)
     if path.is_dir():
         arch = arch_from_hf_config(_read_config(path))
         weights = load_safetensors(path)

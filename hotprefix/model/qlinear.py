@@ -1,26 +1,28 @@
-"""Linear layers that read GGUF Q4_0 / Q4_1 / Q8_0 blocks directly.
+"""Linear layers that read GGUF weight blocks directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+and the K-quants Q4_K, Q5_K, Q6_K that Q4_K_M files are made of).
 
-Decoding multiplies a few rows of activations by every weight matrix, so its
-speed is the speed of reading the weights. Kept as float32, SmolLM2's weights
-are 538 MB a step; as their GGUF blocks they are 96 MB. `csrc/qgemv.c` has two
-ways to multiply by the blocks (`--quantized-matmul`):
+Decoding multiplies a few rows of activations by every weight matrix, so its speed is
+the speed of reading the weights: as float32, a 1B model's weights are 4.9 GB a step;
+as Q4_K_M blocks 0.7 GB. The C kernels (csrc/, see hp.h for the files) multiply by the
+blocks in two ways (`--quantized-matmul`):
 
-- float32: each block is dequantized in registers (exactly as gguf's
-  `dequantize` does) and multiplied in float32, so results equal the float32
-  product with the dequantized weights up to the order of the additions. Used
-  for M <= MAX_M rows; larger products use the float32 weights (MKL).
-- int8: activations are quantized to int8 per 32-element block (llama.cpp's
-  method) and multiplied with integer dot products (AVX-512 VNNI, or AVX2's
-  vpmaddubsw) on a regrouped copy of the blocks, for every M: 3-4x faster than
-  either float32 route on a VNNI CPU, 2-8x with AVX2. On the default model its
-  next-token distributions stay as close to the float32 ones as llama.cpp's
+- float32: each block is dequantized in registers (exactly as gguf's `dequantize`
+  does) and multiplied in float32, so results equal the float32 product with the
+  dequantized weights up to the order of the additions. Used for M <= MAX_M rows;
+  larger products use the float32 weights (MKL).
+- int8: activations are quantized to int8 (per 32 values for the 32-value types, per
+  256 for the K-quants, llama.cpp's methods) and multiplied with integer dot products
+  (AVX-512 VNNI, or AVX2's vpmaddubsw) on a regrouped copy of the blocks, for every M:
+  3-4x faster than either float32 route on a VNNI CPU, 2-8x with AVX2. On the default
+  model its next-token distributions stay as close to the float32 ones as llama.cpp's
   (mean KL divergence 0.004 on 256 tokens of text).
 
-The same library also holds the decode attention over the paged pool and, for
-int8 mode, RMSNorm, RoPE and silu * up. It is compiled at first use with the
-system's C compiler (-O3 -march=native -fopenmp, see build_library) into $HOTPREFIX_CACHE/kernels
-and loaded with ctypes; without a compiler, or with HOTPREFIX_QKERNEL=0, all of
-it falls back to torch on the float32 weights.
+The same library also holds the decode attention over the paged pool and, for int8
+mode, RMSNorm, RoPE, silu * up and the fused decode step. It is compiled at first use
+with the system's C compiler (-O3 -march=native -fopenmp, see build_library) into
+$HOTPREFIX_CACHE/kernels and loaded with ctypes (kernel_abi.py states its ABI); without
+a compiler, or with HOTPREFIX_QKERNEL=0, all of it falls back to torch on the float32
+weights.
 """
 
 from __future__ import annotations
@@ -41,12 +43,15 @@ import torch
 from torch import nn
 
 from hotprefix.config import QuantizedMatmul, as_mode, cache_root
+from hotprefix.model import kernel_abi
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "qgemv.c"
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-MAX_M = 16  # rows of activations up to which the block kernel is used
+CSRC = Path(__file__).parent / "csrc"
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGML ids
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
+BLOCK_VALUES = {t: 256 if t >= 12 else 32 for t in BLOCK_BYTES}  # values per block
+TYPE_NAMES = {v: k for k, v in QTYPES.items()}
+MAX_M = 16  # rows of activations up to which float32 mode multiplies from the blocks
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -70,24 +75,39 @@ def cpu_vector_flags() -> list[str]:
     return sorted(have & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
 
 
-def build_library(force: bool = False, march: str = "native") -> Path | None:
-    """Compile csrc/qgemv.c for this CPU (cached by source, CPU flags and `march`);
-    the .so path, or None when there is no compiler or it fails."""
+def sources() -> list[Path]:
+    """The kernel library's C files and headers (csrc/), in a fixed order."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
+
+
+def source_digest() -> str:
+    """A digest of every kernel source: it names the built library and, since the
+    regrouped layouts are defined there, the regrouped-weight caches (weight_cache.py)."""
+    h = hashlib.sha256()
+    for p in sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_library(force: bool = False, march: str = "native", defines: tuple[str, ...] = ()) -> Path | None:
+    """Compile csrc/*.c for this CPU (cached by sources, CPU flags, `march` and `defines`,
+    e.g. ("HP_SIM512",) for tests of the AVX-512 paths on any x86-64 CPU); the .so path,
+    or None when there is no compiler or it fails."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.info("no C compiler: decoding uses float32 weights")
         return None
-    src = SOURCE.read_bytes()
     # no FP traps are ever read: selects of values computed anyway (silu, exp) may vectorize
-    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
-    key = hashlib.sha256(src + _cpu_signature().encode() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"qgemv-{key}.so"
+    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+             *(f"-D{d}" for d in defines)]
+    key = hashlib.sha256((source_digest() + _cpu_signature() + cc + " ".join(flags)).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"hp-{key}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(so), "-lm"]
+        cmd = [cc, *flags, "-shared", "-fPIC", *(str(p) for p in sources() if p.suffix == ".c"), "-o", str(so), "-lm"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             log.warning("could not build the GGUF block kernel (%s): decoding uses float32 weights",
@@ -110,47 +130,14 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def bind(path: Path) -> ctypes.CDLL:
-    """Load a built kernel library and declare its functions."""
-    lib = ctypes.CDLL(str(path))
-    lib.hp_qmatmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.hp_qmatmul.restype = ctypes.c_int
-    lib.hp_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.hp_dequantize.restype = ctypes.c_int
-    lib.hp_qmatmul_i8.argtypes = lib.hp_qmatmul.argtypes
-    lib.hp_qmatmul_i8.restype = ctypes.c_int
-    lib.hp_repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.hp_repack.restype = ctypes.c_int
-    lib.hp_repacked_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.hp_repacked_bytes.restype = ctypes.c_long
-    lib.hp_int8_vectorized.argtypes = []
-    lib.hp_int8_vectorized.restype = ctypes.c_int
-    p = ctypes.c_void_p
-    lib.hp_paged_attention.argtypes = [p, p, p, ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int, p, ctypes.c_float,
-                                       p, p, ctypes.c_int]
-    lib.hp_paged_attention.restype = ctypes.c_int
-    lib.hp_silu_mul.argtypes = [p, ctypes.c_int, ctypes.c_int, p, ctypes.c_int]
-    lib.hp_silu_mul.restype = None
-    lib.hp_kv_write.argtypes = [p, p, ctypes.c_int64, p, ctypes.c_int, p, ctypes.c_int64, p, ctypes.c_int64,
-                                ctypes.c_int, ctypes.c_int]
-    lib.hp_kv_write.restype = None
-    lib.hp_rmsnorm.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, p, ctypes.c_float, p, ctypes.c_int]
-    lib.hp_rmsnorm.restype = None
-    lib.hp_rope.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int]
-    lib.hp_rope.restype = None
-    i, f = ctypes.c_int, ctypes.c_float
-    lib.hp_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, f, p, p, p, ctypes.c_int64, p, p, i, p,
-                                     p, i, p, i, p, f, i]
-    lib.hp_decode_layers.restype = ctypes.c_int
-    return lib
+bind = kernel_abi.bind
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / 32 * block bytes],
-    or with `int8`, the same blocks regrouped by 16 rows (csrc/qgemv.c's hp_repack)
-    for the int8-activation product."""
+    """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / block values *
+    block bytes] (the file's rows, often a view of the mapped file), or with `int8`, the
+    same blocks regrouped by 16 rows (csrc/repack.c) for the int8-activation product."""
 
     qtype: int
     raw: torch.Tensor
@@ -162,36 +149,93 @@ class PackedWeight:
         """Whether products with m rows of activations run on these blocks."""
         return self.int8 or m <= MAX_M
 
-    def regrouped(self, lib: ctypes.CDLL | None = None) -> PackedWeight:
-        """The int8-activation form of these GGUF rows (a new weight; self is unchanged)."""
+    @property
+    def parts(self) -> tuple[PackedWeight, ...]:
+        return (self,)
+
+    def regrouped_bytes(self, lib: ctypes.CDLL | None = None) -> int:
+        """Bytes of the int8 form of these rows."""
+        return int(_need(lib).hp_repacked_bytes(self.qtype, self.n, self.k))
+
+    def regrouped(self, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> PackedWeight:
+        """The int8-activation form of these GGUF rows (a new weight; self is unchanged),
+        written into `out` (uint8, regrouped_bytes long: e.g. a view of a mapped cache
+        file) or a new tensor. Raises RuntimeError without the library."""
         lib = _need(lib)
         if self.int8:
             return self
-        out = torch.empty(lib.hp_repacked_bytes(self.qtype, self.n, self.k), dtype=torch.uint8)
+        size = self.regrouped_bytes(lib)
+        out = torch.empty(size, dtype=torch.uint8) if out is None else out
+        if out.numel() != size or out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError(f"regrouped: out must be {size} contiguous bytes")
         if lib.hp_repack(self.qtype, self.raw.data_ptr(), self.n, self.k, out.data_ptr()):
             raise RuntimeError(f"hp_repack failed for type {self.qtype}, K={self.k}")
         return PackedWeight(self.qtype, out, self.n, self.k, int8=True)
 
     @classmethod
     def from_gguf(cls, type_name: str, raw: torch.Tensor, n: int, k: int) -> PackedWeight | None:
-        """None for a type the kernel does not read."""
+        """The rows of a GGUF tensor of `type_name` ([N, K] in HF's order), or None for a
+        type the kernels do not read or a K its blocks do not divide."""
         qtype = QTYPES.get(type_name)
-        if qtype is None or k % 32:
+        if qtype is None or k <= 0 or k % BLOCK_VALUES[qtype]:
             return None
-        raw = raw.reshape(n, k // 32 * BLOCK_BYTES[qtype]).contiguous()
-        return cls(qtype, raw, n, k)
+        raw = raw.reshape(n, k // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype])
+        return cls(qtype, raw if raw.is_contiguous() else raw.contiguous(), n, k)
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
 
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
 
 
-def concat_rows(ws: list[PackedWeight | None]) -> PackedWeight | None:
-    """The weights stacked by rows (one product for several projections of the same
-    input), or None unless all are given with one type and one K."""
-    if not ws or any(w is None or w.int8 for w in ws) or len({(w.qtype, w.k) for w in ws}) != 1:
+@dataclass(frozen=True)
+class FusedWeight:
+    """Weights over one input multiplied as one product whose outputs are their columns
+    side by side (q, k and v; gate and up). The parts may differ in type: a Q4_K_M layer's
+    q and k are Q4_K and its v Q6_K. In int8 mode the kernel runs every part's groups in
+    one work-sharing loop; in float32 mode each part is its own product."""
+
+    parts: tuple[PackedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts or len({p.k for p in self.parts}) != 1 or len({p.int8 for p in self.parts}) != 1:
+            raise ValueError("fused weights need one K and one form")
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def int8(self) -> bool:
+        return self.parts[0].int8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def serves(self, m: int) -> bool:
+        return self.parts[0].serves(m)
+
+    def regrouped(self, lib: ctypes.CDLL | None = None) -> FusedWeight:
+        return FusedWeight(tuple(p.regrouped(lib) for p in self.parts))
+
+
+Blocks = PackedWeight | FusedWeight
+
+
+def fuse(ws: list[PackedWeight | None]) -> FusedWeight | None:
+    """One product for several projections of the same input, or None unless all are
+    given with one K, as GGUF rows or all regrouped."""
+    if not ws or any(w is None for w in ws) or len({(w.k, w.int8) for w in ws}) != 1:
         return None
-    return PackedWeight(ws[0].qtype, torch.cat([w.raw for w in ws]), sum(w.n for w in ws), ws[0].k)
+    return FusedWeight(tuple(ws))
 
 
 def _need(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -201,17 +245,24 @@ def _need(lib: ctypes.CDLL | None) -> ctypes.CDLL:
     return lib
 
 
-def qmatmul(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, w: Blocks, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [M, K] float32 (CPU) @ W^T -> [M, N] float32, with int8 activations when w.int8.
-    Raises RuntimeError without the library."""
+    Raises RuntimeError without the library or when the kernel refuses the weight."""
     lib = _need(lib)
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, w.n, dtype=torch.float32)
-    fn = lib.hp_qmatmul_i8 if w.int8 else lib.hp_qmatmul
-    rc = fn(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if w.int8:
+        parts = w.parts
+        table = (kernel_abi.HpPart * len(parts))(*(kernel_abi.HpPart(p.raw.data_ptr(), p.qtype, p.n) for p in parts))
+        rc = lib.hp_qmatmul_i8_parts(table, len(parts), x.data_ptr(), m, w.k, y.data_ptr(), threads)
+    elif isinstance(w, FusedWeight):
+        return torch.cat([qmatmul(x, p, lib) for p in w.parts], dim=1)
+    else:
+        rc = lib.hp_qmatmul(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), threads)
     if rc:
-        raise RuntimeError(f"the block product failed ({rc}) for type {w.qtype}, K={w.k}")
+        raise RuntimeError(f"the block product failed ({rc}) for {[p.type_name for p in w.parts]}, K={w.k}")
     return y
 
 
@@ -250,6 +301,8 @@ def dequantize(w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     lib = _need(lib)
     if w.int8:
         raise RuntimeError("dequantize reads GGUF rows, not the regrouped form")
+    if not w.raw.is_contiguous():
+        raise ValueError("dequantize needs contiguous rows")
     out = torch.empty(w.n, w.k, dtype=torch.float32)
     if lib.hp_dequantize(w.qtype, w.raw.data_ptr(), w.n, w.k, out.data_ptr()):
         raise RuntimeError(f"hp_dequantize failed for type {w.qtype}")

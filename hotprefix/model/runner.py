@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,9 +20,10 @@ from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
-from hotprefix.model.qlinear import cpu_vector_flags, library, packable, resolve_matmul
+from hotprefix.model.qlinear import PackedWeight, cpu_vector_flags, library, packable, resolve_matmul
 from hotprefix.model.sampler import Sampler, SampleRow
 from hotprefix.model.structured import GrammarMatchers, StepMasks
+from hotprefix.model.weight_cache import regrouped_weights
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,23 @@ def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig
     return KVPlan(n, cache.block_size, name, bpb)
 
 
+def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, packed: dict,
+                 int8: bool) -> LlamaForCausalLM:
+    """The model, its products on `packed` blocks; in int8 mode their regrouped forms come
+    from weight_cache (mapped from disk after the first start). Raises ModelLoadError for
+    weights int8 mode cannot serve from blocks (LoadedModel.model_weights)."""
+    weights = loaded.model_weights(blocks_only=int8)
+    regroup = None
+    if int8:
+        tied = loaded.arch.tie_word_embeddings  # the embedding's rows are read as they are, unless logits need it
+        names = [n for n in packed if n != "model.embed_tokens.weight" or tied]
+        regrouped = regrouped_weights(Path(loaded.source), packed, names, library())
+
+        def regroup(name: str, p: PackedWeight) -> PackedWeight:
+            return regrouped[name]
+    return LlamaForCausalLM.from_weights(loaded.arch, weights, dtype, device, packed, int8, regroup)
+
+
 class ModelRunner:
     """Runs one step. `execute` mutates the KV tensors and the per-request
     generators; finished request ids in the SchedulerOutput drop their state.
@@ -126,14 +145,16 @@ class ModelRunner:
                  grammars: GrammarCompiler | None = None) -> None:
         self.device = resolve_device(model_cfg.device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
-        packed = loaded.packed if packable(self.device, self.dtype) else {}
-        self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if packed else None
+        blocks = packable(self.device, self.dtype) and bool(loaded.packed or loaded.deferred)
+        packed = loaded.packed if blocks else {}
+        self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if blocks else None
         int8 = self.quantized_matmul is QuantizedMatmul.INT8
-        self.model = LlamaForCausalLM.from_weights(loaded.arch, loaded.model_weights(blocks_only=int8), self.dtype,
-                                                   self.device, packed, int8)
+        self.model = _build_model(loaded, self.device, self.dtype, packed, int8)
         if int8:
             log.info("int8 mode: the blocks serve %.0f MB of float32 weights, never held",
                      self.model.release_served_weights() / 1e6)
+            if loaded.gguf is not None:
+                loaded.gguf.release()  # the file's pages read while loading; embedding rows come back as read
         # the GGUF rows as loaded, to attach again (benchmarks); int8 mode holds regrouped copies instead
         self.packed = {} if int8 else packed
         if packed:
@@ -146,7 +167,7 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         self.plan = plan_kv_pool(loaded, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
         self.block_size = cache_cfg.block_size
-        # decode attention straight from a float32 pool, and the KV writes into it (csrc/qgemv.c)
+        # decode attention straight from a float32 pool, and the KV writes into it (csrc/attention.c, csrc/ops.c)
         self._attention_kernel = library() if (self.device.type == "cpu" and kv_dtype == torch.float32) else None
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,

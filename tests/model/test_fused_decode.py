@@ -1,4 +1,4 @@
-"""The fused decode step (model/fused_decode.py, csrc/qgemv.c's hp_decode_layers) gives
+"""The fused decode step (model/fused_decode.py, csrc/decode.c's hp_decode_layers) gives
 the same bits as the layer-by-layer int8 path, writes the same keys and values, and
 serves exactly the steps it was built for."""
 
@@ -83,9 +83,10 @@ def test_default_model_fused_step_is_the_layered_step_bit_for_bit():
     check_same_bits(runner, decode_step(prompts, tables))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M"])
 def test_qkv_biases_and_other_block_types_fused(tmp_path, qtype):
-    """A Qwen2-shaped model (q/k/v biases) in Q4_0 and Q8_0 blocks."""
+    """A Qwen2-shaped model (q/k/v biases) in Q4_0 and Q8_0 blocks, and in K-quant mixes
+    whose q/k/v are parts of different types (Q4_K, Q4_K, Q6_K on layer 0)."""
     from transformers import AutoTokenizer
 
     d = tmp_path / "src"
@@ -94,6 +95,9 @@ def test_qkv_biases_and_other_block_types_fused(tmp_path, qtype):
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, AutoTokenizer.from_pretrained(str(d)), qtype)
     runner = runner_for(path)
     assert runner.model.model.layers[0].self_attn.qkv_bias is not None
+    qkv_types = [p.type_name for p in runner.model.model.layers[0].self_attn.qkv_packed.parts]
+    assert qkv_types == {"Q4_0": ["Q4_0"] * 3, "Q8_0": ["Q8_0"] * 3, "Q4_K_M": ["Q4_K", "Q4_K", "Q6_K"],
+                         "Q5_K_M": ["Q5_K", "Q5_K", "Q6_K"]}[qtype]
     prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate((5, 21, 12))]
     tables = [[8 * i + b for b in range(8)] for i in range(3)]
     prefill(runner, prompts, tables)

@@ -45,7 +45,8 @@ def hf_gguf_logits(path, ids):
         return m(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                   "Q6_K", "Q3_K", "Q4_K_M"])
 def test_gguf_types_match_transformers_on_same_file(tmp_path, hf_pair, qtype):
     _, model, tok = hf_pair
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, tok, qtype)
@@ -65,10 +66,11 @@ def test_f32_gguf_equals_the_hf_folder(tmp_path, hf_pair):
     assert err < 1e-5
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1"])
-def test_weights_are_dequantized_by_gguf(tmp_path, hf_pair, qtype):
-    """A K-quant is dequantized at load; a type the block kernel reads is kept as blocks
-    (a meta tensor until a mode asks for float32) and dequantized to the same values."""
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1", "Q3_K"])
+def test_blocks_are_kept_and_widened_only_on_request(tmp_path, hf_pair, qtype):
+    """2-D block tensors are kept as blocks (meta tensors until a mode asks for float32)
+    and dequantized by gguf's code when asked: as kernel blocks (Q6_K, Q4_1) or, for a type
+    the kernels do not multiply (Q3_K), deferred, which int8 mode refuses in one line."""
     import gguf
 
     _, model, tok = hf_pair
@@ -77,9 +79,47 @@ def test_weights_are_dequantized_by_gguf(tmp_path, hf_pair, qtype):
     t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
     expect = gguf.quants.dequantize(t.data, t.tensor_type).reshape(256, 512)
     name = "model.layers.0.mlp.down_proj.weight"
-    assert loaded.weights[name].is_meta == (qtype == "Q4_1") == (name in loaded.packed)
+    assert loaded.weights[name].is_meta
+    assert (name in loaded.packed) == (qtype != "Q3_K") and (name in loaded.deferred) == (qtype == "Q3_K")
     assert np.array_equal(loaded.model_weights(blocks_only=False)[name].numpy(), expect)
-    assert loaded.model_weights(blocks_only=True)[name].is_meta == (qtype == "Q4_1")
+    if qtype == "Q3_K":
+        with pytest.raises(ModelLoadError) as e:
+            loaded.model_weights(blocks_only=True)
+        msg = str(e.value)
+        assert "are Q3_K, which the int8 kernels do not multiply" in msg and "--quantized-matmul float32" in msg
+        assert "\n" not in msg
+        with pytest.raises(ModelLoadError, match="Q3_K"):  # the runner's int8 mode: refused before any work
+            ModelRunner(loaded, ModelConfig(device="cpu", quantized_matmul="int8"),
+                        CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig())
+    else:
+        assert loaded.model_weights(blocks_only=True)[name].is_meta
+
+
+def test_blocks_are_views_of_the_mapped_file(tmp_path, hf_pair):
+    """Loading copies no block tensor: each is a view of the file's map, except llama's
+    Q/K, whose rows are put back in HF's order."""
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / "m.gguf", model, tok, "Q4_K_M")
+    loaded = load_model(str(path))
+    base = loaded.gguf.data.ctypes.data
+    inside = {n: base <= p.raw.data_ptr() < base + len(loaded.gguf.data) for n, p in loaded.packed.items()}
+    assert {n for n, v in inside.items() if not v} == {f"model.layers.{i}.self_attn.{w}_proj.weight"
+                                                       for i in range(2) for w in "qk"}
+    types = {n: p.type_name for n, p in loaded.packed.items()}
+    assert types["model.layers.0.self_attn.v_proj.weight"] == "Q6_K" and types["lm_head.weight"] == "Q6_K"
+    assert types["model.layers.1.self_attn.v_proj.weight"] == "Q4_K"
+
+
+def test_a_truncated_file_is_a_one_line_error(tmp_path, hf_pair):
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / "t.gguf", model, tok, "Q4_K")
+    data = path.read_bytes()
+    for cut in (len(data) - 1000, len(data) // 2, 40):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError) as e:
+            load_model(str(tmp_path / "cut.gguf"))
+        assert "cut.gguf" in str(e.value) and "\n" not in str(e.value)
+        assert cut == 40 or "past the end of the file" in str(e.value)
 
 
 def test_gguf_tokenizer_and_chat_template(tmp_path, hf_pair, monkeypatch):
@@ -119,7 +159,7 @@ def test_unsupported_tensor_type_is_a_one_line_error(tmp_path, hf_pair):
     assert "unsupported type IQ2_XXS" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K_M"])
 def test_small_batches_read_the_blocks_and_match_transformers(tmp_path, hf_pair, qtype):
     """Chunks of at most 16 tokens go through the block kernel (fused q/k/v with
     llama's Q/K rows un-permuted in block form, fused gate/up, the logits)."""
@@ -155,16 +195,19 @@ def test_small_batches_read_the_blocks_and_match_transformers(tmp_path, hf_pair,
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pair, qtype):
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M",
+                                   "Q5_K_M"])
+def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pair, qtype, monkeypatch):
     """--quantized-matmul int8: a 21-token prefill and the logits run on the regrouped
     blocks (llama's Q/K un-permutation included). This random-weight model magnifies
-    int8 rounding: 3-9% of the largest logit against transformers, the same as
+    int8 rounding: 3-16% of the largest logit against transformers (measured: Q8_0 3%,
+    4- and 5-bit types 8-12%, Q6_K 16%: its per-256 activations), the same as
     fake-quantizing transformers' own activations (8.9% for Q4_0); a wrong row order
     or scale gives ~100%. The stated accuracy on a trained model is
-    test_default_model.py's KL bound."""
+    test_default_model.py's KL bound (and benchmarks/kl_vs_llamacpp.py's at 1B)."""
     from hotprefix.model import qlinear
 
+    monkeypatch.setenv("HOTPREFIX_CACHE", str(tmp_path / "cache"))
     _, model, tok = hf_pair
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, tok, qtype)
     ids = torch.randint(3, 320, (21,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -185,4 +228,4 @@ def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pai
     assert calls == [(21, True)] * (4 * layers) + [(21, True)]  # qkv, o, gate_up, down per layer; logits
     ref = hf_gguf_logits(path, ids)
     err = float((ours - ref).abs().max() / ref.abs().max())
-    assert err <= 0.15, f"{qtype}: relative error {err:.2e}"
+    assert err <= 0.25, f"{qtype}: relative error {err:.2e}"

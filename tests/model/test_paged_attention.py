@@ -1,4 +1,4 @@
-"""hp_paged_attention (csrc/qgemv.c): decode attention straight from the KV pool,
+"""hp_paged_attention (csrc/attention.c): decode attention straight from the KV pool,
 against attention computed in float64 on gathered keys."""
 
 from __future__ import annotations

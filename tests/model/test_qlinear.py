@@ -1,49 +1,62 @@
-"""The GGUF block kernel (csrc/qgemv.c) against gguf's own dequantize and float32 matmul."""
+"""The GGUF block kernels (csrc/) against gguf's own dequantize and float32 matmul, for
+every block type they read, on every vector path of the C files (AVX-512 VNNI too, through
+the simulated build, on any AVX2 machine)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGMLQuantizationType, dequantize
 
-from hotprefix.model import qlinear
-from hotprefix.model.qlinear import Linear, PackedWeight, qmatmul
+from hotprefix.model import kernel_abi, qlinear
+from hotprefix.model.qlinear import FusedWeight, Linear, PackedWeight, qmatmul
+from tests.kquants import quantize
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+# bytes of one regrouped unit (16 rows x one block; csrc/repack.c's layouts)
+UNIT_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q5_0": 544, "Q5_1": 576, "Q8_0": 544, "Q4_K": 2368, "Q5_K": 2880,
+              "Q6_K": 3360}
 
 
 def packed(type_name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, size=(n, 1))).astype(np.float32)
-    qt = GGMLQuantizationType[type_name]
-    raw = quantize(w, qt)
-    ref = torch.from_numpy(np.asarray(dequantize(raw, qt), dtype=np.float32).reshape(n, k))
+    raw = quantize(w, type_name)
+    ref = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[type_name]), dtype=np.float32).reshape(n, k))
     return PackedWeight.from_gguf(type_name, torch.from_numpy(raw), n, k), ref
 
 
-# every code path of the C file: AVX-512, AVX2, and plain C (x86-64 without AVX)
-MARCHES = ["native"]
+# every code path of the C files: AVX-512 (VNNI), AVX2, and plain C (x86-64 without AVX); the
+# AVX-512 paths also as a simulated build (sim512.h) where the CPU has AVX2 to host it
+MARCHES = [("native", ())]
 if qlinear.platform.machine() == "x86_64":
-    MARCHES += (["x86-64-v3"] if " avx2 " in qlinear._cpu_signature() + " " else []) + ["x86-64"]
+    if " avx2 " in qlinear._cpu_signature() + " ":
+        MARCHES += [("x86-64-v3", ()), ("x86-64-v3", ("HP_SIM512",))]
+    MARCHES += [("x86-64", ())]
 
 
-@pytest.fixture(scope="module", params=MARCHES)
+@pytest.fixture(scope="module", params=MARCHES, ids=lambda p: "+".join((p[0], *p[1])))
 def lib(request):
-    path = qlinear.build_library(march=request.param)
-    assert path is not None, f"the kernel did not build for -march={request.param}"
+    march, defines = request.param
+    path = qlinear.build_library(march=march, defines=defines)
+    assert path is not None, f"the kernel did not build for -march={march} {defines}"
     return qlinear.bind(path)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", TYPES)
 def test_kernel_dequantizes_exactly_like_gguf(type_name, lib):
-    p, ref = packed(type_name, 37, 96)
+    p, ref = packed(type_name, 37, 512)
     assert torch.equal(qlinear.dequantize(p, lib), ref)  # bit for bit
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
 def test_kernel_matmul_equals_float32_matmul(type_name, m, lib):
-    p, ref = packed(type_name, 200, 576, seed=m)
-    x = torch.randn(m, 576)
+    k = 768 if type_name in K_TYPES else 576
+    p, ref = packed(type_name, 200, k, seed=m)
+    x = torch.randn(m, k)
     got, want = qmatmul(x, p, lib), x @ ref.t()
     assert got.shape == (m, 200)
     # the same products in another order: float32 rounding only
@@ -66,9 +79,15 @@ def test_linear_uses_blocks_only_for_small_batches(monkeypatch):
     assert calls == [1, qlinear.MAX_M]  # the larger batch ran on the float32 weights
 
 
-def test_bad_shapes_are_refused():
+def test_bad_shapes_are_refused(native_lib):
     assert PackedWeight.from_gguf("Q4_1", torch.zeros(10, dtype=torch.uint8), 1, 40) is None  # K % 32
-    assert PackedWeight.from_gguf("Q6_K", torch.zeros(10, dtype=torch.uint8), 1, 256) is None  # not read
+    assert PackedWeight.from_gguf("Q4_K", torch.zeros(90, dtype=torch.uint8), 1, 160) is None  # K % 256
+    assert PackedWeight.from_gguf("Q3_K", torch.zeros(110, dtype=torch.uint8), 1, 256) is None  # not read
+    x = torch.zeros(1, 160)
+    for fn in (native_lib.hp_qmatmul, native_lib.hp_qmatmul_i8):  # the C side refuses them too
+        assert fn(12, x.data_ptr(), 1, 160, x.data_ptr(), 1, x.data_ptr(), 1) == -1
+        assert fn(11, x.data_ptr(), 1, 256, x.data_ptr(), 1, x.data_ptr(), 1) == -1  # Q3_K
+    assert native_lib.hp_repacked_bytes(12, 16, 160) == -1 and native_lib.hp_repacked_bytes(11, 16, 256) == -1
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +95,12 @@ def native_lib():
     return qlinear.bind(qlinear.build_library(march="native"))
 
 
-def quantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 kernel quantizes it (per 32 values: q = round(x * 127 / max|x|),
-    dx = max|x| / 127), returned as q * dx in float64. Computed in numpy float32, because
-    torch's scalar / tensor is a reciprocal times the scalar and rounds differently."""
-    xb = x.numpy().reshape(x.shape[0], -1, 32).astype(np.float32)
+def quantized_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] as the int8 kernel quantizes it (per `block` values, 32 or 256 for the
+    K-quants: q = round(x * 127 / max|x|), dx = max|x| / 127), returned as q * dx in
+    float64. Computed in numpy float32, because torch's scalar / tensor is a reciprocal
+    times the scalar and rounds differently."""
+    xb = x.numpy().reshape(x.shape[0], -1, block).astype(np.float32)
     amax = np.abs(xb).max(-1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
@@ -88,32 +108,49 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy((q * (amax / np.float32(127))).astype(np.float64).reshape(x.shape))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 40, 64, 130])  # (64 rows of x a chunk: 130 = 2 chunks and 2 rows)
 def test_int8_product_is_the_quantized_activations_times_the_weights(type_name, m, lib, native_lib):
-    p, ref = packed(type_name, 200, 576, seed=m)  # 200 rows: the last group of 16 is padded
-    x = torch.randn(m, 576)
+    k, bv = (768, 256) if type_name in K_TYPES else (576, 32)
+    p, ref = packed(type_name, 200, k, seed=m)  # 200 rows: the last group of 16 is padded
+    x = torch.randn(m, k)
     x[0, 5] = 40.0  # an outlier coarsens its block
-    x[-1, 64:96] = 0.0  # a block of zeros has scale 0
+    x[-1, 256:512] = 0.0  # a block of zeros has scale 0
     g = p.regrouped(lib)
     assert g.int8 and g.serves(4096)
-    assert g.nbytes == 13 * 16 * (576 // 32) * block_bytes(type_name)  # 13 groups of 16 rows, the last padded
+    assert g.nbytes == 13 * (k // bv) * UNIT_BYTES[type_name]  # 13 groups of 16 rows, the last padded
     got = qmatmul(x, g, lib)
-    want = quantized_rows(x) @ ref.double().t()
+    want = quantized_rows(x, bv) @ ref.double().t()
     # the integer sums are exact; the scales are applied in float32
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     # every build (VNNI, plain C) repacks the same bytes and returns the same bits
     g_native = p.regrouped(native_lib)
     assert torch.equal(g.raw, g_native.raw)
     assert torch.equal(got, qmatmul(x, g_native, native_lib))
-    # and what the quantization costs against float32 activations: about 1% RMS
+    # and what the quantization costs against float32 activations: about 1% RMS; per 256
+    # values the outlier coarsens 8x more values (up to 3.7% when its row is the only one)
     exact = x.double() @ ref.double().t()
     rel = ((got.double() - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
-    assert rel < 0.03, rel
+    assert rel < (0.05 if bv == 256 else 0.03), rel
 
 
-def block_bytes(type_name: str) -> int:
-    return qlinear.BLOCK_BYTES[qlinear.QTYPES[type_name]]
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_K"), ("Q5_0", "Q5_1", "Q4_0")])
+def test_fused_products_of_mixed_types_are_their_parts_side_by_side(types, lib):
+    """A Q4_K_M layer's q, k (Q4_K) and v (Q6_K) in one product; block families mixed
+    (per-32 and per-256 activations) over the same x: each part's columns are the bits of
+    its own product."""
+    parts = [packed(t, n, 512, seed=i)[0] for i, (t, n) in enumerate(zip(types, (64, 40, 24)))]
+    x = torch.randn(9, 512)
+    rows = FusedWeight(tuple(parts))
+    got_f32 = qmatmul(x, rows, lib)
+    assert torch.equal(got_f32, torch.cat([qmatmul(x, p, lib) for p in parts], dim=1))
+    fused = rows.regrouped(lib)
+    assert fused.int8 and fused.n == sum(p.n for p in parts) and fused.k == 512
+    got = qmatmul(x, fused, lib)
+    assert torch.equal(got, torch.cat([qmatmul(x, p.regrouped(lib), lib) for p in parts], dim=1))
+    with pytest.raises(ValueError):  # one K and one form
+        FusedWeight((parts[0], packed("Q4_K", 16, 256)[0]))
+    assert qlinear.fuse([parts[0], parts[1].regrouped(lib)]) is None and qlinear.fuse([parts[0], None]) is None
 
 
 def test_int8_weights_serve_every_batch_size(monkeypatch):
@@ -130,7 +167,6 @@ def test_int8_weights_serve_every_batch_size(monkeypatch):
     assert calls == [300]
     with pytest.raises(RuntimeError, match="regrouped"):
         qlinear.dequantize(lin.packed)
-    assert qlinear.concat_rows([lin.packed, lin.packed]) is None  # rows are fused before regrouping
 
 
 def test_auto_takes_int8_only_where_it_is_vectorized(native_lib):
@@ -175,3 +211,15 @@ def test_the_flags_reported_with_benchmarks_are_the_ones_the_native_build_used(n
     flags = qlinear.cpu_vector_flags()
     assert set(flags) <= {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"} and flags == sorted(flags)
     assert bool(native_lib.hp_int8_vectorized()) == bool({"avx2", "avx512_vnni"} & set(flags))
+
+
+def test_a_struct_edited_on_one_side_is_refused_at_load(native_lib, monkeypatch):
+    """kernel_abi's ctypes mirrors are checked against the C structs' sizes and offsets."""
+    kernel_abi.check_layouts(native_lib)  # as built: they match
+
+    class Shifted(kernel_abi.ctypes.Structure):
+        _fields_ = [("qtype", kernel_abi.c_int), ("w", kernel_abi.c_void_p), ("n", kernel_abi.c_int)]
+
+    monkeypatch.setattr(kernel_abi, "STRUCTS", (Shifted, *kernel_abi.STRUCTS[1:]))
+    with pytest.raises(RuntimeError, match="Shifted does not match"):
+        kernel_abi.check_layouts(native_lib)

@@ -1,0 +1,165 @@
+/* What the kernel files share: GGUF block types, fp16, the vector paths this build
+ * compiles, and the scratch that int8 activations live in.
+ *
+ * The files, compiled together into one library (qlinear.build_library):
+ *   blocks.c     GGUF blocks as stored: dequantization, float32 products (float32 mode)
+ *   repack.c     the regrouped layouts of the int8 products
+ *   int8.c       activations to int8, the product team loop, its entry points
+ *   int8_q32.c   int8 group kernels of the 32-value block types
+ *   int8_kq.c    int8 group kernels of the 256-value K-quant types
+ *   attention.c  paged attention over the KV pool
+ *   ops.c        RMSNorm, RoPE, silu * up, KV writes (ops.h: their row functions)
+ *   decode.c     every decoder layer of a decode step in one call
+ */
+#ifndef HP_H
+#define HP_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(HP_SIM512)
+#include "sim512.h" /* test builds only: the AVX-512 intrinsics in plain C, on an AVX2 CPU */
+#endif
+
+/* The vector paths of this build. Float work (dequantization, attention): 512 or 256
+ * bits. int8 products: VNNI on 512 bits, else AVX2's vpmaddubsw, else plain C. */
+#if defined(HP_SIM512) || defined(__AVX512F__)
+#define HP_F512 1
+#elif defined(__AVX2__)
+#define HP_F256 1
+#endif
+#if defined(HP_SIM512) || (defined(__AVX512F__) && defined(__AVX512VNNI__))
+#define HP_I512 1
+#elif defined(__AVX2__)
+#define HP_I256 1
+#endif
+
+/* This build's float vector, for register tiles: VF_W lanes (none: plain C). */
+#if defined(HP_F512)
+typedef __m512 vf;
+#define VF_W 16
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_fma _mm512_fmadd_ps
+#define vf_hsum _mm512_reduce_add_ps
+#elif defined(HP_F256)
+typedef __m256 vf;
+#define VF_W 8
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_fma _mm256_fmadd_ps
+static inline float vf_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#define QK 32      /* values in a block of the 32-value types */
+#define QKK 256    /* values in a super-block of the K-quant types */
+#define G 16       /* weight rows per group of the regrouped (int8) layouts */
+#define MAX_M 16   /* rows of x up to which float32 mode multiplies from the blocks */
+
+/* GGML type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+/* Bytes of one GGUF block of `qtype` (0: a type these kernels do not read). */
+static inline int block_bytes(int qtype) {
+    switch (qtype) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* Values in one block of `qtype`. */
+static inline int block_values(int qtype) { return qtype >= Q4_K ? QKK : QK; }
+
+/* Whether int8 products of `qtype` quantize activations per 256 values (the K-quants)
+ * rather than per 32. */
+static inline int k_family(int qtype) { return qtype >= Q4_K; }
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else { exp = 127 - 15 + 1; while (!(mant & 0x400)) { mant <<= 1; exp--; } mant &= 0x3ff; bits = sign | (exp << 23) | (mant << 13); }
+    } else if (exp == 31) { bits = sign | 0x7f800000 | (mant << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (mant << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+static inline float load_fp16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return fp16_to_fp32(h); }
+
+/* Rows of x quantized to int8 for one block family (int8.c's quantize_rows):
+ * 32-value family: per 32 values a scale d, the sum of the codes and d * that sum;
+ * K family: per 256 values a scale d, and int16 sums of the codes per 16 values (16 of
+ * them) then per 32 values (8), 24 a super-block. */
+typedef struct {
+    int8_t *q;      /* [M, K] */
+    float *d;       /* [M, K / block values] */
+    int32_t *sum;   /* [M, K / 32] (32-value family) */
+    float *sd;      /* [M, K / 32] (32-value family) */
+    int16_t *bs;    /* [M, K / 256 * 24] (K family) */
+} xquant;
+
+#define KBS 24  /* int16 block sums a super-block of quantized x: 16 per 16 values, 8 per 32 */
+
+/* One weight of a product, regrouped (repack.c): its GGUF type, rows, and bytes. The
+ * parts of a fused product share K and write consecutive columns of y. */
+typedef struct {
+    const uint8_t *w;
+    int qtype;
+    int n;
+} hp_part;
+
+#define HP_MAX_PARTS 4
+
+/* int8.c */
+int xquant_alloc(xquant *x, int M, int K);
+void xquant_free(xquant *x);
+void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K, float *y,
+                 xquant *x32, xquant *xk);
+int parts_valid(const hp_part *parts, int nparts, int K);
+
+/* group kernels (int8_q32.c, int8_kq.c): one group of 16 weight rows against mt rows of
+ * quantized x, written to y (row stride ldy), nvalid of the 16 columns kept. */
+void group_q32(int qtype, int mt, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
+               const int32_t *xsum, const float *sx, int K, float *y, int ldy, int nvalid);
+void group_kq(int qtype, int mt, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
+              const int16_t *bs, int K, float *y, int ldy, int nvalid);
+int group_q32_rows(void);  /* rows of x per call of the vector kernels (all when plain C) */
+int group_kq_rows(void);
+
+/* repack.c: bytes of one regrouped unit (16 rows x one block) */
+int unit_bytes(int qtype);
+
+/* attention.c */
+typedef struct { float *acc, *s, *kt, *mx, *l; } att_scratch;
+int att_scratch_alloc(att_scratch *a, int maxr, int D);
+void att_scratch_free(att_scratch *a);
+int max_task_rows(const int64_t *task, int ntasks);
+void attend_task(const float *q, const int64_t *rows, const int64_t *tk, const float *k, const float *v,
+                 int64_t head_stride, int D, const int64_t *slots, float scale, float *out, float *lse,
+                 const att_scratch *scr);
+
+#endif

@@ -1,0 +1,82 @@
+/* The small per-row operations of a decoder layer, inline so that decode.c's fused
+ * step and ops.c's separate calls run the same code (and give the same bits). */
+#ifndef HP_OPS_H
+#define HP_OPS_H
+
+#include "hp.h"
+
+/* exp(x) for x <= 0, in plain arithmetic so that loops over it vectorize: 2^n * e^r with
+ * n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), e^r by its Taylor polynomial to
+ * degree 7 (|r| <= 0.35: relative error < 1e-7, about one float ulp). Below -87 it
+ * returns e^-87 (1.6e-38): a softmax weight that adds nothing next to the maximum's 1. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale2n;
+    memcpy(&scale2n, &bits, 4);
+    return p * scale2n;
+}
+
+/* out[i] = silu(g[i]) * g[I + i] for a row g = [gate | up] of 2I floats (the fused
+ * gate/up product), silu(x) = x / (1 + e^-x) with exp_nonpos: the MLP's activation in
+ * one pass instead of two strided torch ops and a temporary. */
+static inline void silu_mul_row(const float *g, int I, float *o) {
+    const float *u = g + I;
+    #pragma omp simd
+    for (int i = 0; i < I; i++) {
+        const float x = g[i], e = exp_nonpos(-fabsf(x)), xe = x * e;  /* e^-|x| */
+        const float num = x >= 0.0f ? x : xe;  /* a select of values computed anyway: the loop vectorizes */
+        o[i] = num / (1.0f + e) * u[i];
+    }
+}
+
+/* Store T tokens' keys and values in a float32 pool ([KVH, S, D] per tensor) at their
+ * slots: row t of k (and v) starts at k + t * k_row (v + t * v_row) and holds KVH * D
+ * floats. One copy of D floats per token and head. */
+static inline void kv_write_row(float *kpool, float *vpool, int64_t head_stride, int64_t slot, const float *k,
+                                const float *v, int KVH, int D) {
+    for (int h = 0; h < KVH; h++) {
+        memcpy(kpool + h * head_stride + slot * D, k + (int64_t)h * D, sizeof(float) * D);
+        memcpy(vpool + h * head_stride + slot * D, v + (int64_t)h * D, sizeof(float) * D);
+    }
+}
+
+/* RMSNorm of M rows of E floats (row m at x + m * x_row): out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w,
+ * out contiguous [M, E]. */
+static inline void rmsnorm_row(const float *xr, int E, const float *w, float eps, float *o) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int e = 0; e < E; e++) ss += xr[e] * xr[e];
+    const float inv = 1.0f / sqrtf(ss / (float)E + eps);
+    #pragma omp simd
+    for (int e = 0; e < E; e++) o[e] = xr[e] * inv * w[e];
+}
+
+/* Rotary embedding in place, Llama's rotate-half form, on T rows of nh heads of D floats
+ * (row t at x + t * x_row, heads contiguous): for i < D/2, with c, s = cos, sin [t, i]:
+ * x[i] <- x[i] c - x[i + D/2] s and x[i + D/2] <- x[i + D/2] c + x[i] s. cos, sin: [T, D]
+ * (their two halves equal, as rope() builds them). */
+static inline void rope_row(float *xr, int nh, int D, const float *c, const float *s) {
+    const int h2 = D / 2;
+    for (int h = 0; h < nh; h++) {
+        float *v = xr + (int64_t)h * D;
+        #pragma omp simd
+        for (int i = 0; i < h2; i++) {
+            const float a = v[i], b = v[i + h2];
+            v[i] = a * c[i] - b * s[i];
+            v[i + h2] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,163 @@
+"""int8 mode's regrouped weights, made once per model file and kept on disk.
+
+Regrouping a GGUF file's blocks for the int8 products (csrc/repack.c) reads every weight
+once and writes as much again: about a second for a 1B Q4_K_M file, several for an 8B
+one. The result is written to a file under $HOTPREFIX_CACHE/regrouped, named by the
+model file's identity (resolved path, size, mtime) and the kernel sources' digest (the
+layouts are defined there), and mapped on later starts: nothing is read before a product
+needs it, and the pages are the page cache's, shared by every server of that file.
+
+Format: b"HPRG" | version u32 | index length u64 | index (JSON: name -> [offset, bytes,
+qtype, n, k]) | each weight at a 4096-aligned offset. A file that does not parse or whose
+index differs from the weights asked for is rebuilt. It is written under a temporary
+name, synced and renamed into place, so a process killed mid-write leaves nothing that
+reads as complete; the next start removes such leftovers. The directory is private
+(0700): what is in it becomes weights, as the built kernels beside it become code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hotprefix.config import cache_root
+from hotprefix.model.qlinear import PackedWeight, source_digest
+
+log = logging.getLogger(__name__)
+
+MAGIC, VERSION, ALIGN = b"HPRG", 1, 4096
+_HEAD = struct.Struct("<4sIQ")
+
+
+def _spec(packed: dict[str, PackedWeight], names: list[str], lib: ctypes.CDLL) -> dict[str, list[int]]:
+    """name -> [offset, bytes, qtype, n, k] of the file that holds these weights regrouped."""
+    sizes = {n: packed[n].regrouped_bytes(lib) for n in names}
+    head = len(json.dumps({n: [0, s, packed[n].qtype, packed[n].n, packed[n].k] for n, s in sizes.items()}))
+    off = -(-(_HEAD.size + head + 64 * len(names)) // ALIGN) * ALIGN  # room for the offsets' digits
+    spec = {}
+    for n in names:
+        spec[n] = [off, sizes[n], packed[n].qtype, packed[n].n, packed[n].k]
+        off = -(-(off + sizes[n]) // ALIGN) * ALIGN
+    return spec
+
+
+def cache_path(source: Path, spec: dict[str, list[int]]) -> Path:
+    """Where the regrouped weights of `source` with this index live."""
+    src = source.resolve()
+    st = src.stat()
+    who = hashlib.sha256(str(src).encode()).hexdigest()[:12]
+    what = hashlib.sha256(f"{VERSION}|{st.st_size}|{st.st_mtime_ns}|{source_digest()}|"
+                          f"{json.dumps(spec, sort_keys=True)}".encode()).hexdigest()[:16]
+    return cache_root() / "regrouped" / f"{who}-{what}.bin"
+
+
+def _read(path: Path, spec: dict[str, list[int]]) -> dict[str, PackedWeight] | None:
+    """The weights of a complete cache file matching `spec` (views of its private map), or None."""
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="c")
+    except (OSError, ValueError):
+        return None
+    try:
+        magic, version, n = _HEAD.unpack_from(data, 0)
+        index = json.loads(bytes(data[_HEAD.size:_HEAD.size + n])) if magic == MAGIC and version == VERSION else None
+    except (struct.error, ValueError, UnicodeDecodeError):
+        index = None
+    if index != spec or max(off + size for off, size, *_ in spec.values()) > len(data):
+        return None
+    return {name: PackedWeight(qtype, torch.from_numpy(data[off:off + size]), rows, k, int8=True)
+            for name, (off, size, qtype, rows, k) in spec.items()}
+
+
+def _write(path: Path, packed: dict[str, PackedWeight], spec: dict[str, list[int]], lib: ctypes.CDLL) -> None:
+    """Regroup every weight of `spec` straight into a new cache file at `path`.
+    Raises OSError (disk full, read-only cache)."""
+    total = max(off + size for off, size, *_ in spec.values())
+    index = json.dumps(spec).encode()
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb+") as f:
+            f.truncate(total)
+        out = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(total,))  # closed when the last view goes
+        head = _HEAD.pack(MAGIC, VERSION, len(index)) + index
+        if len(head) > min(off for off, *_ in spec.values()):
+            raise RuntimeError("the regrouped cache's index outgrew its room")
+        out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        for name, (off, size, *_) in spec.items():
+            packed[name].regrouped(lib, out=torch.from_numpy(out[off:off + size]))
+        out.flush()
+        del out
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _tidy(folder: Path, keep: Path) -> None:
+    """Remove leftovers: temporaries of processes that are gone, and older caches of the
+    same model path (an updated file, or other kernel sources)."""
+    for f in folder.iterdir():
+        name = f.name
+        if ".tmp." in name:
+            pid = name.rsplit(".", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                f.unlink(missing_ok=True)
+        elif name.startswith(keep.name.split("-")[0] + "-") and f != keep:
+            f.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def regrouped_weights(source: Path, packed: dict[str, PackedWeight], names: list[str],
+                      lib: ctypes.CDLL) -> dict[str, PackedWeight]:
+    """The int8 form of packed[name] for each name: mapped from the cache, built into it
+    when missing or stale. Where the cache cannot be written (no space, read-only), they
+    are regrouped in memory with a warning. Raises RuntimeError for a weight the kernel
+    cannot regroup."""
+    if not names:
+        return {}
+    spec = _spec(packed, names, lib)
+    path = cache_path(source, spec)
+    t0 = time.perf_counter()
+    got = _read(path, spec)
+    if got is not None:
+        log.info("int8 weights: mapped %s (%.2f GB, regrouped at an earlier start) in %.2fs", path,
+                 path.stat().st_size / 1e9, time.perf_counter() - t0)
+        return got
+    total = max(off + size for off, size, *_ in spec.values())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.chmod(0o700)
+        _tidy(path.parent, path)
+        free = shutil.disk_usage(path.parent).free
+        if free < total + (256 << 20):
+            raise OSError(f"{total / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free")
+        _write(path, packed, spec, lib)
+    except OSError as e:
+        log.warning("int8 weights: cannot keep them in %s (%s): regrouped in memory for this start",
+                    path.parent, e)
+        return {n: packed[n].regrouped(lib) for n in names}
+    got = _read(path, spec)
+    if got is None:
+        raise RuntimeError(f"the regrouped weights just written to {path} do not read back")
+    log.info("int8 weights: regrouped %d weights (%.2f GB) into %s in %.2fs; later starts map it",
+             len(names), total / 1e9, path, time.perf_counter() - t0)
+    return got
