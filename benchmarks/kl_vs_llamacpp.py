@@ -10,7 +10,9 @@ K + 1 outcomes (the reference's mass summed into the same buckets). The full-voc
 KL of int8 mode is printed too.
 
     bash ../shared/peers/llamaserver.sh serve 8791 &   # then:
-    .venv/bin/python benchmarks/kl_vs_llamacpp.py http://127.0.0.1:8791 [--json out.json]
+    .venv/bin/python benchmarks/kl_vs_llamacpp.py http://127.0.0.1:8791 [--model FILE.gguf] [--json out.json]
+
+(--model: the GGUF llama-server serves; default the bundled model.)
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("url", help="llama-server base URL")
     ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--model", default=None, help="the GGUF file llama-server serves (default: the bundled model)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    loaded = load_model(None)
+    loaded = load_model(a.model)
     ids = loaded.tokenizer(TEXT)["input_ids"]
     ref = engine_logprobs(loaded, "float32", ids)
     q8 = engine_logprobs(loaded, "int8", ids)
@@ -96,7 +99,7 @@ def main() -> None:
     full_int8 = (ref.exp() * (ref - q8)).sum(-1)
     ref_top1 = ref.argmax(-1).tolist()
     res = {
-        "tokens": len(ids), "k": a.k,
+        "model": loaded.name, "tokens": len(ids), "k": a.k,
         "llama_server": {"kl_topk_mean": statistics.fmean(kl_llama), "kl_topk_median": statistics.median(kl_llama),
                          "top1_agrees": statistics.fmean(max(d, key=d.get) == t for d, t in zip(llama, ref_top1))},
         "hotprefix_int8": {"kl_topk_mean": statistics.fmean(kl_int8), "kl_topk_median": statistics.median(kl_int8),

@@ -4,7 +4,7 @@ A 1,000-token prefix plus a 30-token question: one cold request, then warm
 requests with new questions (BENCHMARKS.md's `ttft` shape). TTFT here is the
 time from add_request to the first sampled token, through the engine's step loop.
 
-    .venv/bin/python benchmarks/prefix_ttft.py [--warm 5] [--json out.json]
+    .venv/bin/python benchmarks/prefix_ttft.py [--model FILE.gguf] [--warm 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ def main() -> None:
     ap.add_argument("--question-tokens", type=int, default=30)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="a model path (default: the bundled model)")
+    ap.add_argument("--decode-tokens", type=int, default=33)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    llm = LLM(kv_cache_memory=512 << 20)
+    llm = LLM(model=a.model, kv_cache_memory=512 << 20)
     rng = random.Random(a.seed)
     vocab = llm.engine.arch.vocab_size
     prefix = [rng.randrange(100, vocab) for _ in range(a.prefix_tokens)]
@@ -63,8 +65,9 @@ def main() -> None:
     cold = [ttft(llm, "cold", prefix + question())]
     warm = [ttft(llm, f"warm{i}", prefix + question()) for i in range(a.warm)]
     stats = llm.engine.kv.make_stats()
-    decode = single_decode(llm, question())
+    decode = single_decode(llm, question(), a.decode_tokens)
     result = {
+        "model": llm.engine.model_name,
         "prompt_tokens": a.prefix_tokens + a.question_tokens,
         "cold_ttft_s": cold[0],
         "warm_ttft_s_median": statistics.median(warm),

@@ -19,22 +19,7 @@ PEERS_HOME=${PEERS_HOME:-$HOME/.cache/hotprefix-peers}
 
 $PY benchmarks/run_facts.py "benchmarks/run_all.sh $SCALE" > "$OUT/meta.json"
 
-# Memory of a server: the resident set of its whole process group (vLLM runs its engine in a
-# child process), idle once it answers, and the most seen while the workloads run (sampled
-# every 0.5 s into $2.peak until the group is gone or the file $2.stop appears).
-rss_group() { ps -o rss= -g "$1" | awk '{s += $1} END {printf "%.0f\n", s * 1024}'; }
-watch_rss() {
-  local max=0 v
-  while kill -0 -- -"$1" 2>/dev/null && [ ! -e "$2.stop" ]; do
-    v=$(rss_group "$1"); [ "$v" -gt "$max" ] && { max=$v; echo "$max" > "$2.peak"; }; sleep 0.5
-  done
-}
-rss_start() { sleep 2; echo "$(rss_group "$1")" > "$2.idle"; rm -f "$2.stop" "$2.peak"; watch_rss "$1" "$2" & }
-rss_stop() {
-  touch "$2.stop"; sleep 1
-  echo "{\"idle_rss_bytes\": $(cat "$2.idle"), \"peak_rss_bytes\": $(cat "$2.peak" 2>/dev/null || echo null)}" > "$2.json"
-  rm -f "$2.idle" "$2.peak" "$2.stop"
-}
+. benchmarks/rss.sh  # rss_start / rss_stop: a server's process-group RSS, idle and peak
 
 # 1. hotprefix server: start-up time, then every workload.
 start=$(date +%s.%N)

@@ -117,8 +117,15 @@ def _list(text: str | None) -> tuple[str, ...]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    import time
+
     from hotprefix.config import AdmissionConfig, ServerConfig
+
+    t0 = time.monotonic()
+    logging.getLogger("hotprefix.server").info("starting: importing torch, transformers and the server")
     from hotprefix.server.launcher import serve
+
+    logging.getLogger("hotprefix.server").info("imported in %.1fs", time.monotonic() - t0)
 
     template = a.chat_template
     if template is not None and os.path.isfile(template):

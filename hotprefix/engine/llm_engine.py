@@ -346,8 +346,10 @@ class LLMEngine:
         (idempotent). Call it on the thread that will run the steps: see
         AsyncEngine, which warms up on its own thread."""
         if not self.warmed:
+            t0 = time.monotonic()
             self.runner.warmup()
             self.warmed = True
+            log.info("warm-up step in %.2fs", time.monotonic() - t0)
 
     def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
         """The block hashes a request with this prompt would get (full blocks only).

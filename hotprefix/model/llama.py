@@ -51,9 +51,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """[D/2] inverse frequencies, with linear or Llama-3 scaling applied."""
+    """[D/2] inverse frequencies, with linear or Llama-3 scaling applied, on the CPU (also
+    inside a meta-device context: arange on meta imported torch._dynamo, 1.5 s a start)."""
     d = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
     if rope_freqs is not None:  # GGUF stores Llama-3's scaling as per-frequency divisors
         return (inv / rope_freqs.double()).float()
     rs = arch.rope_scaling

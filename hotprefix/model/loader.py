@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,9 +111,14 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")
+        t0 = time.monotonic()
         arch, reader = read_gguf_arch(path)
         w = load_gguf_weights(path, arch, reader, keep_blocks=True)
+        t1 = time.monotonic()
+        log.info("mapped %s (%.2f GB): %d tensors, %d as blocks, in %.2fs", path.name, path.stat().st_size / 1e9,
+                 len(reader.tensors), len(w.packed) + len(w.deferred), t1 - t0)
         tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(path)
+        log.info("tokenizer ready in %.2fs", time.monotonic() - t1)
         return LoadedModel(arch, w.tensors, tok, str(path), path.stem, w.packed, w.deferred, reader)
     if path.is_dir():
         arch = arch_from_hf_config(_read_config(path))

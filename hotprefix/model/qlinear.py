@@ -315,7 +315,12 @@ class Linear(nn.Linear):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.packed: PackedWeight | None = None  # see LlamaForCausalLM.attach_blocks
+        self.packed: Blocks | None = None  # see LlamaForCausalLM.attach_blocks
+
+    def reset_parameters(self) -> None:
+        """No random initialisation: every weight comes from the checkpoint
+        (LlamaForCausalLM.from_weights refuses a missing one), and initialising on the
+        meta device imported torch._dynamo (1.5 s of every start)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
@@ -333,6 +338,9 @@ class Embedding(nn.Embedding):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.packed: PackedWeight | None = None  # GGUF rows (not regrouped), see attach_blocks
+
+    def reset_parameters(self) -> None:
+        """No random initialisation (see Linear.reset_parameters)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         p = self.packed

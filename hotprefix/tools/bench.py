@@ -26,7 +26,7 @@ from hotprefix.config import ConfigError
 from hotprefix.tools.logs import percentile
 from hotprefix.tools.watch import parse_metrics
 
-WORKLOADS = ("ttft", "tenants", "rag", "chat", "unique", "decode")
+WORKLOADS = ("ttft", "tenants", "rag", "chat", "unique", "decode", "shared")
 _WORDS = ("time people year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact be have do say get make go know take see come think look "
           "want give use find tell ask seem feel try leave call good new first last long great little own other "
@@ -39,13 +39,15 @@ _WORDS = ("time people year way day thing man world life hand part child eye wom
 
 @dataclass
 class Job:
-    """One request: its prompt, for chat the conversation and turn it belongs to, and
-    its own output length where the workload sets one (else --max-tokens)."""
+    """One request: its prompt, for chat the conversation and turn it belongs to, its
+    own output length where the workload sets one (else --max-tokens), and whether it
+    only warms the server (sent first, alone, and not measured)."""
 
     prompt: str
     conversation: int | None = None
     turn: int = 0
     max_tokens: int | None = None
+    warmup: bool = False
 
 
 @dataclass
@@ -90,6 +92,10 @@ def build(workload: str, seed: int = 0, scale: float = 1.0) -> tuple[list[Job], 
         return [Job(f"Item {i} {rng.random():.6f}: " + _words(rng, s(300))) for i in range(s(64))], 8, 0
     if workload == "decode":  # one stream at a time, long outputs: the per-stream decode rate
         return [Job(f"Story {i}: {_words(rng, 30)}", max_tokens=128) for i in range(3)], 1, 0
+    if workload == "shared":  # 8 concurrent requests on a prefix that one request before them made warm
+        prefix = _words(rng, s(1000))
+        jobs = [Job(f"{prefix}\nQuestion {i}: {_words(rng, s(30))}?", warmup=i == 0) for i in range(9)]
+        return jobs, 8, 0
     raise ConfigError(f"unknown workload {workload!r} (one of {', '.join(WORKLOADS)})")
 
 
@@ -162,6 +168,9 @@ async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.
             model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise ConfigError(f"cannot list models at {url}/v1/models: {e}") from None
+        for job in [j for j in jobs if j.warmup]:  # before the counters: not measured
+            await _request(client, url, model, job.prompt, job.max_tokens or max_tokens)
+        jobs = [j for j in jobs if not j.warmup]
         before = await _metrics(client, url)
         total = len(jobs) * (turns or 1)
         bar = None
@@ -283,8 +292,9 @@ def render(results: list[dict[str, Any]], ratio: dict[str, Any] | None = None) -
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="shared-prefix workloads against any OpenAI-compatible server",
-                       description="Run BENCHMARKS.md's workloads (ttft, tenants, rag, chat, unique) and a "
-                                   "single-stream decode one (decode) against a server.")
+                       description="Run BENCHMARKS.md's workloads (ttft, tenants, rag, chat, unique), a "
+                                   "single-stream decode one (decode) and 8 concurrent requests on a warm "
+                                   "shared prefix (shared) against a server.")
     p.add_argument("url", help="base URL of the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable (default: all)")
     p.add_argument("--compare", default=None, metavar="URL2", help="run the same workload against URL2 too")

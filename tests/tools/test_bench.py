@@ -32,6 +32,25 @@ def test_workloads_are_deterministic_and_shaped_as_specified():
     assert len(jobs) == 6 and conc == 1 and len(jobs[0].prompt.split("\n")[0].split()) == 1000
     jobs, conc, _ = build("decode", scale=0.1)  # (lengths do not scale: it measures a stream)
     assert (len(jobs), conc) == (3, 1) and all(j.max_tokens == 128 and len(j.prompt.split()) == 32 for j in jobs)
+    jobs, conc, _ = build("shared")  # one warm-up, then 8 at once on its prefix
+    assert (len(jobs), conc) == (9, 8) and [j.warmup for j in jobs] == [True] + [False] * 8
+    assert len({j.prompt.split("\nQuestion")[0] for j in jobs}) == 1 and len({j.prompt for j in jobs}) == 9
+
+
+def test_bench_shared_measures_the_eight_after_the_warmup(tiny_llama, tmp_path):
+    out = tmp_path / "shared.json"
+    s = start_server(tiny_llama[0], max_model_len=256)
+    try:
+        r = subprocess.run([sys.executable, "-m", "hotprefix.cli", "bench", s.url, "--workload", "shared",
+                            "--scale", "0.03", "--max-tokens", "4", "--json", str(out)],
+                           capture_output=True, text=True, timeout=600)
+    finally:
+        s.stop()
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())[0]["results"][0]
+    assert (res["requests"], res["failed"], res["output_tokens"], res["concurrency"]) == (8, 0, 32, 8)
+    # the warm-up's prompt tokens are outside the counters: the 8 find the prefix's blocks cached
+    assert res["hit_rate_source"] == "metrics" and res["prefix_cache_hit_rate"] > 0.5
 
 
 @pytest.fixture(scope="module")

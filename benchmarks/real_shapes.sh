@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The models users run, both engines on the same file in one run: random-weight GGUFs of
+# Llama-3.2-1B's and Llama-3.1-8B's shapes in Q4_0 and Q4_K_M (benchmarks/make_gguf.py, which
+# quantizes with llama.cpp's own llama-quantize), served by hotprefix and by llama.cpp's
+# llama-server (../shared/peers/llamaserver.sh) one after the other.
+#
+#   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
+#
+# Files are read from $BENCH_MODELS (default ~/.cache/hotprefix-bench) and made there first
+# when missing. For each file and server, into docs/bench/real/TAG-SERVER-*.json: start to
+# /health (hotprefix twice: its first start regroups the weights into its cache, the second
+# maps them), idle and peak RSS of the process group, the ttft workload (a cold 1,030-token
+# prompt, then 5 warm ones on its 1,000-token prefix), decode (one stream at a time, 128
+# tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); and the machine's
+# read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+OUT=docs/bench/real
+PORT=${PORT:-8790}
+PEERS=${PEERS:-../shared/peers}
+BENCH_MODELS=${BENCH_MODELS:-$HOME/.cache/hotprefix-bench}
+mkdir -p "$OUT"
+. benchmarks/rss.sh
+TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
+$PY benchmarks/run_facts.py "benchmarks/real_shapes.sh ${TAGS[*]}" > "$OUT/meta.json"
+
+wait_up() {  # PID URL: until the server answers (or dies)
+  until curl -sf "$2" >/dev/null; do kill -0 "$1" 2>/dev/null || return 1; sleep 0.1; done
+}
+stop() { kill -- -"$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+# run TAG SERVER START_COMMAND...: start, measure, run the workloads, stop
+run() {
+  local tag=$1 server=$2; shift 2
+  local url="http://127.0.0.1:$PORT" t0 t1
+  t0=$(date +%s.%N)
+  setsid "$@" > "$OUT/$tag-$server-serve.log" 2>&1 &
+  local pid=$!
+  wait_up $pid "$url/v1/models" || { echo "$server did not start on $tag" >&2; return 1; }
+  t1=$(date +%s.%N)
+  echo "{\"server_start_s\": $(echo "$t1 - $t0" | bc)}" > "$OUT/$tag-$server-start.json"
+  rss_start $pid "$OUT/$tag-$server-rss"
+  for w in ttft decode shared; do
+    .venv/bin/hotprefix bench "$url" --workload $w --json "$OUT/$tag-$server-$w.json" > /dev/null
+  done
+  rss_stop $pid "$OUT/$tag-$server-rss"
+  stop $pid
+}
+
+for tag in "${TAGS[@]}"; do
+  shape=${tag%%-*} qtype=${tag#*-}
+  file=$BENCH_MODELS/random-$shape-$qtype.gguf
+  [ -f "$file" ] || $PY benchmarks/make_gguf.py "$shape" --out "$BENCH_MODELS" --types "$qtype"
+  $PY benchmarks/read_bandwidth.py "$file" --json "$OUT/$tag-bandwidth.json" > /dev/null
+  # KV pools of similar capacity: hotprefix's is float32 (2x llama.cpp's f16 a token)
+  if [ "$shape" = 8b ]; then kv=(--kv-cache-memory 2GiB); ctx=(-c 8192); else kv=(); ctx=(-c 16384); fi
+  # hotprefix: a first start (regroups into the cache when it is cold), then the measured one
+  t0=$(date +%s.%N)
+  setsid .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}" > "$OUT/$tag-hotprefix-first.log" 2>&1 &
+  pid=$!; wait_up $pid "http://127.0.0.1:$PORT/health"
+  echo "{\"first_start_s\": $(echo "$(date +%s.%N) - $t0" | bc)}" > "$OUT/$tag-hotprefix-first.json"
+  stop $pid
+  run "$tag" hotprefix .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
+  run "$tag" llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$file" "${ctx[@]}"
+done
+$PY benchmarks/real_shapes_table.py "$OUT"
