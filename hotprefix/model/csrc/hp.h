@@ -142,11 +142,12 @@ void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K,
 int parts_valid(const hp_part *parts, int nparts, int K);
 
 /* group kernels (int8_q32.c, int8_kq.c): one group of 16 weight rows against mt rows of
- * quantized x, written to y (row stride ldy), nvalid of the 16 columns kept. */
+ * quantized x, written to y (row stride ldy), nvalid of the 16 columns kept; `stream`
+ * (K-quants): the first pass over the group's units, which come from memory, not cache. */
 void group_q32(int qtype, int mt, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
                const int32_t *xsum, const float *sx, int K, float *y, int ldy, int nvalid);
 void group_kq(int qtype, int mt, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
-              const int16_t *bs, int K, float *y, int ldy, int nvalid);
+              const int16_t *bs, int K, float *y, int ldy, int nvalid, int stream);
 int group_q32_rows(void);  /* rows of x per call of the vector kernels (all when plain C) */
 int group_kq_rows(void);
 

@@ -94,7 +94,7 @@ static void group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0
         for (int m = m0; m < m1; m += step) {
             const int mt = m1 - m < step ? m1 - m : step;
             group_kq(pt->qtype, mt, gp, nbk, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk,
-                     xk->bs + (size_t)m * nbk * KBS, K, yg + (size_t)m * ldy, ldy, nvalid);
+                     xk->bs + (size_t)m * nbk * KBS, K, yg + (size_t)m * ldy, ldy, nvalid, m == m0);
         }
     } else {
         const int nb = K / QK, step = group_q32_rows();

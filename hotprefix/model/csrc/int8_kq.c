@@ -70,13 +70,22 @@ static __attribute__((unused)) void kgroup_c(int qtype, const uint8_t *gp, int n
 
 static inline int32_t load_i32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+/* Part i of n of the unit at `next` (ub bytes) into the cache: called n times while the
+ * current unit is multiplied, so the next one arrives before it is needed (from DRAM, the
+ * hardware prefetcher alone left Q6_K at ~40 % of the read bandwidth). A prefetch past
+ * the group's last unit reads memory that is mapped or is simply dropped. */
+static inline void prefetch_part(const uint8_t *next, int i, int n, int ub) {
+    const int lines = (ub + 63) / 64, per = (lines + n - 1) / n;
+    for (int l = i * per; l < (i + 1) * per && l < lines; l++) __builtin_prefetch(next + 64 * l, 0, 3);
+}
+
 #if defined(HP_I512)
 /* VNNI: the 16 rows of a group are the 16 lanes. A sub-block's codes are unpacked once
  * for the MT rows of x; vpdpbusd sums each row's products in int32, vpmulld applies the
  * lane's scale. */
 static inline __attribute__((always_inline)) void kgroup_vnni(
         const int qtype, const int MT, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
-        const int16_t *bs, int K, float *y, int N, int nvalid) {
+        const int16_t *bs, int K, float *y, int N, int nvalid, const int stream) {
     const int ub = unit_bytes(qtype);
     const __m512i mask = _mm512_set1_epi8(0x0f), lo16 = _mm512_set1_epi32(0xffff);
     __m512 acc[MT];
@@ -90,6 +99,7 @@ static inline __attribute__((always_inline)) void kgroup_vnni(
         if (qtype == Q6_K) {
             const __m512i m30 = _mm512_set1_epi8(0x30);
             for (int p = 0; p < 8; p++) {
+                if (stream) prefetch_part(u + ub, p, 8, ub);
                 const __m512i scp = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(u + K6_SC + 32 * p)));
                 for (int m = 0; m < MT; m++) {
                     const __m512i o = _mm512_madd_epi16(scp, _mm512_set1_epi32(load_i32(bsb + (size_t)m * (K / QKK) * KBS + 2 * p)));
@@ -118,6 +128,7 @@ static inline __attribute__((always_inline)) void kgroup_vnni(
         } else {
             const __m512i m10 = _mm512_set1_epi8(0x10);
             for (int p = 0; p < 4; p++) {
+                if (stream) prefetch_part(u + ub, p, 4, ub);
                 const __m512i scp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(u + K45_SC + 32 * p)));
                 for (int e = 0; e < 2; e++) {
                     const int s = 2 * p + e;
@@ -183,110 +194,137 @@ static inline __m256i dup16(__m256i pairs, int e) {
  * of 2, 5-bit: 4, 6-bit: 2; 127 * 2 * code max each) and widened by vpmaddwd against
  * the lane's scale pair (s, s), which applies the sub-block scale at no extra cost. As
  * in the 32-value kernel, slices of codes are outside the loop over the rows of x and
- * each row's int16 sum is pinned to a register. */
+ * each row's int16 sum is pinned to a register. With one row of x (decode) both halves
+ * go in one pass, so that each 64-byte line of the units is read once while the next
+ * unit streams in (two passes left memory idle through the second: 20 -> 23 GB/s);
+ * with more, one half a pass for the registers. Either way every output lane sees the
+ * same operations in the same order. */
 static inline __attribute__((always_inline)) void kgroup_avx2(
         const int qtype, const int MT, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
-        const int16_t *bs, int K, float *y, int N, int nvalid) {
+        const int16_t *bs, int K, float *y, int N, int nvalid, const int stream) {
+    const int HS = MT == 1 ? 2 : 1;  /* halves a pass */
     const int ub = unit_bytes(qtype);
     const __m256i mask = _mm256_set1_epi8(0x0f);
-    for (int half = 0; half < 2; half++) {
-        __m256 acc[4];
-        for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    for (int h0 = 0; h0 < 2; h0 += HS) {
+        __m256 acc[2][4];
+        for (int hh = 0; hh < HS; hh++)
+            for (int m = 0; m < MT; m++) acc[hh][m] = _mm256_setzero_ps();
         for (int b = 0; b < nbk; b++) {
             const uint8_t *u = gp + (size_t)b * ub;
             const int8_t *xb = xq + (size_t)b * QKK;
             const int16_t *bsb = bs + (size_t)b * KBS;
-            __m256i T[4];
-            for (int m = 0; m < MT; m++) T[m] = _mm256_setzero_si256();
+            __m256i T[2][4];
+            for (int hh = 0; hh < HS; hh++)
+                for (int m = 0; m < MT; m++) T[hh][m] = _mm256_setzero_si256();
             if (qtype == Q6_K) {
                 const __m256i m30 = _mm256_set1_epi8(0x30);
                 for (int p = 0; p < 8; p++) {
-                    const __m256i scp = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + K6_SC + 32 * p + 16 * half)));
-                    for (int m = 0; m < MT; m++) {
-                        const __m256i o = _mm256_madd_epi16(scp, _mm256_set1_epi32(load_i32(bsb + (size_t)m * nbk * KBS + 2 * p)));
-                        T[m] = _mm256_sub_epi32(T[m], _mm256_slli_epi32(o, 5));
+                    if (stream && !h0) prefetch_part(u + ub, p, 8, ub);
+                    __m256i scp[2];
+                    for (int hh = 0; hh < HS; hh++) {
+                        scp[hh] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + K6_SC + 32 * p + 16 * (h0 + hh))));
+                        for (int m = 0; m < MT; m++) {
+                            const __m256i o = _mm256_madd_epi16(scp[hh], _mm256_set1_epi32(load_i32(bsb + (size_t)m * nbk * KBS + 2 * p)));
+                            T[hh][m] = _mm256_sub_epi32(T[hh][m], _mm256_slli_epi32(o, 5));
+                        }
                     }
                     for (int e = 0; e < 2; e++) {
                         const int sb = 2 * p + e;
-                        const __m256i sce = dup16(scp, e);
-                        const uint8_t *cl = u + K6_LO + 128 * sb + 32 * half;
-                        const __m256i p0 = _mm256_loadu_si256((const __m256i *)cl);
-                        const __m256i p1 = _mm256_loadu_si256((const __m256i *)(cl + 64));
-                        const __m256i h = _mm256_loadu_si256((const __m256i *)(u + K6_HI + 64 * sb + 32 * half));
-                        const __m256i v0 = _mm256_or_si256(_mm256_and_si256(p0, mask), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-                        const __m256i v1 = _mm256_or_si256(_mm256_and_si256(p1, mask), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-                        const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), mask), _mm256_and_si256(h, m30));
-                        const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), mask),
-                                                           _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-                        for (int m = 0; m < MT; m++) {
-                            const int8_t *xs = xb + (size_t)m * K + 16 * sb;
-                            __m256i s1 = _mm256_maddubs_epi16(v0, _mm256_set1_epi32(load_i32(xs)));
-                            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(v1, _mm256_set1_epi32(load_i32(xs + 4))));
-                            __m256i s2 = _mm256_maddubs_epi16(v2, _mm256_set1_epi32(load_i32(xs + 8)));
-                            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(v3, _mm256_set1_epi32(load_i32(xs + 12))));
-                            T[m] = _mm256_add_epi32(T[m], _mm256_add_epi32(_mm256_madd_epi16(s1, sce), _mm256_madd_epi16(s2, sce)));
-                            __asm__("" : "+x"(T[m]));
+                        for (int hh = 0; hh < HS; hh++) {
+                            const int half = h0 + hh;
+                            const __m256i sce = dup16(scp[hh], e);
+                            const uint8_t *cl = u + K6_LO + 128 * sb + 32 * half;
+                            const __m256i p0 = _mm256_loadu_si256((const __m256i *)cl);
+                            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(cl + 64));
+                            const __m256i h = _mm256_loadu_si256((const __m256i *)(u + K6_HI + 64 * sb + 32 * half));
+                            const __m256i v0 = _mm256_or_si256(_mm256_and_si256(p0, mask), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+                            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(p1, mask), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+                            const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), mask), _mm256_and_si256(h, m30));
+                            const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), mask),
+                                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+                            for (int m = 0; m < MT; m++) {
+                                const int8_t *xs = xb + (size_t)m * K + 16 * sb;
+                                __m256i s1 = _mm256_maddubs_epi16(v0, _mm256_set1_epi32(load_i32(xs)));
+                                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(v1, _mm256_set1_epi32(load_i32(xs + 4))));
+                                __m256i s2 = _mm256_maddubs_epi16(v2, _mm256_set1_epi32(load_i32(xs + 8)));
+                                s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(v3, _mm256_set1_epi32(load_i32(xs + 12))));
+                                T[hh][m] = _mm256_add_epi32(T[hh][m], _mm256_add_epi32(_mm256_madd_epi16(s1, sce),
+                                                                                       _mm256_madd_epi16(s2, sce)));
+                                __asm__("" : "+x"(T[hh][m]));
+                            }
                         }
                     }
                 }
             } else {
                 const __m256i m10 = _mm256_set1_epi8(0x10);
                 for (int p = 0; p < 4; p++) {
-                    const __m256i scp = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + K45_SC + 32 * p + 16 * half)));
+                    if (stream && !h0) prefetch_part(u + ub, p, 4, ub);
+                    __m256i scp[2];
+                    for (int hh = 0; hh < HS; hh++)
+                        scp[hh] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + K45_SC + 32 * p + 16 * (h0 + hh))));
                     for (int e = 0; e < 2; e++) {
                         const int s = 2 * p + e;
-                        const __m256i sce = dup16(scp, e);
-                        const uint8_t *cw = u + K45_CODES + 256 * s + 32 * half;
-                        const __m256i hb = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)(u + K5_HI + 64 * s + 32 * half))
-                                                         : _mm256_setzero_si256();
-                        __m256i acc16[4];
-                        for (int m = 0; m < MT; m++) acc16[m] = _mm256_setzero_si256();
-                        for (int i = 0; i < 4; i++) {
-                            const __m256i pc = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
-                            __m256i lo = _mm256_and_si256(pc, mask), hi = _mm256_and_si256(_mm256_srli_epi16(pc, 4), mask);
-                            if (qtype == Q5_K) {
-                                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - i), m10));
-                                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(hb, i), m10));
-                            }
-                            for (int m = 0; m < MT; m++) {
-                                const int8_t *xs = xb + (size_t)m * K + 32 * s;
-                                acc16[m] = _mm256_add_epi16(acc16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xs + 4 * i))));
-                                acc16[m] = _mm256_add_epi16(acc16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xs + 16 + 4 * i))));
-                                __asm__("" : "+x"(acc16[m]));
-                                if (qtype == Q5_K && i == 1) {  /* 5-bit codes: widen after 4 products of 2 */
-                                    T[m] = _mm256_add_epi32(T[m], _mm256_madd_epi16(acc16[m], sce));
-                                    acc16[m] = _mm256_setzero_si256();
+                        for (int hh = 0; hh < HS; hh++) {
+                            const int half = h0 + hh;
+                            const __m256i sce = dup16(scp[hh], e);
+                            const uint8_t *cw = u + K45_CODES + 256 * s + 32 * half;
+                            const __m256i hb = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)(u + K5_HI + 64 * s + 32 * half))
+                                                             : _mm256_setzero_si256();
+                            __m256i acc16[4];
+                            for (int m = 0; m < MT; m++) acc16[m] = _mm256_setzero_si256();
+                            for (int i = 0; i < 4; i++) {
+                                const __m256i pc = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
+                                __m256i lo = _mm256_and_si256(pc, mask), hi = _mm256_and_si256(_mm256_srli_epi16(pc, 4), mask);
+                                if (qtype == Q5_K) {
+                                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - i), m10));
+                                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(hb, i), m10));
+                                }
+                                for (int m = 0; m < MT; m++) {
+                                    const int8_t *xs = xb + (size_t)m * K + 32 * s;
+                                    acc16[m] = _mm256_add_epi16(acc16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xs + 4 * i))));
+                                    acc16[m] = _mm256_add_epi16(acc16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xs + 16 + 4 * i))));
+                                    __asm__("" : "+x"(acc16[m]));
+                                    if (qtype == Q5_K && i == 1) {  /* 5-bit codes: widen after 4 products of 2 */
+                                        T[hh][m] = _mm256_add_epi32(T[hh][m], _mm256_madd_epi16(acc16[m], sce));
+                                        acc16[m] = _mm256_setzero_si256();
+                                    }
                                 }
                             }
+                            for (int m = 0; m < MT; m++) T[hh][m] = _mm256_add_epi32(T[hh][m], _mm256_madd_epi16(acc16[m], sce));
                         }
-                        for (int m = 0; m < MT; m++) T[m] = _mm256_add_epi32(T[m], _mm256_madd_epi16(acc16[m], sce));
                     }
                 }
             }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
-            for (int m = 0; m < MT; m++) {
-                const __m256 dx = _mm256_set1_ps(dk[(size_t)m * nbk + b]);
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[m]), _mm256_mul_ps(dw, dx), acc[m]);
-            }
-            if (qtype != Q6_K) {
-                const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 32 + 16 * half)));
+            for (int hh = 0; hh < HS; hh++) {
+                const int half = h0 + hh;
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
                 for (int m = 0; m < MT; m++) {
-                    __m256i M = _mm256_setzero_si256();
-                    for (int p = 0; p < 4; p++) {
-                        const __m256i mnp = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + K45_MN + 32 * p + 16 * half)));
-                        M = _mm256_add_epi32(M, _mm256_madd_epi16(mnp, _mm256_set1_epi32(load_i32(bsb + (size_t)m * nbk * KBS + 16 + 2 * p))));
-                    }
                     const __m256 dx = _mm256_set1_ps(dk[(size_t)m * nbk + b]);
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), M)),
-                                             _mm256_mul_ps(dmin, dx), acc[m]);
+                    acc[hh][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[hh][m]), _mm256_mul_ps(dw, dx), acc[hh][m]);
+                }
+                if (qtype != Q6_K) {
+                    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 32 + 16 * half)));
+                    for (int m = 0; m < MT; m++) {
+                        __m256i M = _mm256_setzero_si256();
+                        for (int p = 0; p < 4; p++) {
+                            const __m256i mnp = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + K45_MN + 32 * p + 16 * half)));
+                            M = _mm256_add_epi32(M, _mm256_madd_epi16(mnp, _mm256_set1_epi32(load_i32(bsb + (size_t)m * nbk * KBS + 16 + 2 * p))));
+                        }
+                        const __m256 dx = _mm256_set1_ps(dk[(size_t)m * nbk + b]);
+                        acc[hh][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), M)),
+                                                     _mm256_mul_ps(dmin, dx), acc[hh][m]);
+                    }
                 }
             }
         }
-        for (int m = 0; m < MT; m++) {
-            if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(y + (size_t)m * N + 8 * half, acc[m]); continue; }
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[m]);
-            for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
+        for (int hh = 0; hh < HS; hh++) {
+            const int half = h0 + hh;
+            for (int m = 0; m < MT; m++) {
+                if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(y + (size_t)m * N + 8 * half, acc[hh][m]); continue; }
+                float tmp[8];
+                _mm256_storeu_ps(tmp, acc[hh][m]);
+                for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
+            }
         }
     }
 }
@@ -296,14 +334,16 @@ static inline __attribute__((always_inline)) void kgroup_avx2(
 #endif
 
 #if defined(KQ_KERNEL)
-#define KQ_CASE(T, MT) case MT: KQ_KERNEL(T, MT, gp, nbk, xq, dk, bs, K, y, N, nvalid); break;
+/* (stream a compile-time constant in each copy: the prefetches cost nothing where they are off) */
+#define KQ_CASE(T, MT) case MT: { if (stream) KQ_KERNEL(T, MT, gp, nbk, xq, dk, bs, K, y, N, nvalid, 1); \
+                                  else KQ_KERNEL(T, MT, gp, nbk, xq, dk, bs, K, y, N, nvalid, 0); } break;
 #if KQ_MT > 4
 #define KQ_ROWS_5_8(T) KQ_CASE(T, 5) KQ_CASE(T, 6) KQ_CASE(T, 7) KQ_CASE(T, 8)
 #else
 #define KQ_ROWS_5_8(T)
 #endif
 #define KQ_TYPE(T) static void kgroup_##T(int mt, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk, \
-        const int16_t *bs, int K, float *y, int N, int nvalid) { \
+        const int16_t *bs, int K, float *y, int N, int nvalid, int stream) { \
     switch (mt) { KQ_CASE(T, 1) KQ_CASE(T, 2) KQ_CASE(T, 3) KQ_CASE(T, 4) KQ_ROWS_5_8(T) } }
 KQ_TYPE(Q4_K)
 KQ_TYPE(Q5_K)
@@ -312,16 +352,17 @@ KQ_TYPE(Q6_K)
 int group_kq_rows(void) { return KQ_MT; }
 
 void group_kq(int qtype, int mt, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
-              const int16_t *bs, int K, float *y, int ldy, int nvalid) {
-    if (qtype == Q4_K) kgroup_Q4_K(mt, gp, nbk, xq, dk, bs, K, y, ldy, nvalid);
-    else if (qtype == Q5_K) kgroup_Q5_K(mt, gp, nbk, xq, dk, bs, K, y, ldy, nvalid);
-    else kgroup_Q6_K(mt, gp, nbk, xq, dk, bs, K, y, ldy, nvalid);
+              const int16_t *bs, int K, float *y, int ldy, int nvalid, int stream) {
+    if (qtype == Q4_K) kgroup_Q4_K(mt, gp, nbk, xq, dk, bs, K, y, ldy, nvalid, stream);
+    else if (qtype == Q5_K) kgroup_Q5_K(mt, gp, nbk, xq, dk, bs, K, y, ldy, nvalid, stream);
+    else kgroup_Q6_K(mt, gp, nbk, xq, dk, bs, K, y, ldy, nvalid, stream);
 }
 #else
 int group_kq_rows(void) { return 1 << 20; }
 
 void group_kq(int qtype, int mt, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
-              const int16_t *bs, int K, float *y, int ldy, int nvalid) {
+              const int16_t *bs, int K, float *y, int ldy, int nvalid, int stream) {
+    (void)stream;
     kgroup_c(qtype, gp, nbk, xq, dk, bs, mt, K, y, ldy, nvalid);
 }
 #endif

@@ -111,61 +111,74 @@ static inline __attribute__((always_inline)) void group_vnni(
 static inline __attribute__((always_inline)) void group_avx2(
         const int qtype, const int MT, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
         const int32_t *xsum, const float *sx, int K, float *y, int N, int nvalid) {
+    const int HS = MT == 1 ? 2 : 1;  /* halves a pass: both for one row of x (each line read once), as int8_kq.c */
     const int ub = unit_bytes(qtype), co = codes_offset(qtype);
     const int32_t off = qtype == Q4_0 ? 8 : 0;
     const __m256i ones16 = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
-    for (int half = 0; half < 2; half++) {
-        __m256 acc[5];  /* MT <= 5: fixed sizes, not VLAs, so they live in registers */
-        for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    for (int h0 = 0; h0 < 2; h0 += HS) {
+        __m256 acc[2][5];  /* MT <= 5: fixed sizes, not VLAs, so they live in registers */
+        for (int hh = 0; hh < HS; hh++)
+            for (int m = 0; m < MT; m++) acc[hh][m] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
-            const uint8_t *u = gp + (size_t)b * ub, *cw = u + co + 32 * half;
+            const uint8_t *u = gp + (size_t)b * ub;
             const int8_t *xb = xq + b * QK;
-            __m256i s[5];
-            for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
-            if (byte_codes(qtype)) {
-                for (int i = 0; i < 8; i++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
-                    const __m256i aw = signed_codes(qtype) ? _mm256_abs_epi8(w) : w;
-                    for (int m = 0; m < MT; m++) {
-                        int32_t v; memcpy(&v, xb + (size_t)m * K + 4 * i, 4);
-                        const __m256i xv = _mm256_set1_epi32(v);
-                        const __m256i pr = _mm256_maddubs_epi16(aw, signed_codes(qtype) ? _mm256_sign_epi8(xv, w) : xv);
-                        s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(pr, ones16));
-                        __asm__("" : "+x"(s[m]));  /* see below */
+            __m256i s[2][5];
+            for (int hh = 0; hh < HS; hh++)
+                for (int m = 0; m < MT; m++) s[hh][m] = _mm256_setzero_si256();
+            for (int hh = 0; hh < HS; hh++) {
+                const uint8_t *cw = u + co + 32 * (h0 + hh);
+                if (byte_codes(qtype)) {
+                    for (int i = 0; i < 8; i++) {
+                        const __m256i w = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
+                        const __m256i aw = signed_codes(qtype) ? _mm256_abs_epi8(w) : w;
+                        for (int m = 0; m < MT; m++) {
+                            int32_t v; memcpy(&v, xb + (size_t)m * K + 4 * i, 4);
+                            const __m256i xv = _mm256_set1_epi32(v);
+                            const __m256i pr = _mm256_maddubs_epi16(aw, signed_codes(qtype) ? _mm256_sign_epi8(xv, w) : xv);
+                            s[hh][m] = _mm256_add_epi32(s[hh][m], _mm256_madd_epi16(pr, ones16));
+                            __asm__("" : "+x"(s[hh][m]));  /* see below */
+                        }
                     }
-                }
-            } else {
-                for (int i = 0; i < 4; i++) {
-                    const __m256i p = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
-                    const __m256i lo = _mm256_and_si256(p, mask), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
-                    for (int m = 0; m < MT; m++) {
-                        int32_t vl, vh;
-                        memcpy(&vl, xb + (size_t)m * K + 4 * i, 4);
-                        memcpy(&vh, xb + (size_t)m * K + 16 + 4 * i, 4);
-                        s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(vl)));
-                        s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vh)));
-                        /* keeps each row's sum in one register, added in this order: without it gcc
-                         * reassociates the integer sums, computes all products first and spills them */
-                        __asm__("" : "+x"(s[m]));
+                } else {
+                    for (int i = 0; i < 4; i++) {
+                        const __m256i p = _mm256_loadu_si256((const __m256i *)(cw + 64 * i));
+                        const __m256i lo = _mm256_and_si256(p, mask), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                        for (int m = 0; m < MT; m++) {
+                            int32_t vl, vh;
+                            memcpy(&vl, xb + (size_t)m * K + 4 * i, 4);
+                            memcpy(&vh, xb + (size_t)m * K + 16 + 4 * i, 4);
+                            s[hh][m] = _mm256_add_epi16(s[hh][m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(vl)));
+                            s[hh][m] = _mm256_add_epi16(s[hh][m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vh)));
+                            /* keeps each row's sum in one register, added in this order: without it gcc
+                             * reassociates the integer sums, computes all products first and spills them */
+                            __asm__("" : "+x"(s[hh][m]));
+                        }
                     }
                 }
             }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
-            for (int m = 0; m < MT; m++) {
-                const __m256i isum = byte_codes(qtype) ? s[m]
-                    : _mm256_add_epi32(_mm256_madd_epi16(s[m], ones16), _mm256_set1_epi32(-off * xsum[m * nb + b]));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
-                if (has_min(qtype)) {
-                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 32 + 16 * half)));
-                    acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * nb + b]), acc[m]);
+            for (int hh = 0; hh < HS; hh++) {
+                const int half = h0 + hh;
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16 * half)));
+                for (int m = 0; m < MT; m++) {
+                    const __m256i isum = byte_codes(qtype) ? s[hh][m]
+                        : _mm256_add_epi32(_mm256_madd_epi16(s[hh][m], ones16), _mm256_set1_epi32(-off * xsum[m * nb + b]));
+                    acc[hh][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])),
+                                                 acc[hh][m]);
+                    if (has_min(qtype)) {
+                        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 32 + 16 * half)));
+                        acc[hh][m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * nb + b]), acc[hh][m]);
+                    }
                 }
             }
         }
-        for (int m = 0; m < MT; m++) {
-            if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(y + (size_t)m * N + 8 * half, acc[m]); continue; }
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[m]);
-            for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
+        for (int hh = 0; hh < HS; hh++) {
+            const int half = h0 + hh;
+            for (int m = 0; m < MT; m++) {
+                if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(y + (size_t)m * N + 8 * half, acc[hh][m]); continue; }
+                float tmp[8];
+                _mm256_storeu_ps(tmp, acc[hh][m]);
+                for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
+            }
         }
     }
 }
