@@ -11,8 +11,9 @@
 # /health (hotprefix twice: its first start regroups the weights into its cache, the second
 # maps them), idle and peak RSS of the process group, the ttft workload (a cold 1,030-token
 # prompt, then 5 warm ones on its 1,000-token prefix), decode (one stream at a time, 128
-# tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); and the machine's
-# read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py).
+# tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); the machine's
+# read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py),
+# and decode's share of it with the two measured alternately in process (decode_bandwidth.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -53,6 +54,7 @@ for tag in "${TAGS[@]}"; do
   file=$BENCH_MODELS/random-$shape-$qtype.gguf
   [ -f "$file" ] || $PY benchmarks/make_gguf.py "$shape" --out "$BENCH_MODELS" --types "$qtype"
   $PY benchmarks/read_bandwidth.py "$file" --json "$OUT/$tag-bandwidth.json" > /dev/null
+  $PY benchmarks/decode_bandwidth.py "$file" --json "$OUT/$tag-decode-share.json" > /dev/null
   # KV pools of similar capacity: hotprefix's is float32 (2x llama.cpp's f16 a token)
   if [ "$shape" = 8b ]; then kv=(--kv-cache-memory 2GiB); ctx=(-c 8192); else kv=(); ctx=(-c 16384); fi
   # hotprefix: a first start (regroups into the cache when it is cold), then the measured one

@@ -68,6 +68,11 @@ def table(folder: Path, tag: str) -> str:
                 else None for r in (hp, ls)]
         out.append("| decode: bytes a token x tokens/s / streaming read | "
                    + " | ".join(fmt(u and 100 * u, "{:.0f} %") for u in used) + " | |")
+    share = load(folder, f"{tag}-decode-share")
+    if share:
+        lo, hi = min(r["share"] for r in share["rounds"]), max(r["share"] for r in share["rounds"])
+        out.append(f"| the same, in process, decode and reads alternated (median, range) | "
+                   f"{100 * share['share_median']:.0f} % ({100 * lo:.0f}-{100 * hi:.0f}) | | |")
     return "\n".join(out)
 
 

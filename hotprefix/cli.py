@@ -22,9 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = float32 on CPU, half precision on CUDA")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--quantized-matmul", default="auto", choices=QUANTIZED_MATMUL,
-                   help="GGUF Q4_0/Q4_1/Q8_0 weights on the CPU: int8 = int8 activations "
-                        "(llama.cpp's method, fastest), float32 = exact float32 activations; "
-                        "auto = int8 where the CPU has AVX2 or AVX-512 VNNI")
+                   help="GGUF block weights on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): "
+                        "int8 = int8 activations (llama.cpp's method, fastest), float32 = exact float32 "
+                        "activations (also widens Q2_K/Q3_K to float32); auto = int8 where the CPU has AVX2 "
+                        "or AVX-512 VNNI")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

@@ -40,7 +40,7 @@ class PreemptionMode(str, Enum):
 
 
 class QuantizedMatmul(str, Enum):
-    """How GGUF Q4_0/Q4_1/Q8_0 weights multiply on the CPU (see ModelConfig)."""
+    """How GGUF block weights multiply on the CPU (see ModelConfig)."""
 
     AUTO = "auto"
     INT8 = "int8"
@@ -97,9 +97,10 @@ class ModelConfig:
     model: a HF folder, a .gguf file, a hub id, or None for the bundled default.
     dtype: compute dtype; "auto" means float32 on CPU (bf16 is very slow there)
     and the checkpoint's dtype on CUDA.
-    quantized_matmul: how a GGUF's Q4_0/Q4_1/Q8_0 weights are multiplied on the CPU:
-    "int8" quantizes activations to int8 per 32 values (llama.cpp's method, ~0.5%
-    relative error per product, 2-8x faster with AVX2 or AVX-512 VNNI); "float32" keeps
+    quantized_matmul: how a GGUF's block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+    Q6_K) are multiplied on the CPU: "int8" quantizes activations to int8 per 32 values (per
+    256 for the K-quants: llama.cpp's methods, ~0.5-2% relative error per product, 2-8x
+    faster with AVX2 or AVX-512 VNNI); "float32" keeps
     activations in float32 (results equal the dequantized weights' float32 product);
     "auto" is int8 where the kernel build has AVX2 or AVX-512 VNNI, else float32.
     generation_config: where default sampling parameters come from (vLLM's flag):

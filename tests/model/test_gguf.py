@@ -229,3 +229,25 @@ def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pai
     ref = hf_gguf_logits(path, ids)
     err = float((ours - ref).abs().max() / ref.abs().max())
     assert err <= 0.25, f"{qtype}: relative error {err:.2e}"
+
+
+def test_int8_mode_never_widens_a_block_weight(tmp_path, hf_pair, monkeypatch):
+    """An int8 runner on a Q4_K_M file (with Q8_0/Q5_0 fallbacks) is built without any
+    float32 copy of a weight that blocks serve: the widening paths are never called, and
+    the model holds no 2-D float tensor afterwards (norms only)."""
+    import hotprefix.model.gguf_loader as gguf_loader
+    import hotprefix.model.loader as loader
+
+    def refuse(*a, **k):
+        raise AssertionError("a block weight was widened to float32")
+
+    monkeypatch.setattr(loader, "dequantize_rows", refuse)
+    monkeypatch.setattr(gguf_loader.DeferredRows, "dequantize", refuse)
+    _, model, tok = hf_pair
+    runner = ModelRunner(load_model(str(write_gguf(tmp_path / "m.gguf", model, tok, "Q4_K_M"))),
+                         ModelConfig(device="cpu", quantized_matmul="int8"),
+                         CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig())
+    assert [n for n, p in runner.model.named_parameters() if p.dim() > 1 and p.numel()] == []
+    ids = list(range(5, 26))
+    so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
+    assert torch.isfinite(runner.all_logits(so)).all()

@@ -1,7 +1,7 @@
 """The rules of docs/architecture.md that code can check: HTTP handlers reach the
 engine only through AsyncEngine's facade (never its LLMEngine, scheduler, KV manager
 or runner, which belong to the engine thread), and nothing in the package shows the
-shapes the map rules out (a function over 60 lines, a file over 500)."""
+shapes the map rules out (a Python function over 60 lines, a Python or C file over 500)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ def test_http_layers_use_only_the_engine_facade():
 
 
 def test_no_function_over_60_lines_and_no_file_over_500():
-    long_functions, long_files = [], []
+    c_files = sorted((PKG / "model" / "csrc").glob("*.[ch]"))
+    assert len(c_files) >= 8  # the kernels are where the map says (a rename would pass vacuously)
+    long_files = [str(p.relative_to(PKG)) for p in c_files if len(p.read_text().splitlines()) > 500]
+    long_functions = []
     for path in sorted(PKG.rglob("*.py")):
         text = path.read_text()
         if len(text.splitlines()) > 500:
