@@ -195,7 +195,7 @@ class ModelRunner:
         self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
 
     @torch.inference_mode()
-    def warmup(self, num_tokens: int = 16) -> None:
+    def warmup(self, num_tokens: int = 4) -> None:
         """One small prefill and one decode through block 0 (free at start; what it
         writes is overwritten before anyone reads it), so the first request does not
         pay the kernels' one-time set-up."""
