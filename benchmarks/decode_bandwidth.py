@@ -11,33 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from read_bandwidth import decode_bytes
+from prefix_ttft import single_decode
+from read_bandwidth import decode_bytes, read_rate
 from run_facts import report
 
-from hotprefix import LLM, SamplingParams
-
-
-def decode_rate(llm: LLM, rid: str, tokens: int) -> float:
-    """Tokens/s of one sequence after its first token."""
-    eng = llm.engine
-    eng.add_request(rid, list(range(100, 130)), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    stamps = []
-    while eng.has_unfinished_requests():
-        if eng.step():
-            stamps.append(time.perf_counter())
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-def read_rate(buf: torch.Tensor) -> float:
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 8 / best
+from hotprefix import LLM
 
 
 def main() -> None:
@@ -50,11 +30,12 @@ def main() -> None:
     llm = LLM(model=a.model, kv_cache_memory=256 << 20)
     nbytes = decode_bytes(a.model)
     buf = torch.ones(nbytes // 8, dtype=torch.int64)
-    decode_rate(llm, "warm", 5)
+    prompt = list(range(100, 130))
+    single_decode(llm, prompt, 5)
     buf.sum()
     rounds = []
-    for r in range(a.rounds):
-        d, b = decode_rate(llm, f"r{r}", a.tokens), read_rate(buf)
+    for _ in range(a.rounds):
+        d, b = single_decode(llm, prompt, a.tokens), read_rate(buf, 3)
         rounds.append({"decode_tokens_per_s": d, "read_bytes_per_s": b, "share": d * nbytes / b})
     report({"model": a.model, "decode_bytes_per_token": nbytes, "rounds": rounds,
             "share_median": statistics.median(r["share"] for r in rounds)}, a.json)

@@ -13,7 +13,8 @@
 # prompt, then 5 warm ones on its 1,000-token prefix), decode (one stream at a time, 128
 # tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); the machine's
 # read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py),
-# and decode's share of it with the two measured alternately in process (decode_bandwidth.py).
+# and decode's share of it with the two measured alternately in process (decode_bandwidth.py);
+# for the 1B files, int8 mode's KL against float32 mode beside llama-server's (kl_vs_llamacpp.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -46,6 +47,10 @@ run() {
     .venv/bin/hotprefix bench "$url" --workload $w --json "$OUT/$tag-$server-$w.json" > /dev/null
   done
   rss_stop $pid "$OUT/$tag-$server-rss"
+  # int8 mode's next-token distributions against float32 mode's, beside llama.cpp's own (1B)
+  if [ "$server" = llamaserver ] && [ "${tag%%-*}" = 1b ]; then
+    $PY benchmarks/kl_vs_llamacpp.py "$url" --model "$file" --json "$OUT/$tag-kl.json" > /dev/null 2>&1
+  fi
   stop $pid
 }
 

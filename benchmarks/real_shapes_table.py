@@ -68,6 +68,14 @@ def table(folder: Path, tag: str) -> str:
                 else None for r in (hp, ls)]
         out.append("| decode: bytes a token x tokens/s / streaming read | "
                    + " | ".join(fmt(u and 100 * u, "{:.0f} %") for u in used) + " | |")
+    kl = load(folder, f"{tag}-kl")
+    if kl:
+        ours, theirs = kl["hotprefix_int8"], kl["llama_server"]
+        out.append(f"| KL against float32 mode, top 20 + rest ({kl['tokens']} tokens; full vocabulary for "
+                   f"hotprefix: {ours['kl_full_mean']:.4f}) | {ours['kl_topk_mean']:.2e} | "
+                   f"{theirs['kl_topk_mean']:.2e} | |")
+        out.append(f"| top-1 agreement with float32 mode | {100 * ours['top1_agrees']:.1f} % | "
+                   f"{100 * theirs['top1_agrees']:.1f} % | |")
     share = load(folder, f"{tag}-decode-share")
     if share:
         lo, hi = min(r["share"] for r in share["rounds"]), max(r["share"] for r in share["rounds"])

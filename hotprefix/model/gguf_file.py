@@ -146,7 +146,8 @@ class GGUFFile:
     def release(self) -> None:
         """Drop the mapped pages from this process (they stay in the page cache and come
         back on the next read): after the tensors were copied or regrouped, the resident
-        set holds only what is read again (embedding rows)."""
+        set holds only what is read again (embedding rows). Only views that are read, never
+        written, may point into the map (a page written would be copied, and dropped here)."""
         m = getattr(self.data, "_mmap", None)
         if m is not None and hasattr(m, "madvise"):
             m.madvise(mmap.MADV_DONTNEED)

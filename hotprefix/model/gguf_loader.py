@@ -197,8 +197,9 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
         w = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
         if permute is not None:
             w = _unpermute(w, permute)
-        writable = w.flags.writeable and w.flags.c_contiguous
-        out.tensors[name] = torch.from_numpy(w if writable else np.array(w, order="C"))
+        # a copy, never a view of the map: GGUFFile.release drops the map's pages, and would drop
+        # what anyone had written into them
+        out.tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
     return out
 
 

@@ -163,7 +163,11 @@ async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.
     url = url.rstrip("/")
     jobs, concurrency, turns = build(workload, seed, scale)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers) as client:
+    # a fresh connection per request, for every server alike: llama-server closes idle keep-alive
+    # connections, and a request sent on one it had closed failed ("Server disconnected without
+    # sending a response"), which turned its first (cold) TTFT into a warm one
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers, limits=limits) as client:
         try:
             model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:

@@ -251,3 +251,26 @@ def test_int8_mode_never_widens_a_block_weight(tmp_path, hf_pair, monkeypatch):
     ids = list(range(5, 26))
     so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
     assert torch.isfinite(runner.all_logits(so)).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q5_K_M", "Q4_K", "Q5_K", "Q6_K"])
+def test_int8_mode_keeps_float32_modes_argmax_on_k_quants(tmp_path, hf_pair, qtype):
+    """int8 against float32 mode on the same K-quant file, 64 positions: the same argmax
+    wherever float32's top token leads the next by a logit or more (where they differed,
+    measured, the lead was under 0.57, the logits' spread 3.2: this random model's
+    distributions are flat), 85 % of positions at least (measured 86-97 %), and mean KL
+    under 0.05 (measured 0.017-0.024)."""
+    _, model, tok = hf_pair
+    path = write_gguf(tmp_path / f"a-{qtype}.gguf", model, tok, qtype)
+    ids = torch.randint(3, 320, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
+    f32, q8 = (ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul=mode),
+                           CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig()).all_logits(so)
+               for mode in ("float32", "int8"))
+    top2 = f32.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= 1.0
+    assert clear.sum() >= 16  # the assertion below speaks of enough positions
+    assert f32.argmax(-1)[clear].equal(q8.argmax(-1)[clear])
+    assert (f32.argmax(-1) == q8.argmax(-1)).float().mean() >= 0.85
+    lp, lq = f32.log_softmax(-1), q8.log_softmax(-1)
+    assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 0.05

@@ -64,6 +64,17 @@ static inline float vf_hsum(__m256 v) {
 }
 #endif
 
+#if defined(HP_F256)
+/* The 8 outputs of half `half` (rows 8 half .. 8 half + 7) of a group's row of y; of the
+ * group's 16 columns only the first nvalid exist. (The AVX2 int8 kernels' store.) */
+static inline void store_half(float *yrow, int half, int nvalid, __m256 v) {
+    if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(yrow + 8 * half, v); return; }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) yrow[8 * half + j] = tmp[j];
+}
+#endif
+
 #define QK 32      /* values in a block of the 32-value types */
 #define QKK 256    /* values in a super-block of the K-quant types */
 #define G 16       /* weight rows per group of the regrouped (int8) layouts */

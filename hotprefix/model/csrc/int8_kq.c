@@ -317,15 +317,8 @@ static inline __attribute__((always_inline)) void kgroup_avx2(
                 }
             }
         }
-        for (int hh = 0; hh < HS; hh++) {
-            const int half = h0 + hh;
-            for (int m = 0; m < MT; m++) {
-                if (8 * half + 8 <= nvalid) { _mm256_storeu_ps(y + (size_t)m * N + 8 * half, acc[hh][m]); continue; }
-                float tmp[8];
-                _mm256_storeu_ps(tmp, acc[hh][m]);
-                for (int j = 0; j < 8 && 8 * half + j < nvalid; j++) y[(size_t)m * N + 8 * half + j] = tmp[j];
-            }
-        }
+        for (int hh = 0; hh < HS; hh++)
+            for (int m = 0; m < MT; m++) store_half(y + (size_t)m * N, h0 + hh, nvalid, acc[hh][m]);
     }
 }
 
