@@ -53,16 +53,18 @@ def engine_logprobs(loaded, mode: str, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(eng.runner.all_logits(so).double(), -1)
 
 
-def llama_top(url: str, ids: list[int], k: int) -> list[dict[int, float]]:
-    """llama-server's top-k next-token probabilities after each prefix ids[:i + 1]."""
-    out = []
+def llama_top(url: str, ids: list[int], k: int) -> list[dict[int, float] | None]:
+    """llama-server's top-k next-token probabilities after each prefix ids[:i + 1]; None
+    where it gives none (it holds back a token that is an incomplete UTF-8 sequence, and its
+    probabilities with it)."""
+    out: list[dict[int, float] | None] = []
     with httpx.Client(timeout=120) as c:
         for i in range(len(ids)):
             r = c.post(url + "/completion", json={"prompt": ids[:i + 1], "n_predict": 1, "n_probs": k,
                                                    "temperature": 0, "cache_prompt": True})
             r.raise_for_status()
-            top = r.json()["completion_probabilities"][0]["top_logprobs"]
-            out.append({t["id"]: math.exp(t["logprob"]) for t in top})
+            probs = r.json().get("completion_probabilities")
+            out.append({t["id"]: math.exp(t["logprob"]) for t in probs[0]["top_logprobs"]} if probs else None)
     return out
 
 
@@ -94,17 +96,20 @@ def main() -> None:
         v, i = lp.topk(a.k)
         return dict(zip(i.tolist(), v.exp().tolist()))
 
-    kl_llama = [bucket_kl(ref[i], llama[i]) for i in range(len(ids))]
-    kl_int8 = [bucket_kl(ref[i], top(q8[i])) for i in range(len(ids))]
-    full_int8 = (ref.exp() * (ref - q8)).sum(-1)
+    pos = [i for i in range(len(ids)) if llama[i] is not None]  # every system on the same positions
+    kl_llama = [bucket_kl(ref[i], llama[i]) for i in pos]
+    kl_int8 = [bucket_kl(ref[i], top(q8[i])) for i in pos]
+    full_int8 = (ref.exp() * (ref - q8)).sum(-1)[pos]
     ref_top1 = ref.argmax(-1).tolist()
+    q8_top1 = q8.argmax(-1).tolist()
     res = {
-        "model": loaded.name, "tokens": len(ids), "k": a.k,
+        "model": loaded.name, "tokens": len(pos), "positions_without_llama_probs": len(ids) - len(pos), "k": a.k,
         "llama_server": {"kl_topk_mean": statistics.fmean(kl_llama), "kl_topk_median": statistics.median(kl_llama),
-                         "top1_agrees": statistics.fmean(max(d, key=d.get) == t for d, t in zip(llama, ref_top1))},
+                         "top1_agrees": statistics.fmean(max(llama[i], key=llama[i].get) == ref_top1[i]
+                                                         for i in pos)},
         "hotprefix_int8": {"kl_topk_mean": statistics.fmean(kl_int8), "kl_topk_median": statistics.median(kl_int8),
                            "kl_full_mean": float(full_int8.mean()),
-                           "top1_agrees": float((q8.argmax(-1) == ref.argmax(-1)).double().mean())},
+                           "top1_agrees": statistics.fmean(q8_top1[i] == ref_top1[i] for i in pos)},
     }
     report(res, a.json)
 
