@@ -31,14 +31,23 @@ wait_up() {  # PID URL: until the server answers (or dies)
   until curl -sf "$2" >/dev/null; do kill -0 "$1" 2>/dev/null || return 1; sleep 0.1; done
 }
 stop() { kill -- -"$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+STARTED=()
+trap 'for p in "${STARTED[@]}"; do stop "$p"; done' EXIT  # no server outlives the script
+# start LOG COMMAND...: a server in its own process group, on a port nothing else answers on
+# (a server left running would otherwise be measured in its place); sets $pid
+start() {
+  local log=$1; shift
+  if curl -s "http://127.0.0.1:$PORT/" >/dev/null 2>&1; then echo "port $PORT is taken: stop what serves it" >&2; exit 1; fi
+  setsid "$@" > "$log" 2>&1 &
+  pid=$!; STARTED+=("$pid")
+}
 
 # run TAG SERVER START_COMMAND...: start, measure, run the workloads, stop
 run() {
   local tag=$1 server=$2; shift 2
   local url="http://127.0.0.1:$PORT" t0 t1
   t0=$(date +%s.%N)
-  setsid "$@" > "$OUT/$tag-$server-serve.log" 2>&1 &
-  local pid=$!
+  start "$OUT/$tag-$server-serve.log" "$@"
   wait_up $pid "$url/v1/models" || { echo "$server did not start on $tag" >&2; return 1; }
   t1=$(date +%s.%N)
   echo "{\"server_start_s\": $(echo "$t1 - $t0" | bc)}" > "$OUT/$tag-$server-start.json"
@@ -49,7 +58,8 @@ run() {
   rss_stop $pid "$OUT/$tag-$server-rss"
   # int8 mode's next-token distributions against float32 mode's, beside llama.cpp's own (1B)
   if [ "$server" = llamaserver ] && [ "${tag%%-*}" = 1b ]; then
-    $PY benchmarks/kl_vs_llamacpp.py "$url" --model "$file" --json "$OUT/$tag-kl.json" > /dev/null 2>&1
+    $PY benchmarks/kl_vs_llamacpp.py "$url" --model "$file" --json "$OUT/$tag-kl.json" > "$OUT/$tag-kl.log" 2>&1 ||
+      echo "kl_vs_llamacpp.py failed on $tag: see $OUT/$tag-kl.log" >&2
   fi
   stop $pid
 }
@@ -66,8 +76,8 @@ for tag in "${TAGS[@]}"; do
   else kv=(); ctx=(-c 16384); WORKLOADS=(ttft decode shared); fi
   # hotprefix: a first start (regroups into the cache when it is cold), then the measured one
   t0=$(date +%s.%N)
-  setsid .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}" > "$OUT/$tag-hotprefix-first.log" 2>&1 &
-  pid=$!; wait_up $pid "http://127.0.0.1:$PORT/health"
+  start "$OUT/$tag-hotprefix-first.log" .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
+  wait_up $pid "http://127.0.0.1:$PORT/health"
   echo "{\"first_start_s\": $(echo "$(date +%s.%N) - $t0" | bc)}" > "$OUT/$tag-hotprefix-first.json"
   stop $pid
   run "$tag" hotprefix .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
