@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,11 @@ class PackedWeight:
     def parts(self) -> tuple[PackedWeight, ...]:
         return (self,)
 
+    @cached_property
+    def part_table(self) -> ctypes.Array:
+        """The kernel's HpPart table for this weight, built once (it points into `raw`)."""
+        return _part_table(self.parts)
+
     def regrouped_bytes(self, lib: ctypes.CDLL | None = None) -> int:
         """Bytes of the int8 form of these rows."""
         return int(_need(lib).hp_repacked_bytes(self.qtype, self.n, self.k))
@@ -223,6 +229,11 @@ class FusedWeight:
     def serves(self, m: int) -> bool:
         return self.parts[0].serves(m)
 
+    @cached_property
+    def part_table(self) -> ctypes.Array:
+        """The kernel's HpPart table for these parts, built once (it points into their `raw`)."""
+        return _part_table(self.parts)
+
     def regrouped(self, lib: ctypes.CDLL | None = None) -> FusedWeight:
         return FusedWeight(tuple(p.regrouped(lib) for p in self.parts))
 
@@ -236,6 +247,10 @@ def fuse(ws: list[PackedWeight | None]) -> FusedWeight | None:
     if not ws or any(w is None for w in ws) or len({(w.k, w.int8) for w in ws}) != 1:
         return None
     return FusedWeight(tuple(ws))
+
+
+def _part_table(parts: tuple[PackedWeight, ...]) -> ctypes.Array:
+    return (kernel_abi.HpPart * len(parts))(*(kernel_abi.HpPart(p.raw.data_ptr(), p.qtype, p.n) for p in parts))
 
 
 def _need(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -254,9 +269,7 @@ def qmatmul(x: torch.Tensor, w: Blocks, lib: ctypes.CDLL | None = None) -> torch
     y = torch.empty(m, w.n, dtype=torch.float32)
     threads = torch.get_num_threads()
     if w.int8:
-        parts = w.parts
-        table = (kernel_abi.HpPart * len(parts))(*(kernel_abi.HpPart(p.raw.data_ptr(), p.qtype, p.n) for p in parts))
-        rc = lib.hp_qmatmul_i8_parts(table, len(parts), x.data_ptr(), m, w.k, y.data_ptr(), threads)
+        rc = lib.hp_qmatmul_i8_parts(w.part_table, len(w.parts), x.data_ptr(), m, w.k, y.data_ptr(), threads)
     elif isinstance(w, FusedWeight):
         return torch.cat([qmatmul(x, p, lib) for p in w.parts], dim=1)
     else:
