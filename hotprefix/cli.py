@@ -50,15 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pinned-fraction", type=float, default=0.2,
                    help="the most of the KV pool that pinned prefixes may hold")
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for --preemption-mode swap")
-    g.add_argument("--kv-offloading-size", type=float, default=0.0,
-                   help="GiB of host memory for a KV tier below the pool: evicted blocks go there; 0 = off")
-    g.add_argument("--kv-disk-dir", default=None,
-                   help="a directory for a disk KV tier: computed blocks are written behind, and a restarted "
-                        "server finds them; unset = off")
-    g.add_argument("--kv-disk-size", type=float, default=16.0, help="GiB the disk KV tier may take")
-    g.add_argument("--kv-disk-write", default="all", choices=("all", "reused"),
-                   help="which blocks the disk KV tier writes: all computed ones (a prefix seen once survives a "
-                        "restart), or only those hit again (no cost on traffic that shares nothing)")
+    _add_tier_args(g)
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running in one step")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -71,11 +63,40 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fcfs: arrival order; priority: lowest request `priority` first, ties by arrival")
     s.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"),
                    help="when KV runs out: free a request and recompute it later, or swap its KV to host memory")
+    _add_grammar_args(p)
+
+
+def _add_tier_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory for a KV tier below the pool: evicted blocks go there; 0 = off")
+    g.add_argument("--kv-disk-dir", default=None,
+                   help="a directory for a disk KV tier: computed blocks are written behind, and a restarted "
+                        "server finds them; unset = off")
+    g.add_argument("--kv-disk-size", type=float, default=16.0, help="GiB the disk KV tier may take")
+    g.add_argument("--kv-disk-write", default="all", choices=("all", "reused"),
+                   help="which blocks the disk KV tier writes: all computed ones (a prefix seen once survives a "
+                        "restart), or only those hit again (no cost on traffic that shares nothing)")
+    g.add_argument("--kv-disk-insecure", action="store_true",
+                   help="use a --kv-disk-dir that other users may write or own (refused otherwise: its files "
+                        "become other requests' KV)")
+
+
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("structured outputs (limits on a request's JSON schema, regex or grammar; each a 400)")
+    c.add_argument("--max-grammar-bytes", type=int, default=128 << 10, help="a constraint's size in bytes")
+    c.add_argument("--max-grammar-properties", type=int, default=5000, help="object properties in a JSON schema")
+    c.add_argument("--max-grammar-enum-values", type=int, default=1000, help="enum and const values in a JSON schema")
+    c.add_argument("--max-grammar-depth", type=int, default=32, help="nesting of a JSON schema")
+    c.add_argument("--max-grammar-repeat", type=int, default=10_000,
+                   help="the product of nested counted repetitions ({n}) in a regex or schema pattern")
+    c.add_argument("--max-grammar-compile-seconds", type=float, default=5.0,
+                   help="CPU seconds compiling one constraint may take, in a worker process that is killed when it "
+                        "runs over (0: compile in the server's process, where nothing can stop it)")
 
 
 def engine_config_from_args(a: argparse.Namespace):
     """The EngineConfig of the engine flags. Raises ConfigError."""
-    from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StructuredConfig
 
     if a.tensor_parallel_size != 1:
         raise ConfigError(f"--tensor-parallel-size {a.tensor_parallel_size}: hotprefix runs one engine per device; "
@@ -94,11 +115,16 @@ def engine_config_from_args(a: argparse.Namespace):
                     prefix_caching_hash_algo=a.prefix_caching_hash_algo,
                     max_pinned_fraction=a.max_pinned_fraction, swap_space=int(a.swap_space * 2**30),
                     kv_offloading_size=int(a.kv_offloading_size * 2**30), kv_disk_dir=a.kv_disk_dir,
-                    kv_disk_size=int(a.kv_disk_size * 2**30), kv_disk_write=a.kv_disk_write),
+                    kv_disk_size=int(a.kv_disk_size * 2**30), kv_disk_write=a.kv_disk_write,
+                    kv_disk_insecure=a.kv_disk_insecure),
         SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         enable_chunked_prefill=a.enable_chunked_prefill,
                         long_prefill_token_threshold=a.long_prefill_token_threshold,
                         scheduling_policy=a.scheduling_policy, preemption_mode=a.preemption_mode),
+        StructuredConfig(max_grammar_bytes=a.max_grammar_bytes, max_grammar_properties=a.max_grammar_properties,
+                         max_grammar_enum_values=a.max_grammar_enum_values, max_grammar_depth=a.max_grammar_depth,
+                         max_grammar_repeat=a.max_grammar_repeat,
+                         max_grammar_compile_seconds=a.max_grammar_compile_seconds),
     )
 
 

@@ -147,6 +147,7 @@ class CacheConfig:
     kv_disk_dir: a directory for the disk KV tier (None: none); it survives restarts.
     kv_disk_size: the most bytes the disk tier's files may take.
     kv_disk_write: which computed blocks the disk tier writes (DiskWritePolicy).
+    kv_disk_insecure: use a --kv-disk-dir that others may write (refused otherwise).
     """
 
     block_size: int = 16
@@ -162,6 +163,7 @@ class CacheConfig:
     kv_disk_dir: str | None = None
     kv_disk_size: int = 16 << 30
     kv_disk_write: DiskWritePolicy = DiskWritePolicy.ALL
+    kv_disk_insecure: bool = False
 
     @property
     def host_tier_bytes(self) -> int:
@@ -257,12 +259,39 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Output constraints (JSON schema, regex, choice, grammars; tools' calls): the size
+    a request's may have (grammar_limits.GrammarLimits: bytes, object properties, enum
+    and const values, nesting depth, nested regex repetition), each refused with a 400
+    naming it; and the CPU seconds compiling one may take in a worker process that is
+    killed when it runs over (grammar_sandbox.py; 0: compile in the server's process, which
+    nothing can stop)."""
+
+    max_grammar_bytes: int = 128 << 10
+    max_grammar_properties: int = 5_000
+    max_grammar_enum_values: int = 1_000
+    max_grammar_depth: int = 32
+    max_grammar_repeat: int = 10_000
+    max_grammar_compile_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_grammar_bytes", "max_grammar_properties", "max_grammar_enum_values", "max_grammar_depth",
+                     "max_grammar_repeat"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_grammar_compile_seconds <= 3600:
+            raise ConfigError(f"--max-grammar-compile-seconds must be in [0, 3600], got "
+                              f"{self.max_grammar_compile_seconds}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, grouped by concern."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
 
 @dataclass(frozen=True)

@@ -32,5 +32,10 @@ class QueueFullError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """This request alone failed inside the engine (HTTP 500 for it; every other
-    request goes on). The message says why."""
+    """This request alone failed inside the engine (every other request goes on). The
+    message says why; `own`: by its own fault (its grammar, its sampling parameters:
+    HTTP 400, not retried by a gateway), else an internal error (HTTP 500)."""
+
+    def __init__(self, message: str, own: bool = False) -> None:
+        super().__init__(message)
+        self.own = own

@@ -8,7 +8,9 @@ The compiler is thread-safe and caches each distinct spec (and each refusal):
 preprocessing workers compile before a request reaches the engine, and so validate
 it (a bad schema is a 400 naming the problem) and pay for building its matcher and
 its first token mask there, off the engine thread; a grammar whose first mask takes
-longer than MASK_BUDGET_S is refused as too complex. The runner copies the compiled
+longer than MASK_BUDGET_S is refused as too complex. Before that, a spec is checked
+against the size limits (grammar_limits.py) and, with a sandbox, compiled first in a
+worker process that is killed when it runs over its CPU budget (grammar_sandbox.py). The runner copies the compiled
 matcher for each sequence (model/structured.py) and holds every later mask to the
 same budget. Torch-free: it sits beside sampling_params.py, below the engine and
 the model.
@@ -21,12 +23,17 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hotprefix.errors import InvalidRequestError
+from hotprefix.grammar_limits import GrammarLimits
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
+
+if TYPE_CHECKING:
+    from hotprefix.config import StructuredConfig
+    from hotprefix.grammar_sandbox import CompileSandbox
 
 GRAMMAR_CACHE = 256  # distinct specs kept compiled
 # JSON is written with json.dumps's separators and no other whitespace: a small model
@@ -70,9 +77,12 @@ class GrammarCompiler:
     has `vocab_size` logits). `tokenizer` is llguidance's view of it, made at first use
     (about 0.3 s)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, limits: GrammarLimits | None = None,
+                 sandbox: CompileSandbox | None = None) -> None:
         self._hf = hf_tokenizer
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
+        self.sandbox = sandbox  # compiles each new spec first where it can be stopped (None: in process only)
         self._lock = threading.Lock()
         self._tokenizer = None
         self._compile = lru_cache(maxsize=GRAMMAR_CACHE)(self._compile_uncached)
@@ -105,24 +115,62 @@ class GrammarCompiler:
             raise InvalidRequestError(compiled.error, so.kind.value)
         return compiled
 
-    def _compile_uncached(self, kind: StructuredKind, spec: str) -> _Compiled:
-        import llguidance
+    def close(self) -> None:
+        """Stop the sandbox's worker processes (if any); compiling starts new ones."""
+        if self.sandbox is not None:
+            self.sandbox.close()
 
+    def _compile_uncached(self, kind: StructuredKind, spec: str) -> _Compiled:
         try:
-            grammar = grammar_of(kind, spec)
+            self.limits.check(kind.value, spec)
+            grammar = self.sandbox.grammar(kind, spec) if self.sandbox is not None else None
         except InvalidRequestError as e:
             return _Compiled(error=str(e))
-        err = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if err:
-            return _Compiled(error=f"invalid {kind.value}: {err.strip().splitlines()[0][:300]}")
-        start = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        took = first_mask_seconds(start, self.vocab_size)
-        if start.is_error():
-            return _Compiled(error=f"invalid {kind.value}: {start.get_error().strip().splitlines()[0][:300]}")
-        if took > MASK_BUDGET_S:
-            return _Compiled(error=f"{kind.value} too complex: its first token mask took {took * 1e3:.0f} ms "
-                                   f"(the limit is {MASK_BUDGET_S * 1e3:.0f} ms)")
-        return _Compiled(grammar, start)
+        return build(kind, spec, self.tokenizer, self.vocab_size, grammar)
+
+
+def compiler_for(hf_tokenizer: Any, vocab_size: int, eos: set[int], sc: StructuredConfig) -> GrammarCompiler:
+    """The output-constraint compiler with the size limits and compile budget of `sc`
+    (a sandbox of worker processes when the budget is > 0 and the tokenizer is a fast
+    one; its workers start at the first constraint)."""
+    limits = GrammarLimits(sc.max_grammar_bytes, sc.max_grammar_properties, sc.max_grammar_enum_values,
+                           sc.max_grammar_depth, sc.max_grammar_repeat)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if sc.max_grammar_compile_seconds <= 0 or backend is None:
+        return GrammarCompiler(hf_tokenizer, vocab_size, limits)
+    from copy import copy
+
+    from hotprefix.grammar_sandbox import CompileSandbox, SandboxConfig
+
+    b = copy(backend)  # as llguidance.hf does: its JSON without padding or truncation
+    b.no_padding()
+    b.no_truncation()
+    sandbox = CompileSandbox(SandboxConfig(b.to_str(), vocab_size, tuple(sorted(eos)), sc.max_grammar_compile_seconds))
+    return GrammarCompiler(hf_tokenizer, vocab_size, limits, sandbox)
+
+
+def build(kind: StructuredKind, spec: str, tokenizer: Any, vocab_size: int, grammar: str | None = None) -> _Compiled:
+    """Compile a spec (or its grammar text, already made from it) for an llguidance
+    tokenizer: the grammar, validated, and a matcher at its start whose first mask was
+    built within MASK_BUDGET_S; or why the spec is refused. The same work in the server
+    and in grammar_sandbox.py's workers. Raises nothing for a bad spec."""
+    import llguidance
+
+    try:
+        grammar = grammar if grammar is not None else grammar_of(kind, spec)
+    except InvalidRequestError as e:
+        return _Compiled(error=str(e))
+    err = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if err:
+        return _Compiled(error=f"invalid {kind.value}: {err.strip().splitlines()[0][:300]}")
+    start = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    took = first_mask_seconds(start, vocab_size)
+    if start.is_error():
+        return _Compiled(error=f"invalid {kind.value}: {start.get_error().strip().splitlines()[0][:300]}")
+    if took > MASK_BUDGET_S:
+        return _Compiled(error=f"{kind.value} too complex: its first token mask took {took * 1e3:.0f} ms "
+                               f"(the limit is {MASK_BUDGET_S * 1e3:.0f} ms)")
+    return _Compiled(grammar, start)
 
 
 def first_mask_seconds(matcher: Any, vocab_size: int) -> float:

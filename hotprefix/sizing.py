@@ -127,7 +127,7 @@ class SizeReport:
     disk_tier_prompts: int = 0
 
 
-DISK_HEADER_BYTES = 88  # engine/kv_disk.py's file header (checked there)
+DISK_HEADER_BYTES = 112  # engine/kv_disk.py's file header (checked there)
 
 
 def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_tokens: int = 0, num_prompts: int = 1,

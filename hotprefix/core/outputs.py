@@ -81,6 +81,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
+    error_own: bool = False  # the failure is the request's own (its sampling parameters or its grammar)
 
     @property
     def finished(self) -> bool:

@@ -312,12 +312,14 @@ class Scheduler:
 
     def _finish_with_error(self, request_ids: list[str], errors: dict[str, str],
                            default: str = "") -> list[EngineCoreOutput]:
+        """Finish request_ids as failed: those in `errors` by their own fault (the model
+        output's `failed`: their sampling or grammar), the rest with `default`."""
         outputs = []
         for rid in request_ids:
             if rid in self.requests:
                 self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR,
-                                                error=errors.get(rid, default)))
+                                                error=errors.get(rid, default), error_own=rid in errors))
         return outputs
 
     def _pin_prompt(self, req: Request) -> None:

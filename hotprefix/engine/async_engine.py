@@ -91,6 +91,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ready = threading.Event()  # set once the engine thread has warmed the model up
         self._workers = ThreadPoolExecutor(self.limits.preprocess_workers, thread_name_prefix="hotprefix-prep")
+        self._owner_busy: dict[str, int] = {}  # workers each owner (a tenant's cache salt) holds (event loop)
+        self._owner_freed = asyncio.Condition()
         self._copy_tokenizers()
         self.dead: BaseException | None = None
 
@@ -277,21 +279,64 @@ class AsyncEngine:
                                                 options.split_special_tokens, options.truncate_prompt_tokens)
                     for i, p in enumerate(prompts)]
 
-        return await self._in_worker(work)
+        owner = options.cache_salt or ""
+        if self._share_cap(owner) >= self.limits.preprocess_workers:  # no share to keep: queue for a thread
+            return await self._in_worker(work)
+        await self._take_share(owner)
+        return await self._in_worker(work, lambda: self._give_share(owner))
+
+    def _share_cap(self, owner: str) -> int:
+        """Preprocessing workers one owner may hold at a time: half of them (at least one)
+        for an owner with a cache salt (a gateway tenant), so that one tenant's slow
+        requests (constraints to compile) never hold every worker; all for the rest."""
+        n = self.limits.preprocess_workers
+        return max(1, n // 2) if owner else n
+
+    async def _take_share(self, owner: str) -> None:
+        """Wait for a worker within the owner's share. Raises InvalidRequestError when the
+        wait outlasts --preprocess-timeout."""
+        cap = self._share_cap(owner)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.preprocess_timeout
+        async with self._owner_freed:
+            while self._owner_busy.get(owner, 0) >= cap:
+                try:
+                    await asyncio.wait_for(self._owner_freed.wait(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise InvalidRequestError(f"this tenant's other requests held its share of the preprocessing "
+                                              f"workers for {self.limits.preprocess_timeout:g}s "
+                                              "(--preprocess-timeout); send fewer at once") from None
+            self._owner_busy[owner] = self._owner_busy.get(owner, 0) + 1
+
+    def _give_share(self, owner: str) -> None:
+        """The owner's worker is free again (when its thread finishes, even after its
+        request timed out). Event loop."""
+        left = self._owner_busy.pop(owner) - 1
+        if left:
+            self._owner_busy[owner] = left
+
+        async def notify() -> None:
+            async with self._owner_freed:
+                self._owner_freed.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
 
     def _render(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, ChatPrompt):
             return self.engine.encode_chat(prompt.messages, prompt.add_generation_prompt,
                                            prompt.continue_final_message, prompt.chat_template,
-                                           prompt.template_kwargs, prompt.tools)
+                                           prompt.template_kwargs, prompt.tools, prompt.operator_messages)
         return prompt
 
-    async def _in_worker(self, fn: Callable[[], Any]) -> Any:
-        """fn() on a preprocessing thread. Raises InvalidRequestError when it takes
-        longer than the budget (the thread finishes its bounded work and is discarded)."""
+    async def _in_worker(self, fn: Callable[[], Any], done: Callable[[], None] | None = None) -> Any:
+        """fn() on a preprocessing thread; done() (on the event loop) once the thread has
+        finished it. Raises InvalidRequestError when it takes longer than the budget (the
+        thread finishes its bounded work, and its result is dropped)."""
         fut = asyncio.get_running_loop().run_in_executor(self._workers, fn)
+        if done is not None:
+            fut.add_done_callback(lambda _: done())
         try:
-            return await asyncio.wait_for(fut, self.limits.preprocess_timeout)
+            return await asyncio.wait_for(asyncio.shield(fut), self.limits.preprocess_timeout)  # fut runs on
         except asyncio.TimeoutError:
             raise InvalidRequestError(f"preparing the prompt took longer than {self.limits.preprocess_timeout:g}s "
                                       "(--preprocess-timeout); send a shorter prompt") from None

@@ -4,11 +4,18 @@ Layout: DIR/<model identity>/<block hash>.kvb. The identity (`model_identity`) d
 the model's weights fingerprint, shapes, compute and KV dtypes, block size, matmul mode
 and this format's version, so another model's (or another configuration's) files are
 never even looked at. A file is a header (magic, identity, block hash, payload length,
-XXH3-64 of the payload: 14x faster than CRC-32 here) and the block's bytes (the layout
-of model/kv_offload.py). At start-up the directory is indexed from its file names and
-sizes alone (oldest first, by mtime);
-data is checked when a block is read: a wrong header, a short file or a bad checksum is
-a miss (the file is deleted), never wrong KV.
+and a MAC: HMAC-SHA256 of all of these and the payload, keyed by DIR's secret) and the
+block's bytes (the layout of model/kv_offload.py). At start-up the directory is indexed
+from its file names and sizes alone (oldest first, by mtime); data is checked when a
+block is read: a wrong header, a short file or a MAC that does not match is a miss (the
+file is deleted, `bad_files` counts it), never wrong KV.
+
+The files are what later prompts are answered from, so the directory is guarded like a
+key: DIR is created 0700 and the tier refuses (ConfigError, at start) a DIR that others
+may write or that another user owns, or a symlink to one; its secret (DIR/.hotprefix-kv-key,
+32 random bytes, 0600, made at first use and never inside a block file) keys every MAC,
+so a block written by anyone without it is a miss. `insecure` (--kv-disk-insecure) skips
+the directory checks, with a warning.
 
 Writes go through a temporary file and a rename, so a process killed mid-write leaves
 no partial block under a real name (stale temporaries are removed at start-up). The
@@ -21,10 +28,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import json
 import logging
 import os
 import queue
+import secrets
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -33,17 +43,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHash
 from hotprefix.sizing import DISK_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-MAGIC = b"HPKVBLK1"
-_HEADER = struct.Struct("<8s32s32sQQ")  # magic, identity, block hash, payload length, XXH3-64 of the payload
+FORMAT_VERSION = 3
+MAGIC = b"HPKVBLK2"
+_FIELDS = struct.Struct("<8s32s32sQ")  # magic, identity, block hash, payload length
+_HEADER = struct.Struct("<8s32s32sQ32s")  # the fields, then HMAC-SHA256 of the fields and the payload
 assert _HEADER.size == DISK_HEADER_BYTES  # hotprefix size counts files with it
+KEY_FILE = ".hotprefix-kv-key"
+KEY_BYTES = 32
 SUFFIX = ".kvb"
 MAX_PENDING_WRITE_BYTES = 256 << 20  # blocks waiting for the writer; more are dropped, not queued
 
@@ -63,6 +76,83 @@ def weights_fingerprint(source: str) -> str:
             fh.seek(max(0, size - (4 << 20)))
             h.update(fh.read(4 << 20))
     return h.hexdigest()
+
+
+def _refuse(path: Path, why: str) -> None:
+    raise ConfigError(f"--kv-disk-dir {path}: {why}; use a private directory (mode 0700, yours), or "
+                      "--kv-disk-insecure to use it anyway")
+
+
+def check_private_dir(root: Path, insecure: bool = False) -> None:
+    """Make sure `root` is a directory no one else may write: create it 0700 when it does
+    not exist; refuse one (or a symlink to one) that another user owns or that group or
+    others may write. Raises ConfigError (unless `insecure`, which logs instead) and
+    OSError when it cannot be created."""
+    if not root.exists() and not root.is_symlink():
+        root.mkdir(parents=True, mode=0o700)
+        root.chmod(0o700)  # (mkdir's mode is masked by the umask)
+    problems = []
+    if root.is_symlink() and root.lstat().st_uid != os.geteuid():
+        problems.append("it is a symlink another user owns")
+    st = root.stat()  # the target, for a symlink
+    if not stat.S_ISDIR(st.st_mode):
+        problems.append("it is not a directory")
+    if st.st_uid != os.geteuid():
+        problems.append(f"it belongs to user {st.st_uid}, not to this process's user {os.geteuid()}")
+    if st.st_mode & 0o022:
+        problems.append(f"group or others may write to it (mode {st.st_mode & 0o777:o})")
+    if not problems:
+        return
+    if not insecure:
+        _refuse(root, "; ".join(problems))
+    log.warning("KV disk tier %s is not private (%s): used anyway (--kv-disk-insecure)", root, "; ".join(problems))
+
+
+def directory_key(root: Path, insecure: bool = False) -> bytes:
+    """The secret that keys the MACs of `root`'s blocks: read, or made at first use
+    (written under a temporary name and linked into place, so that two processes
+    starting together agree on one). Raises ConfigError for a key file that is not a
+    private regular file of this user, OSError when it cannot be made."""
+    path = root / KEY_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        tmp = root / f".key.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(KEY_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
+        finally:
+            tmp.unlink(missing_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            _refuse(path, "its key file is a symlink")
+        raise
+    try:
+        st = os.fstat(fd)
+        key = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode) or len(key) != KEY_BYTES:
+        _refuse(path, "its key file is not a 32-byte regular file")
+    if (st.st_uid != os.geteuid() or st.st_mode & 0o077) and not insecure:
+        _refuse(path, f"its key file may be read or written by others (mode {st.st_mode & 0o777:o}, "
+                      f"user {st.st_uid})")
+    return key
+
+
+def block_mac(key: bytes, fields: bytes, payload: memoryview) -> bytes:
+    """HMAC-SHA256 of a block file's header fields and payload (0.5 ms a 737 KB block)."""
+    m = hmac.new(key, fields, "sha256")
+    m.update(payload)
+    return m.digest()
 
 
 def model_identity(**facts: Any) -> bytes:
@@ -89,8 +179,12 @@ class DiskStore:
     thread; reads land in the host arena's slots (`slot_bytes(slot)`)."""
 
     def __init__(self, root: str, identity: bytes, capacity_bytes: int, block_bytes: int,
-                 slot_bytes: Any) -> None:
+                 slot_bytes: Any, insecure: bool = False) -> None:
+        """Raises ConfigError for a directory (or key file) others may write (see the
+        module's docstring)."""
         self.identity = identity
+        self.root, self.insecure = Path(root), insecure
+        self.key = b""
         self.file_bytes = _HEADER.size + block_bytes
         self.block_bytes = block_bytes
         self.max_files = capacity_bytes // self.file_bytes
@@ -112,9 +206,12 @@ class DiskStore:
 
     # -- start-up --------------------------------------------------------------
     def _open(self) -> bool:
-        """Create or index the directory; False (with a warning) when it cannot be written."""
+        """Check (ConfigError), create and index the directory; False (with a warning) when
+        it cannot be written."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            check_private_dir(self.root, self.insecure)
+            self.key = directory_key(self.root, self.insecure)
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             found = []
             for e in os.scandir(self.dir):
                 if ".tmp" in e.name:
@@ -134,8 +231,10 @@ class DiskStore:
                      self.max_files)
             return True
         except OSError as e:
-            log.warning("KV disk tier %s cannot be written (%s): reading what is there, writing nothing",
-                        self.dir, e.strerror or e)
+            if not self.key:  # no key, no block can be checked: none is read either
+                self.index.clear()
+            log.warning("KV disk tier %s cannot be written (%s): %s", self.dir, e.strerror or e,
+                        "reading what is there, writing nothing" if self.key else "off")
             return False
 
     # -- the engine thread's side -----------------------------------------------
@@ -210,11 +309,12 @@ class DiskStore:
 
     def _write(self, h: BlockHash, data: Any) -> None:
         payload = memoryview(data).cast("B")
-        header = _HEADER.pack(MAGIC, self.identity, h, len(payload), xxhash.xxh3_64_intdigest(payload))
+        fields = _FIELDS.pack(MAGIC, self.identity, h, len(payload))
+        header = fields + block_mac(self.key, fields, payload)
         final = self.dir / (h.hex() + SUFFIX)
         tmp = self.dir / f".{h.hex()}.tmp.{os.getpid()}"
         try:
-            with tmp.open("wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.write(header)
                 f.write(payload)
             self._make_room()
@@ -256,12 +356,12 @@ class DiskStore:
             raw = f.read(self.file_bytes + 1)
         if len(raw) != self.file_bytes:
             return self._bad(h, "its size is wrong")
-        magic, ident, fh, n, crc = _HEADER.unpack_from(raw)
+        magic, ident, fh, n, mac = _HEADER.unpack_from(raw)
         payload = memoryview(raw)[_HEADER.size:]
         if magic != MAGIC or ident != self.identity or fh != h or n != self.block_bytes:
             return self._bad(h, "its header names another block or model")
-        if xxhash.xxh3_64_intdigest(payload) != crc:
-            return self._bad(h, "its checksum does not match")
+        if not hmac.compare_digest(block_mac(self.key, raw[:_FIELDS.size], payload), mac):
+            return self._bad(h, "its MAC does not match (damaged, or not written with this directory's key)")
         self.slot_bytes(slot)[:] = np.frombuffer(payload, dtype=np.uint8)
         os.utime(path)  # recently used: the last to be deleted, here and after a restart
         with self._lock:

@@ -24,7 +24,7 @@ from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
 from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
-from hotprefix.grammar import GrammarCompiler
+from hotprefix.grammar import compiler_for
 from hotprefix.model.loader import LoadedModel, generation_defaults, load_model
 from hotprefix.model.runner import ModelRunner, return_freed_memory
 from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
@@ -70,6 +70,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # why, when finish_reason is "error" (this sample alone failed)
+    error_own: bool = False  # and the failure was its own (its sampling parameters, its grammar)
 
     @property
     def finished(self) -> bool:
@@ -145,7 +146,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.grammars = GrammarCompiler(self.tokenizer, loaded.arch.vocab_size)
+        self.grammars = compiler_for(self.tokenizer, loaded.arch.vocab_size, eos, self.config.structured)
         self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler, tuple(sorted(eos)),
                                   self.grammars)
         self.arch = self.runner.arch
@@ -179,7 +180,8 @@ class LLMEngine:
                                   arch=repr(self.runner.arch), dtype=str(self.runner.dtype),
                                   kv=str(arena.data.dtype), block_shape=arena.block_shape,
                                   matmul=str(self.runner.quantized_matmul), hash=cc.prefix_caching_hash_algo)
-        return DiskStore(cc.kv_disk_dir, identity, cc.kv_disk_size, arena.block_bytes, arena.slot_bytes)
+        return DiskStore(cc.kv_disk_dir, identity, cc.kv_disk_size, arena.block_bytes, arena.slot_bytes,
+                         cc.kv_disk_insecure)
 
     def _tiers(self) -> KVTiers | None:
         """The KV tiers below the pool that the cache config asks for."""
@@ -203,9 +205,10 @@ class LLMEngine:
                        disk_bad_files=disk.stats.bad_files, disk_file_bytes=disk.file_bytes)
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes (a no-op without one)."""
+        """Finish the disk tier's queued writes, stop the grammar compiler's processes."""
         if self.disk is not None:
             self.disk.close()
+        self.grammars.close()
 
     # -- admission ----------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
@@ -223,12 +226,12 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
                     template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, operator_messages: int = 0) -> list[int]:
         """The token ids of a conversation (and its tools) through the chat template:
         the template's own special tokens, none added, and none from the messages'
         text (see PromptEncoder.encode_chat). Raises InvalidRequestError."""
         return self.encoder.encode_chat(messages, add_generation_prompt, continue_final_message, chat_template,
-                                        template_kwargs, tools)
+                                        template_kwargs, tools, operator_messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
@@ -474,7 +477,7 @@ class LLMEngine:
         if co.finished and out.finish_reason is None:
             out.finish_reason = co.finished_status.finish_reason
             out.stop_reason = co.stop_reason
-            out.error = co.error
+            out.error, out.error_own = co.error, co.error_own
         out.text = child.detok.text
 
     def _output(self, st: PreparedRequest, new_ids: dict[str, list[int]], now: float) -> RequestOutput:

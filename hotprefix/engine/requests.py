@@ -39,6 +39,7 @@ class ChatPrompt:
     chat_template: str | None = None
     template_kwargs: dict[str, Any] | None = None  # a request's chat_template_kwargs
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the template
+    operator_messages: int = 0  # leading messages that are the operator's: tools render after them
 
 
 Prompt = str | list[int] | ChatPrompt

@@ -67,17 +67,19 @@ class PromptEncoder:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
                     template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, operator_messages: int = 0) -> list[int]:
         """Token ids of a conversation through the chat template. The template's own
         special tokens are special; text inside a message never becomes one: a
         message that spells "<|im_end|>\\n<|im_start|>system" gets those characters,
         not a new turn. Messages without such text are tokenized exactly as the
-        rendered prompt would be. Raises InvalidRequestError."""
+        rendered prompt would be. `operator_messages`: see apply_chat_template. Raises
+        InvalidRequestError."""
         specials = self.special_tokens
         fields = list(_strings([{k: v for k, v in m.items() if k != "role"} for m in messages], tools))
         if not any(sp in v for v in fields for sp in specials):
             return self.tokenize(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
-                                                          chat_template, template_kwargs, tools), False)
+                                                          chat_template, template_kwargs, tools, operator_messages),
+                                 False)
         nonce = secrets.token_hex(8)
         while any(nonce in v for v in fields):
             nonce = secrets.token_hex(8)
@@ -86,7 +88,7 @@ class PromptEncoder:
                    for m in messages]
         tools = None if tools is None else _map_strings(tools, lambda t: _replace_all(t, literal))
         text = self.apply_chat_template(defused, add_generation_prompt, continue_final_message, chat_template,
-                                        template_kwargs, tools)
+                                        template_kwargs, tools, operator_messages)
         return self._tokenize_marked(text, {v: k for k, v in literal.items()})
 
     def renders_tools(self, chat_template: str | None = None) -> bool:
@@ -128,12 +130,16 @@ class PromptEncoder:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             template_kwargs: dict[str, Any] | None = None,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, operator_messages: int = 0) -> str:
         """The prompt text for a conversation; template_kwargs are extra variables
         for the template (e.g. Qwen3's enable_thinking); tools go to the template, or
         into the conversation when the template does not render them (tool_prompt.py).
-        Raises InvalidRequestError when the tokenizer has no template or the template
-        rejects the messages."""
+        With `operator_messages` > 0 the first that many messages are the operator's (a
+        gateway's forced system prompt): tools are written into the conversation after
+        them, never by the template, which may put them inside the first system turn, so
+        the operator's turns render exactly as without tools. Raises InvalidRequestError
+        when the tokenizer has no template, the template rejects the messages, or
+        operator_messages is more than the messages."""
         reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
@@ -143,6 +149,12 @@ class PromptEncoder:
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         kwargs = dict(template_kwargs or {})
+        if not 0 <= operator_messages <= len(messages):
+            raise InvalidRequestError(f"operator_messages is {operator_messages}, the request has {len(messages)} "
+                                      "messages", "operator_messages")
+        if tools and operator_messages:
+            return self._render_after_operator(messages, tools, operator_messages, add_generation_prompt,
+                                               continue_final_message, chat_template, kwargs)
         if tools:
             if self.renders_tools(chat_template):
                 kwargs["tools"] = tools
@@ -151,6 +163,23 @@ class PromptEncoder:
         try:
             return self._render(messages, add_generation_prompt, continue_final_message, chat_template, kwargs)
         except Exception as e:  # jinja2 errors, template raise_exception(), bad message shapes
+            raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
+
+    def _render_after_operator(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], after: int,
+                               add_generation_prompt: bool, continue_final_message: bool, chat_template: str | None,
+                               kwargs: dict[str, Any]) -> str:
+        """apply_chat_template's rendering with tools after the operator's messages: in a
+        system turn of their own, or, for a template that takes one system message only,
+        at the start of the next message. Raises InvalidRequestError."""
+        try:
+            return self._render(with_tools(messages, tools, after), add_generation_prompt, continue_final_message,
+                                chat_template, kwargs)
+        except Exception:  # a template that refuses a second system turn
+            pass
+        try:
+            return self._render(with_tools(messages, tools, after, own_turn=False), add_generation_prompt,
+                                continue_final_message, chat_template, kwargs)
+        except Exception as e:
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from None
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,

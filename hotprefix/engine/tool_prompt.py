@@ -33,10 +33,15 @@ def call_block(call: dict[str, Any]) -> str:
            f"\n{TOOL_CALL_CLOSE}"
 
 
-def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with the tools written into it (a new list): the tools block
-    ends the first system message (or is one), calls become <tool_call> blocks, tool
-    answers become <tool_response> user turns."""
+def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]], after: int = 0,
+               own_turn: bool = True) -> list[dict[str, Any]]:
+    """The conversation with the tools written into it (a new list): calls become
+    <tool_call> blocks, tool answers become <tool_response> user turns, and the tools
+    block ends the first system message (or is one), unless `after` > 0: the first
+    `after` messages are the operator's (a gateway's forced system prompt) and the tools,
+    which the client supplied, go after them: a system turn of their own, or, with
+    `own_turn` False (for templates that take one system message only), the start of the
+    first message after them. Then the operator's turns render exactly as without tools."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":
@@ -47,7 +52,13 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> l
         else:
             out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
     block = tools_block(tools)
-    if out and out[0]["role"] in ("system", "developer"):
+    if after and own_turn:
+        out.insert(after, {"role": "system", "content": block})
+    elif after and after < len(out):
+        out[after] = {**out[after], "content": f"{block}\n\n{out[after]['content'] or ''}"}
+    elif after:
+        out.append({"role": "user", "content": block})
+    elif out and out[0]["role"] in ("system", "developer"):
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
     else:
         out.insert(0, {"role": "system", "content": block})

@@ -78,15 +78,29 @@ class GatewayError(Exception):
         self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """A deliberately high guess (UTF-8 bytes / 3, plus a few per message); the
-    reservation is settled with the backend's real count when the request ends."""
+def prompt_token_bound(body: dict[str, Any]) -> int:
+    """A prompt token count no byte-level or character vocabulary exceeds: a token per
+    UTF-8 byte of everything that renders into the prompt (messages with their names and
+    tool calls, tool definitions), plus 16 a message for the template's own tokens and 64
+    more. Admission reserves it when no backend can count the tokens (Proxy._prompt_tokens);
+    the reservation is settled with the backend's real count when the request ends."""
     if "messages" in body:
-        text = json.dumps([m.get("content") for m in body["messages"]], ensure_ascii=False)
-        return math.ceil(len(text.encode()) / 3) + 4 * len(body["messages"])
+        text = json.dumps([body["messages"], body.get("tools")], ensure_ascii=False)
+        return len(text.encode()) + 16 * len(body["messages"]) + 64
     p = body.get("prompt")
     texts = p if isinstance(p, list) else [p or ""]
-    return sum(math.ceil(len(str(t).encode()) / 3) + 1 for t in texts)
+    return sum(len(str(t).encode()) + 16 for t in texts)
+
+
+def tokenize_bodies(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """/tokenize requests that count exactly what the backend will render for `body`
+    (a hotprefix backend: the same template, tools and operator_messages; completions
+    prompts with their special-token text kept as text, as body_for sends them)."""
+    if endpoint == "chat":
+        extra = {k: body[k] for k in ("tools", "operator_messages") if body.get(k)}
+        return [{"messages": body["messages"], **extra}]
+    p = body["prompt"]
+    return [{"prompt": t, "split_special_tokens": True} for t in (p if isinstance(p, list) else [p])]
 
 
 def trim_chunk(obj: dict[str, Any], want_usage: bool, want_continuous: bool) -> dict[str, Any] | None:
@@ -213,9 +227,35 @@ class Proxy:
         backend.token_counts[ck] = n
         return n
 
+    def _route_key(self, caller: Caller) -> str:
+        return route_key(caller.prompt.text if caller.prompt else None, bool(caller.prompt and caller.prompt.public),
+                         caller.tenant.name)
+
+    async def _prompt_tokens(self, endpoint: str, body: dict[str, Any], caller: Caller) -> int:
+        """The prompt tokens `body` will carry: counted by the first hotprefix backend in
+        its routing order (its /tokenize renders exactly what it will serve, tools and
+        all), else prompt_token_bound, which never counts low."""
+        for backend in self.router.order(self._route_key(caller)):
+            if not backend.supports_salt:
+                continue
+            try:
+                total = 0
+                for req in tokenize_bodies(endpoint, body):
+                    r = await self.client.post(backend.url + "/tokenize", json=req, headers=self.backend_headers,
+                                               timeout=10)
+                    r.raise_for_status()
+                    total += int(r.json()["count"])
+                return total
+            except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:  # a 400 too: the bound, and the
+                log.debug("tokenize on %s: %s; reserving the bound", backend.url, e)  # backend answers the request
+            break
+        return prompt_token_bound(body)
+
     async def body_for(self, backend: Backend, endpoint: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
         """`body` for one backend: salted, capped to its context, asking for usage when streamed."""
         out = dict(body, cache_salt=K.tenant_salt(self.secret, caller.tenant.name))
+        if not backend.supports_salt:  # another server renders tools as its template does (docs/gateway.md)
+            out.pop("operator_messages", None)
         if backend.supports_salt and caller.prompt is not None and caller.prompt.public:
             out["cache_salt_offset"] = await self._salt_offset(backend, endpoint, caller.prompt)
         if backend.supports_salt and endpoint == "completions":
@@ -249,7 +289,7 @@ class Proxy:
         row |= {"stream": req.stream, "model": req.model[:256] if req.model else None}
         system = caller.prompt.text if caller.prompt else None
         body = backend_body(endpoint, req, system, 0)
-        seqs, estimate = num_sequences(req), estimate_prompt_tokens(body)
+        seqs, estimate = num_sequences(req), await self._prompt_tokens(endpoint, body, caller)
         cap = min(req.wanted_max_tokens() or self.cfg.default_max_tokens, self.router.max_model_len() or 2**31)
         try:
             decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0)
@@ -304,8 +344,7 @@ class Proxy:
         """Try backends in routing order until one answers with less than 500. Only a
         backend that cannot be connected to is skipped (the request never reached
         it; one that refuses is marked down); a timeout or a broken answer ends the request. Raises GatewayError."""
-        key = route_key(caller.prompt.text if caller.prompt else None, bool(caller.prompt and caller.prompt.public),
-                        caller.tenant.name)
+        key = self._route_key(caller)
         outcome = flight.outcome
         fwd = {"x-request-id": flight.request_id, **self.backend_headers}
         errors = []

@@ -23,7 +23,7 @@ OPERATOR_FIELDS = frozenset({
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "add_special_tokens", "split_special_tokens", "echo", "suffix", "priority", "pin_prefix", "request_id",
     "cache_salt", "cache_salt_offset", "documents", "mm_processor_kwargs", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens", "kv_transfer_params", "vllm_xargs",
+    "truncate_prompt_tokens", "kv_transfer_params", "vllm_xargs", "operator_messages",
 })
 
 
@@ -159,6 +159,8 @@ def backend_body(endpoint: str, req: _Sampling, system: str | None, max_tokens: 
     if isinstance(req, TenantChat):
         kept = [_forwarded(m) for m in req.messages if m.role not in ("system", "developer")]
         body["messages"] = ([{"role": "system", "content": system}] if system else []) + kept
+        if system and req.tools:  # the forced turn is the operator's: the tenant's tools render after it
+            body["operator_messages"] = 1
     else:
         assert isinstance(req, TenantCompletion)
         texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)

@@ -61,16 +61,21 @@ class GrammarMatchers:
             return masks
         bitmask = torch.empty(len(live), -(-self.vocab_size // 32), dtype=torch.int32)  # [k, V/32] 1 = allowed
         slow: dict[int, float] = {}
+        broken: dict[int, str] = {}
         for i, (_, m) in enumerate(live):
             t = time.thread_time()  # CPU time: waiting for the GIL or a core is not the grammar's cost
             lt.fill_next_token_bitmask(m, bitmask, i)
             if (took := time.thread_time() - t) > MASK_BUDGET_S:
                 slow[i] = took
+            if m.is_error():  # a limit hit while filling: the mask is not the grammar's (often "end only")
+                broken[i] = m.get_error()
         empty = (bitmask == 0).all(dim=1).tolist()
         forbidden = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [k, 32W]
         rows = torch.from_numpy(forbidden[:, :self.vocab_size]).view(torch.bool)  # [k, V]
         for i, (rid, _) in enumerate(live):
-            if i in slow:  # one more such step would stall the whole batch again
+            if i in broken:
+                masks.failed[rid] = f"the grammar matcher failed: {broken[i]}"
+            elif i in slow:  # one more such step would stall the whole batch again
                 masks.failed[rid] = (f"the grammar is too complex to enforce: one token mask took "
                                      f"{slow[i] * 1e3:.0f} ms (the limit is {MASK_BUDGET_S * 1e3:.0f} ms)")
             elif empty[i]:  # sampling from nothing would pick an arbitrary token

@@ -45,4 +45,6 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        if exc.own:  # its grammar or sampling parameters: the same request fails again anywhere
+            return _error(400, f"the request failed: {exc}", "BadRequestError")
         return _error(500, f"the request failed in the engine: {exc}", "InternalServerError")

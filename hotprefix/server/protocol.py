@@ -280,6 +280,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # hotprefix: the first this many messages are the operator's (a gateway's forced system
+    # prompt): tools render after them, never inside them (tenants cannot set it through the gateway)
+    operator_messages: int = Field(0, ge=0, le=1024)
 
     def check(self) -> None:
         """Refuse, by name, fields we cannot honour. Raises InvalidRequestError."""
@@ -312,6 +315,7 @@ class TokenizeRequest(Strict):
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
+    operator_messages: int = Field(0, ge=0, le=1024)
     add_special_tokens: bool = True
     split_special_tokens: bool = False
     add_generation_prompt: bool = True

@@ -48,9 +48,11 @@ class ServerContext:
         return name or self.names[0]
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None = None, tools: list | None = None) -> ChatPrompt:
+                    template_kwargs: dict[str, Any] | None = None, tools: list | None = None,
+                    operator_messages: int = 0) -> ChatPrompt:
         return ChatPrompt([m.for_template() for m in messages], add_generation_prompt, False, self.cfg.chat_template,
-                          template_kwargs, [t.model_dump(exclude_none=True) for t in tools] if tools else None)
+                          template_kwargs, [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                          operator_messages)
 
     async def prompt_ids(self, body: TokenizeRequest | PinRequest, add_generation_prompt: bool,
                          add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
@@ -60,7 +62,8 @@ class ServerContext:
         if body.messages is not None:
             return await self.engine.tokenize(self.chat_prompt(body.messages, add_generation_prompt,
                                                                getattr(body, "chat_template_kwargs", None),
-                                                               getattr(body, "tools", None)))
+                                                               getattr(body, "tools", None),
+                                                               getattr(body, "operator_messages", 0)))
         if isinstance(body.prompt, list):
             return list(body.prompt)
         return await self.engine.tokenize(body.prompt or "", add_special_tokens, split_special_tokens)

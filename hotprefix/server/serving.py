@@ -77,9 +77,10 @@ class Tracker:
     done: bool = False  # the log line is written
 
 
-def failure(out: RequestOutput) -> str | None:
-    """Why a sample of this output failed inside the engine, if one did."""
-    return next((o.error or "internal error" for o in out.outputs if o.finish_reason == "error"), None)
+def failure(out: RequestOutput) -> RequestFailedError | None:
+    """The error of a sample of this output that failed inside the engine, if one did."""
+    o = next((o for o in out.outputs if o.finish_reason == "error"), None)
+    return None if o is None else RequestFailedError(o.error or "internal error", o.error_own)
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,8 @@ class Serving:
             final = None
             async for out in s:
                 self._observe(t, out)
-                if (why := failure(out)) is not None:
-                    raise RequestFailedError(why)
+                if (err := failure(out)) is not None:
+                    raise err
                 final = out
             if final is None or not final.finished:
                 raise RequestFailedError("the request ended without a final output")
@@ -252,8 +253,8 @@ class Serving:
                     yield event({**base, "choices": head})
                 async for i, out in self._merge(streams):
                     self._observe(t, out)
-                    if (why := failure(out)) is not None:
-                        raise RequestFailedError(why)
+                    if (err := failure(out)) is not None:
+                        raise err
                     choices = fmt.stream_choices(i, out, body.n)
                     if not choices:
                         continue
@@ -268,7 +269,8 @@ class Serving:
             except Exception as e:  # an engine failure after the response started: report it in-band
                 status = "error"
                 log.warning("stream %s failed: %s", t.request_id, e)
-                yield event(error_body(str(e), "InternalServerError", 500))
+                own = isinstance(e, RequestFailedError) and e.own  # its grammar: the same request fails anywhere
+                yield event(error_body(str(e), *(("BadRequestError", 400) if own else ("InternalServerError", 500))))
                 yield "data: [DONE]\n\n"
             finally:
                 self._finish(t, streams, status)
@@ -318,7 +320,7 @@ class Serving:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         prompt = ChatPrompt([m.for_template() for m in body.messages], body.add_generation_prompt,
                             body.continue_final_message, body.chat_template or self.options.chat_template,
-                            body.chat_template_kwargs, tools)
+                            body.chat_template_kwargs, tools, body.operator_messages)
         k = body.top_logprobs or 0
         streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid,
                                      structured=self._tool_grammar(body, tools))

@@ -4,7 +4,6 @@ on hotprefix unchanged."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import ssl
 import subprocess
@@ -17,39 +16,11 @@ import openai
 import pytest
 
 from hotprefix import LLM, SamplingParams
-from tests.server.conftest import free_port, start_server
-
-
-def launch(args: list[str], scheme: str = "http", verify: ssl.SSLContext | bool = False, path: str = "/health",
-           timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hotprefix", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"{scheme}://127.0.0.1:{port}"
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + path, verify=verify, timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("the server did not come up")
-
-
-def stop(proc: subprocess.Popen) -> str:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    return proc.stdout.read()
+from tests.server.conftest import launch_server, start_server, stop_process
 
 
 def test_a_vllm_launch_line_and_vllm_metric_names(tiny_llama):
-    proc, url = launch([str(tiny_llama[0]), "--max-model-len", "256", "--gpu-memory-utilization", "0.5",
+    proc, url = launch_server([str(tiny_llama[0]), "--max-model-len", "256", "--gpu-memory-utilization", "0.5",
                         "--enable-prompt-tokens-details", "--served-model-name", "a", "b", "--metrics-prefix",
                         "vllm", "-tp", "1", "--max-num-queued-reqs", "100", "--kv-cache-memory-bytes", "20000000",
                         "--uvicorn-log-level", "warning", "--root-path", "/api", "-v"])
@@ -73,7 +44,7 @@ def test_a_vllm_launch_line_and_vllm_metric_names(tiny_llama):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="c", prompt="x", max_tokens=1)
     finally:
-        out = stop(proc)
+        out = stop_process(proc)
     assert "serving a, b" in out
 
 
@@ -107,15 +78,15 @@ def test_https_with_a_self_signed_certificate(tiny_llama, tmp_path):
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     trust = ssl.create_default_context(cafile=str(cert))
-    proc, url = launch([str(tiny_llama[0]), "--max-model-len", "128", "--ssl-keyfile", str(key), "--ssl-certfile",
-                        str(cert), "--disable-log-stats"], scheme="https", verify=trust)
+    proc, url = launch_server([str(tiny_llama[0]), "--max-model-len", "128", "--ssl-keyfile", str(key),
+                               "--ssl-certfile", str(cert), "--disable-log-stats"], scheme="https", verify=trust)
     try:
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, verify=trust)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         with pytest.raises(httpx.TransportError):
             httpx.get(url.replace("https", "http") + "/health", timeout=5)
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def with_generation_config(folder, tmp_path, cfg: dict):
@@ -227,13 +198,13 @@ def test_idle_keep_alive_connections_outlive_the_clients_expiry(tiny_llama):
     """The server keeps an idle connection longer (--timeout-keep-alive, 65 s) than
     httpx and the openai client do (5 s), so the client always closes first: with
     uvicorn's own 5 s, a request sent as the server closed its connection failed."""
-    proc, url = launch([str(tiny_llama[0]), "--max-model-len", "256"])
+    proc, url = launch_server([str(tiny_llama[0]), "--max-model-len", "256"])
     try:
         assert _get_twice_on_one_connection(url, 6.0)[0] == 200
     finally:
-        stop(proc)
-    proc, url = launch([str(tiny_llama[0]), "--max-model-len", "256", "--timeout-keep-alive", "1"])
+        stop_process(proc)
+    proc, url = launch_server([str(tiny_llama[0]), "--max-model-len", "256", "--timeout-keep-alive", "1"])
     try:
         assert _get_twice_on_one_connection(url, 3.0) == (0, b"")  # closed by the server: the flag is honoured
     finally:
-        stop(proc)
+        stop_process(proc)

@@ -110,7 +110,7 @@ def test_structured_outputs_and_tool_turns_are_forwarded_exactly(setup):
     assert records(fake, "chat")[-1]["body"] == {
         "max_tokens": 5, "response_format": fmt, "tools": [TOOL], "parallel_tool_calls": False,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "cache_salt": K.tenant_salt(SECRET, "acme"),
+        "cache_salt": K.tenant_salt(SECRET, "acme"), "operator_messages": 1,  # tools render after ACME's turn
         "messages": [{"role": "system", "content": ACME}, {"role": "user", "content": "weather?"},
                      {"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]}
@@ -166,11 +166,13 @@ def test_hostile_json_never_gives_a_5xx(setup, endpoint, value, field):
 
 def test_public_prompt_probes_carry_the_backend_key(setup):
     store, fake, gw, keys = setup
+    before = len(records(fake, "tokenize"))
     r = post(gw, keys["beta"], "/v1/chat/completions", CHAT)
     assert r.status_code == 200
-    probes = records(fake, "tokenize")
-    assert len(probes) == 2 and all(p["authorization"] == f"Bearer {BACKEND_KEY}" for p in probes)
+    probes = records(fake, "tokenize")[before:]  # the prompt's count for admission, the two salt probes
+    assert len(probes) == 3 and all(p["authorization"] == f"Bearer {BACKEND_KEY}" for p in probes)
     sent = records(fake, "chat")[-1]["body"]
+    assert probes[0]["body"] == {"messages": sent["messages"]}  # admission counts what is sent, exactly
     assert sent["cache_salt_offset"] > 0  # shared up to the client's input
 
 

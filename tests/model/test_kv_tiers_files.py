@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hotprefix.config import CacheConfig, EngineConfig, ModelConfig
-from hotprefix.engine.kv_disk import SUFFIX, DiskStore
+from hotprefix.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from hotprefix.engine.kv_disk import KEY_FILE, SUFFIX, DiskStore
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.model.loader import load_model
 from hotprefix.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ def test_disk_tier_survives_a_restart_and_refuses_bad_files(loaded, cold, tmp_pa
     e = engine(loaded, kv_disk_dir=str(tmp_path))
     assert not by_order[5].exists()
     assert run(e, TEXT + " Q1") == (cold, 3 * 16)
-    assert "checksum" in caplog.text
+    assert "its MAC does not match" in caplog.text
     e.close()
     # the bad file was deleted; blocks 3 and 5 were computed again and written again, right
     stats = e.disk.stats
@@ -108,7 +108,7 @@ def test_disk_tier_survives_a_restart_and_refuses_bad_files(loaded, cold, tmp_pa
 
 def _files_in_prompt_order(e: LLMEngine, loaded, d: Path, prompt: str) -> list[Path]:
     ids = loaded.tokenizer(prompt)["input_ids"]
-    return [e.disk.dir / (h.hex() + SUFFIX) for h in e.kv.hasher.hashes_of(ids)]
+    return [d / e.disk.dir.name / (h.hex() + SUFFIX) for h in e.kv.hasher.hashes_of(ids)]
 
 
 def test_another_model_configuration_never_reads_the_files(loaded, cold, tmp_path):
@@ -222,3 +222,85 @@ def test_the_reused_write_policy_through_the_engine(loaded, cold, tmp_path):
     tokens, cached = run(e, TEXT + " Q1")
     e.close()
     assert tokens == cold and len(disk_files(tmp_path)) == cached // 16 > 0  # the blocks it hit
+
+
+def test_the_directory_its_key_and_its_files_are_private(loaded, tmp_path):
+    root = tmp_path / "kv"
+    e = engine(loaded, kv_disk_dir=str(root))
+    run(e, TEXT + " Q1")
+    e.close()
+    key = root / KEY_FILE
+    assert oct(root.stat().st_mode & 0o777) == "0o700" and oct(e.disk.dir.stat().st_mode & 0o777) == "0o700"
+    assert oct(key.stat().st_mode & 0o777) == "0o600" and len(key.read_bytes()) == 32
+    files = disk_files(root)
+    assert files and {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}
+    assert all(key.read_bytes() not in f.read_bytes() for f in files)  # the secret is never in a block file
+
+
+def _refused(loaded, path, **extra) -> str:
+    with pytest.raises(ConfigError) as e:
+        engine(loaded, kv_disk_dir=str(path), **extra)
+    msg = str(e.value)
+    assert "\n" not in msg and "--kv-disk-insecure" in msg
+    return msg
+
+
+def test_a_directory_others_may_write_or_own_is_refused(loaded, cold, tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert "group or others may write to it (mode 777)" in _refused(loaded, shared)
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    assert "group or others may write" in _refused(loaded, link)  # a symlink to one
+    assert not list(shared.iterdir())  # nothing was written before the refusal
+    caplog.set_level(logging.WARNING)
+    e = engine(loaded, kv_disk_dir=str(shared), kv_disk_insecure=True)  # the operator's explicit choice
+    assert run(e, TEXT + " Q1") == (cold, 0) and "used anyway (--kv-disk-insecure)" in caplog.text
+    e.close()
+    if os.geteuid() == 0:  # another user's directory (root can make one)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        assert "belongs to user 65534" in _refused(loaded, theirs)
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    (tmp_path / "own-link").symlink_to(own)  # a symlink to a private directory is fine
+    engine(loaded, kv_disk_dir=str(tmp_path / "own-link")).close()
+
+
+def test_a_key_file_others_may_read_or_a_symlinked_one_is_refused(loaded, tmp_path):
+    root = tmp_path / "kv"
+    engine(loaded, kv_disk_dir=str(root)).close()
+    key = root / KEY_FILE
+    key.chmod(0o644)
+    assert "its key file may be read or written by others" in _refused(loaded, root)
+    key.unlink()
+    (tmp_path / "elsewhere").write_bytes(b"k" * 32)
+    key.symlink_to(tmp_path / "elsewhere")
+    assert "its key file is a symlink" in _refused(loaded, root)
+
+
+def test_a_forged_block_is_a_miss_counted_as_bad(loaded, cold, tmp_path):
+    """Blocks rewritten by someone without the directory's key (NaN keys and values, or a
+    block made with another directory's key) are misses, counted, never used."""
+    root, other = tmp_path / "kv", tmp_path / "other"
+    for d in (root, other):
+        e = engine(loaded, kv_disk_dir=str(d))
+        run(e, TEXT + " Q1")
+        e.close()
+    by_order = _files_in_prompt_order(e, loaded, root, TEXT + " Q1")
+    header = 112
+    data = bytearray(by_order[0].read_bytes())
+    data[header:] = b"\xff" * (len(data) - header)  # NaN (0xffffffff) keys and values, header kept
+    by_order[0].write_bytes(bytes(data))
+    foreign = other / by_order[2].parent.name / by_order[2].name  # a valid block of another key
+    by_order[2].write_bytes(foreign.read_bytes())
+    e = engine(loaded, kv_disk_dir=str(root))
+    assert run(e, TEXT + " Q1") == (cold, 0)  # block 0 is a miss: nothing after it is reused
+    assert e.disk.stats.bad_files == 2  # both were read ahead, refused and deleted (then computed, rewritten)
+    e.close()
+    e = engine(loaded, kv_disk_dir=str(root))  # both rewritten with this directory's key
+    n_full = (len(loaded.tokenizer(TEXT + " Q1")["input_ids"]) - 1) // 16
+    assert run(e, TEXT + " Q1") == (cold, n_full * 16) and e.disk.stats.bad_files == 0
+    e.close()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -115,3 +118,34 @@ def live(tiny_llama) -> Iterator[LiveServer]:
     s = start_server(tiny_llama[0], max_model_len=128)
     yield s
     s.stop()
+
+
+def launch_server(args: list[str], scheme: str = "http", verify=False, path: str = "/health",
+                  timeout: float = 120, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m hotprefix serve ARGS --port P` as its own process, once `path` answers 200:
+    (the process, its base URL). Its output is kept (stop_process returns it)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hotprefix", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    url = f"{scheme}://127.0.0.1:{port}"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + path, verify=verify, timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not come up")
+
+
+def stop_process(proc: subprocess.Popen) -> str:
+    """SIGTERM (SIGKILL after 30 s); the process's output."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    return proc.stdout.read()

@@ -156,7 +156,7 @@ def test_regex_choice_and_grammars_hold_at_temperature_1(client, field, value, c
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "grammar", "missing_rule"),
     ({"structured_outputs": {"choice": []}}, "choice", "non-empty list"),
     ({"guided_choice": [f"c{i}" for i in range(MAX_CHOICES + 1)]}, "choice", f"at most {MAX_CHOICES}"),
-    ({"structured_outputs": {"regex": "a{1000000}"}}, "regex", "too complex"),
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "regex", "--max-grammar-repeat"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one output constraint"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "structured output"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 5}, "min_tokens", "structured output"),
@@ -284,7 +284,7 @@ def test_a_tool_answer_turn_is_accepted_without_tools(client):
 
 def test_a_grammar_too_slow_mid_answer_fails_alone(srv, client, monkeypatch):
     """A mask over the budget on the engine thread fails that request (its error says
-    why), and the request after it is served."""
+    why; a 400: its own grammar's fault), and the request after it is served."""
     from hotprefix.model import structured
 
     monkeypatch.setattr(structured, "MASK_BUDGET_S", -1.0)  # every later mask is "too slow"
@@ -292,6 +292,39 @@ def test_a_grammar_too_slow_mid_answer_fails_alone(srv, client, monkeypatch):
         "model": "tiny", "messages": ASK, "max_tokens": 20, "response_format": {"type": "json_object"}})
     ok = chat(client, max_tokens=5)
     monkeypatch.undo()
-    assert r.status_code == 500 and "too complex to enforce" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "too complex to enforce" in r.json()["error"]["message"], r.text
     assert ok.choices[0].message.content
+    srv.check_drained()
+
+
+def test_a_matcher_failing_mid_request_is_the_requests_own_400(srv, monkeypatch):
+    """A grammar whose matcher fails at its third token (as a huge enum's did, inside
+    llguidance) fails that request alone: a 400 (its own fault, not a retryable 500),
+    in-band for a stream after its first tokens; nothing is left held."""
+    from hotprefix.model.structured import GrammarMatchers
+
+    real, seen = GrammarMatchers.compute, {}
+
+    def failing(self, requests):
+        masks = real(self, requests)
+        for rid, _ in requests:
+            seen[rid] = seen.get(rid, 0) + 1
+            if seen[rid] >= 3:
+                masks.forbidden.pop(rid, None)
+                masks.failed[rid] = "the grammar matcher failed: (injected) parser too complex"
+        return masks
+
+    monkeypatch.setattr(GrammarMatchers, "compute", failing)
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_object"}}
+    r = httpx.post(srv.v1 + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "BadRequestError" and "(injected) parser too complex" in r.text
+    with httpx.stream("POST", srv.v1 + "/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert text and "error" in events[-1] and "error" not in events[-2]  # tokens first, then the error
+    assert events[-1]["error"]["code"] == 400 and events[-1]["error"]["type"] == "BadRequestError"
+    monkeypatch.undo()
     srv.check_drained()

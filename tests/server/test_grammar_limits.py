@@ -1,0 +1,143 @@
+"""Output constraints no request can make expensive: size limits checked before compiling
+(each a 400 naming its flag), a compiler process killed when it runs over its CPU budget,
+and a tenant's share of the preprocessing workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from hotprefix.errors import InvalidRequestError
+from hotprefix.grammar import GrammarCompiler
+from hotprefix.grammar_limits import GrammarLimits, repeat_product
+from hotprefix.grammar_sandbox import CompileSandbox, SandboxConfig
+from hotprefix.sampling_params import StructuredKind, StructuredOutput
+from tests.conftest import build_tokenizer
+
+
+def schema_of(n_props: int = 0, enum: int = 0, depth: int = 0, pattern: str | None = None) -> str:
+    node: dict = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n_props)}}
+    if enum:
+        node["properties"]["e"] = {"enum": [f"v{i}" for i in range(enum)]}
+    if pattern:
+        node["properties"]["r"] = {"type": "string", "pattern": pattern}
+    for _ in range(depth):
+        node = {"type": "object", "properties": {"x": node}}
+    return json.dumps(node)
+
+
+ATTACKS = {  # the bodies that held the server, at the default limits: refused at once
+    "15,000 properties (600 KB)": ("json_schema", schema_of(15_000), "--max-grammar-bytes"),
+    "60,000 enum values": ("json_schema", schema_of(enum=60_000), "--max-grammar-bytes"),
+    "(a{1000}){1000}": ("regex", "(a{1000}){1000}", "--max-grammar-repeat"),
+}
+
+
+@pytest.mark.parametrize("name", ATTACKS)
+def test_the_attack_bodies_are_refused_by_the_default_limits(name):
+    kind, spec, flag = ATTACKS[name]
+    with pytest.raises(InvalidRequestError) as e:
+        GrammarLimits().check(kind, spec)
+    assert flag in str(e.value) and e.value.param == kind
+
+
+@pytest.mark.parametrize("spec,flag", [
+    (schema_of(5_001), "--max-grammar-properties"),
+    (schema_of(enum=1_001), "--max-grammar-enum-values"),
+    (schema_of(depth=40), "--max-grammar-depth"),
+    (schema_of(pattern="(x{101}){100}"), "--max-grammar-repeat"),
+])
+def test_each_limit_is_named(spec, flag):
+    roomy = GrammarLimits(max_spec_bytes=1 << 30)
+    with pytest.raises(InvalidRequestError, match=flag):
+        roomy.check("json_schema", spec)
+
+
+def test_what_users_send_passes():
+    lim = GrammarLimits()
+    lim.check("json_schema", schema_of(200, enum=100, depth=5, pattern="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+    lim.check("regex", r"(\d{3}-){2}\d{4}")
+    lim.check("json_schema", "not json")  # (the compiler says what is wrong with it)
+
+
+@pytest.mark.parametrize("regex,product", [
+    (r"\d{4}-\d{2}", 4), ("[a-z]{1,64}", 64), (r"(\d{3}){3}", 9), ("(a{1000}){1000}", 1_000_000),
+    ("((a{10}){10}){10}", 1000), ("abc", 1), ("(a|b){5,}", 5), ("x{2}(y{3})", 3), (r"\{5\}", 1),
+    ("[{]{9}", 9), ("((a{7})", 7),
+])
+def test_repeat_product(regex, product):
+    assert repeat_product(regex) == product
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def sandbox_for(tok, budget: float) -> CompileSandbox:
+    return CompileSandbox(SandboxConfig(tok.backend_tokenizer.to_str(), 320, (tok.eos_token_id,), budget, workers=1))
+
+
+def test_a_compile_over_its_cpu_budget_is_killed_and_the_next_one_works(tokenizer):
+    """The 15,000-property schema with the limits lifted: its compile runs in the worker
+    process until the CPU budget (0.5 s here) is spent, the worker is killed, the call is a
+    400 naming the flag; a new worker compiles the next spec."""
+    sandbox = sandbox_for(tokenizer, 0.5)
+    compiler = GrammarCompiler(tokenizer, 320, GrammarLimits(max_spec_bytes=1 << 30, max_properties=10**6), sandbox)
+    try:
+        with pytest.raises(InvalidRequestError, match="--max-grammar-compile-seconds") as e:
+            compiler.compile(StructuredOutput(StructuredKind.JSON_SCHEMA, schema_of(15_000)))
+        assert "took more than 0.5s of CPU time" in str(e.value) and sandbox.killed == 1
+        so = compiler.compile(StructuredOutput(StructuredKind.JSON_SCHEMA, schema_of(3)))
+        assert so.grammar and compiler.new_matcher(so) is not None
+        with pytest.raises(InvalidRequestError, match="invalid regex"):  # the spec's own error, from the worker
+            compiler.compile(StructuredOutput(StructuredKind.REGEX, "(unclosed"))
+        assert sandbox.killed == 1
+        sandbox.close()  # (the engine's close) stops the workers; a later compile starts one again
+        assert compiler.compile(StructuredOutput(StructuredKind.JSON_SCHEMA, schema_of(4))).grammar
+    finally:
+        sandbox.close()
+
+
+def test_a_tenant_holds_at_most_half_of_the_preprocessing_workers(tiny_llama):
+    """Two slow requests of one cache salt and one of another: the other's is prepared
+    while the first tenant's second waits for its share."""
+    from hotprefix.config import AdmissionConfig, CacheConfig, EngineConfig, ModelConfig
+    from hotprefix.engine.async_engine import AsyncEngine
+    from hotprefix.engine.llm_engine import LLMEngine
+    from hotprefix.engine.requests import RequestOptions
+    from hotprefix.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(ModelConfig(model=str(tiny_llama[0])), CacheConfig(num_blocks_override=32)))
+    ae = AsyncEngine(engine, AdmissionConfig(preprocess_workers=2, preprocess_timeout=30))
+    release, started = threading.Event(), []
+    real = engine.prepare_request
+
+    def slow(rid, prompt, *a, **k):
+        started.append(prompt)
+        if prompt == "slow":
+            release.wait(20)
+        return real(rid, prompt, *a, **k)
+
+    engine.prepare_request = slow
+
+    async def go():
+        ae.start()
+        p = SamplingParams(max_tokens=1)
+        a1 = asyncio.ensure_future(ae.submit("a1", ["slow"], p, RequestOptions(cache_salt="acme")))
+        a2 = asyncio.ensure_future(ae.submit("a2", ["slow"], p, RequestOptions(cache_salt="acme")))
+        await asyncio.sleep(0.3)
+        assert started == ["slow"]  # acme's second waits for acme's share
+        streams = await asyncio.wait_for(ae.submit("b", ["hi"], p, RequestOptions(cache_salt="beta")), 10)
+        assert started == ["slow", "hi"]  # beta was prepared on the other worker meanwhile
+        release.set()
+        for s in streams + await a1 + await a2:
+            async for _ in s:
+                pass
+        assert ae._owner_busy == {}
+        await ae.shutdown()
+
+    asyncio.run(go())
