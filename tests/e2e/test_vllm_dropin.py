@@ -81,7 +81,8 @@ def test_https_with_a_self_signed_certificate(tiny_llama, tmp_path):
     proc, url = launch_server([str(tiny_llama[0]), "--max-model-len", "128", "--ssl-keyfile", str(key),
                                "--ssl-certfile", str(cert), "--disable-log-stats"], scheme="https", verify=trust)
     try:
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, verify=trust)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2, "ignore_eos": True},
+                       verify=trust)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         with pytest.raises(httpx.TransportError):
             httpx.get(url.replace("https", "http") + "/health", timeout=5)
