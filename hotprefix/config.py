@@ -107,6 +107,7 @@ class ModelConfig:
     "auto", the model folder's generation_config.json (temperature, top_p, top_k,
     min_p, repetition_penalty, max_new_tokens); "vllm", none (the API's defaults);
     or a folder holding a generation_config.json.
+    download_dir: where a hub model is downloaded (default: huggingface_hub's cache).
     """
 
     model: str | None = None
@@ -115,6 +116,7 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None
     revision: str | None = None
+    download_dir: str | None = None
     seed: int = 0
     quantized_matmul: QuantizedMatmul = QuantizedMatmul.AUTO
     generation_config: str = "auto"
@@ -349,6 +351,9 @@ class ServerConfig:
     log_stats: log throughput, queue, KV usage and prefix hit rate every stats_interval s.
     metrics_prefix: the Prometheus names' prefix ("hotprefix"; "vllm" for vLLM dashboards).
     tool_call_parser: how tool calls are read from the model's output (server/tool_parsers.py).
+    max_logprobs: the most logprobs a request may ask for (at most 20, the sampler's limit).
+    return_tokens_as_token_ids: logprob tokens as "token_id:N" (vLLM's flag).
+    docs: serve /docs, /redoc and /openapi.json (off: --disable-fastapi-docs).
     """
 
     host: str = "127.0.0.1"
@@ -377,8 +382,14 @@ class ServerConfig:
     stats_interval: float = 10.0
     metrics_prefix: str = "hotprefix"
     tool_call_parser: str = "hermes"
+    max_logprobs: int = 20
+    return_tokens_as_token_ids: bool = False
+    docs: bool = True
 
     def __post_init__(self) -> None:
+        if not 0 <= self.max_logprobs <= 20:
+            raise ConfigError(f"--max-logprobs must be in 0..20 (the sampler returns at most 20), "
+                              f"got {self.max_logprobs}")
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ConfigError(f"--metrics-prefix must be a Prometheus name (letters, digits, _), "
                               f"got {self.metrics_prefix!r}")

@@ -73,6 +73,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs (and this many alternatives); no cache hits
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
@@ -96,7 +97,8 @@ class SamplingParams:
                      "frequency_penalty"):
             _check(math.isfinite(getattr(self, name)), name, getattr(self, name), "must be a finite number")
         _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens", self.max_tokens,
+               "must be >= 0 (0: the prompt only, for its logprobs)")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
@@ -111,6 +113,8 @@ class SamplingParams:
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
                "must be in [-2, 2]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               self.prompt_logprobs, "must be in [0, 20]")
         _check(self.seed is None or (isinstance(self.seed, int) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                self.seed, f"must be an integer in [{INT64_MIN}, {INT64_MAX}]")
         self._validate_lists()

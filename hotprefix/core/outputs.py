@@ -67,6 +67,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # requests with prompt_logprobs: (the prompt position of the first entry, the entries)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,6 +84,7 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
     error_own: bool = False  # the failure is the request's own (its sampling parameters or its grammar)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with its first token, when asked for
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from hotprefix.core.hashing import BlockHash
-from hotprefix.sampling_params import SamplingParams
+from hotprefix.sampling_params import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +61,26 @@ class Request:
     num_preemptions: int = 0
     pinned: bool = False
     host_block_ids: list[int] = field(default_factory=list)  # KV swapped out to host memory
+    # with sampling_params.prompt_logprobs: entry i is prompt token i's (None for the first, and until computed)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when the prompt's own
+        logprobs are asked for (every prompt position must run through the model)."""
+        return self.prompt_logprobs is None
+
+    def record_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Prompt tokens first.. 's logprobs, computed by a step (again, after a
+        preemption: the first computation is kept)."""
+        assert self.prompt_logprobs is not None
+        for i, e in enumerate(entries, first):
+            if self.prompt_logprobs[i] is None:
+                self.prompt_logprobs[i] = e
 
     @property
     def num_prompt_tokens(self) -> int:

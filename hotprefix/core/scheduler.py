@@ -212,8 +212,8 @@ class Scheduler:
         """Start a waiting request from its longest cached prefix (pool, then tiers):
         the tokens scheduled, 0 while its tier blocks are loading, None if it does
         not fit (nothing changed)."""
-        hits = self.kv.get_computed_blocks(req)  # a waiting request holds no blocks
-        run, loading = self.kv.tier_run(req, len(hits))
+        hits = self.kv.get_computed_blocks(req) if req.reads_cache else []  # a waiting request holds no blocks
+        run, loading = self.kv.tier_run(req, len(hits)) if req.reads_cache else ([], False)
         if loading:
             return 0
         hit_tokens = (len(hits) + len(run)) * self.kv.block_size
@@ -285,16 +285,25 @@ class Scheduler:
         outputs = self._finish_with_error(list(result.failed), result.failed)
         for sr in sched.requests:
             req = self.requests.get(sr.request_id)
+            if req is not None and sr.request_id in result.prompt_logprobs:
+                req.record_prompt_logprobs(*result.prompt_logprobs[sr.request_id])
             if req is None or not sr.sample:
                 continue
             if req.pin_prefix and not req.pinned:
                 self._pin_prompt(req)
+            if req.sampling_params.max_tokens == 0:  # the prompt only (its logprobs): done once it ran
+                outputs.append(EngineCoreOutput(req.request_id, [], RequestStatus.FINISHED_LENGTH,
+                                                prompt_logprobs=req.prompt_logprobs))
+                self.finish_requests([req.request_id], RequestStatus.FINISHED_LENGTH)
+                continue
             token = result.sampled_token_ids[sr.request_id]
             req.output_token_ids.append(token)
             status = req.check_token_stop()
             lp = result.logprobs.get(sr.request_id)
+            first = len(req.output_token_ids) == 1 and req.prompt_logprobs is not None
             outputs.append(EngineCoreOutput(req.request_id, [token], status, req.stop_reason,
-                                            [lp] if lp is not None else []))
+                                            [lp] if lp is not None else [],
+                                            prompt_logprobs=list(req.prompt_logprobs) if first else None))
             if status is not None:
                 self.finish_requests([req.request_id], status)
         return outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hotprefix.config import DiskWritePolicy, EngineConfig
@@ -22,6 +22,7 @@ from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.counters import TierGauges
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
+from hotprefix.engine.outputs import CompletionOutput, RequestOutput  # (their home; imported from here too)
 from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.grammar import compiler_for
@@ -60,45 +61,6 @@ def check_request_options(priority: int, cache_salt: str | None, cache_salt_offs
 
 
 @dataclass
-class CompletionOutput:
-    """One of the n samples of a request."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    error: str | None = None  # why, when finish_reason is "error" (this sample alone failed)
-    error_own: bool = False  # and the failure was its own (its sampling parameters, its grammar)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """The state of a request after a step. `deltas[i]` and `new_token_ids[i]`
-    are what this step added to sample i (for streaming). `outputs` are copies
-    (their token lists are still the engine's own until the request finishes:
-    read, never modify, them)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    deltas: list[str]
-    finished: bool
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclass
 class _Child:
     request: Request
     detok: IncrementalDetokenizer
@@ -118,6 +80,7 @@ class PreparedRequest:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -132,7 +95,7 @@ class LLMEngine:
         config = config or EngineConfig()
         mc = config.model
         t0 = time.monotonic()
-        loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer)
+        loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer, mc.download_dir)
         self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
         self.config = replace(config, scheduler=config.scheduler.resolved(self.max_model_len))
         self.model_name = loaded.name
@@ -337,7 +300,7 @@ class LLMEngine:
             if t >= vocab:
                 raise InvalidRequestError(f"logit_bias token id {t} is out of range for vocabulary size {vocab}",
                                           "logit_bias")
-        longest = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
+        longest = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
         if blocks_for_tokens(min(longest, self.max_model_len), self.kv.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"the request may need {min(longest, self.max_model_len)} tokens of KV cache, but the pool holds "
@@ -464,6 +427,8 @@ class LLMEngine:
         out = child.out
         if co.new_token_ids:
             st.first_token_time = st.first_token_time or now
+        if co.prompt_logprobs is not None and st.prompt_logprobs is None:
+            st.prompt_logprobs = co.prompt_logprobs
         for tok in co.new_token_ids:
             out.token_ids.append(tok)
             added.append(tok)
@@ -496,5 +461,6 @@ class LLMEngine:
                              new_token_ids=[new_ids.get(c.request.request_id, []) for c in st.children],
                              num_cached_tokens=st.children[0].request.num_cached_tokens or 0,
                              arrival_time=st.arrival_time, first_scheduled_time=st.first_scheduled_time,
-                             first_token_time=st.first_token_time, finished_time=now if finished else None)
+                             first_token_time=st.first_token_time, finished_time=now if finished else None,
+                             prompt_logprobs=st.prompt_logprobs)
 

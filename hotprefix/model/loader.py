@@ -77,7 +77,7 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> Path:
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
     """A local path for the model: the default GGUF, a local folder or file, or a
     hub snapshot (downloaded with huggingface_hub). Raises ModelLoadError."""
     if model is None:
@@ -88,7 +88,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
     looks_like_path = model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1
     if looks_like_path:
         raise ModelLoadError(f"model path does not exist: {model}")
-    return download_from_hub(model, revision)
+    return download_from_hub(model, revision, download_dir)
 
 
 def download_from_hub(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
@@ -105,9 +105,11 @@ def download_from_hub(repo_id: str, revision: str | None = None, cache_dir: str 
     return Path(folder)
 
 
-def load_model(model: str | None, revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """Load shape, weights and tokenizer. Raises ModelLoadError."""
-    path = resolve_model(model, revision)
+def load_model(model: str | None, revision: str | None = None, tokenizer: str | None = None,
+               download_dir: str | None = None) -> LoadedModel:
+    """Load shape, weights and tokenizer (a hub model downloaded into download_dir, or
+    huggingface_hub's cache). Raises ModelLoadError."""
+    path = resolve_model(model, revision, download_dir)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")

@@ -21,12 +21,13 @@ from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.llama import LlamaForCausalLM
 from hotprefix.model.loader import LoadedModel
 from hotprefix.model.qlinear import PackedWeight, cpu_vector_flags, library, packable, resolve_matmul
-from hotprefix.model.sampler import Sampler, SampleRow
+from hotprefix.model.sampler import Sampler, SampleRow, top_logprobs
 from hotprefix.model.structured import GrammarMatchers, StepMasks
 from hotprefix.model.weight_cache import regrouped_weights
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
 
 log = logging.getLogger(__name__)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([256, V] float32: 50 MB at 49k)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 CASCADE_MIN_BLOCKS = 2  # shared full blocks before a group of decodes attends to them once
@@ -313,7 +314,7 @@ class ModelRunner:
         end = 0
         for r in sched.requests:
             end += len(r.token_ids)
-            if not r.sample:
+            if not r.sample or r.sampling_params.max_tokens == 0:  # (0: the prompt only)
                 continue
             p = r.sampling_params
             stop_ids = () if p.ignore_eos else self.eos_token_ids
@@ -361,6 +362,7 @@ class ModelRunner:
         if not sched.requests:
             return out
         hidden = self.forward(sched)
+        self._prompt_logprobs(sched, hidden, out)
         ends, rids, rows = self._sample_rows(sched, out, self._masks(sched))
         if not rows:
             return out
@@ -379,6 +381,25 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """The prompt tokens' logprobs of the requests that ask for them: position p's
+        logits score prompt token p + 1 (raw logprobs, as vLLM reports them), in slices
+        of PROMPT_LOGPROB_ROWS rows. hidden: [T, E]."""
+        end = 0
+        for r in sched.requests:
+            start, end = end, end + len(r.token_ids)
+            k = r.sampling_params.prompt_logprobs
+            rows = min(len(r.token_ids), len(r.prompt_token_ids) - 1 - r.start_pos)  # rows with a prompt target
+            if k is None or rows <= 0:
+                continue
+            entries = []
+            for a in range(0, rows, PROMPT_LOGPROB_ROWS):
+                b = min(rows, a + PROMPT_LOGPROB_ROWS)
+                lps = torch.log_softmax(self.model.compute_logits(hidden[start + a:start + b]).float(), -1)  # [b-a, V]
+                targets = r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b]
+                entries += [top_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
+            out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
 
     def _sample_alone(self, last: torch.Tensor, rids: list[str], rows: list[SampleRow], out: ModelRunnerOutput
                       ) -> tuple[list[int | None], list]:

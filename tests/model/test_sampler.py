@@ -120,10 +120,10 @@ def test_logprobs_are_raw_log_softmax_with_rank():
 
 def test_invalid_params_name_the_field():
     for kwargs, name in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
-                         ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"min_p": 1.5}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": -1}, "max_tokens"),
                          ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"presence_penalty": 3}, "presence"),
                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 21}, "logprobs"),
-                         ({"stop": [""]}, "stop")]:
+                         ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"stop": [""]}, "stop")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
 
