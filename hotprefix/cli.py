@@ -9,6 +9,7 @@ import os
 import sys
 
 from hotprefix.config import KEEP_ALIVE_S, KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZED_MATMUL, ConfigError, parse_size
+from hotprefix.vllm_flags import DTYPE_ALIASES, add_foreign_args, check_foreign, expand_config, human_int
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,16 +19,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model folder, .gguf file or hub id (default: the bundled SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     g.add_argument("--revision", default=None, help="hub revision to download")
-    g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
-                   help="compute dtype; auto = float32 on CPU, half precision on CUDA")
+    g.add_argument("--download-dir", default=None, help="where a hub model is downloaded (default: the HF cache)")
+    g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES + tuple(DTYPE_ALIASES),
+                   help="compute dtype; auto = float32 on CPU, half precision on CUDA (half = float16, "
+                        "float = float32)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--quantized-matmul", default="auto", choices=QUANTIZED_MATMUL,
                    help="GGUF block weights on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): "
                         "int8 = int8 activations (llama.cpp's method, fastest), float32 = exact float32 "
                         "activations (also widens Q2_K/Q3_K to float32); auto = int8 where the CPU has AVX2 "
                         "or AVX-512 VNNI")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--max-model-len", type=human_int, default=None,
+                   help="longest prompt + output in tokens, e.g. 4096, 4k (4,000) or 4K (4,096) (default: the "
+                        "model's context length)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV storage dtype; fp8 halves the memory of fp16")
@@ -105,8 +109,8 @@ def engine_config_from_args(a: argparse.Namespace):
     if getattr(a, "model_tag", None) and a.model and a.model != a.model_tag:
         raise ConfigError(f"two models given: {a.model_tag} and --model {a.model}")
     return EngineConfig(
-        ModelConfig(model=model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device,
-                    max_model_len=a.max_model_len, revision=a.revision, seed=a.seed,
+        ModelConfig(model=model, tokenizer=a.tokenizer, dtype=DTYPE_ALIASES.get(a.dtype, a.dtype), device=a.device,
+                    max_model_len=a.max_model_len, revision=a.revision, download_dir=a.download_dir, seed=a.seed,
                     quantized_matmul=a.quantized_matmul, generation_config=a.generation_config),
         CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                     kv_cache_memory=None if a.kv_cache_memory is None else parse_size(a.kv_cache_memory),
@@ -148,6 +152,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from hotprefix.config import AdmissionConfig, ServerConfig
 
+    for line in check_foreign(a):  # (raises ConfigError for a value that would change results)
+        logging.getLogger("hotprefix.server").info(line)
     t0 = time.monotonic()
     logging.getLogger("hotprefix.server").info("starting: importing torch, transformers and the server")
     from hotprefix.server.launcher import serve
@@ -171,7 +177,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        root_path=a.root_path, ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile,
                        ssl_ca_certs=a.ssl_ca_certs, timeout_keep_alive=a.timeout_keep_alive,
                        log_stats=not a.disable_log_stats,
-                       metrics_prefix=a.metrics_prefix, tool_call_parser=a.tool_call_parser))
+                       metrics_prefix=a.metrics_prefix, tool_call_parser=a.tool_call_parser,
+                       max_logprobs=a.max_logprobs, return_tokens_as_token_ids=a.return_tokens_as_token_ids,
+                       docs=not a.disable_fastapi_docs))
     return 0
 
 
@@ -233,6 +241,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_server_args(sv.add_argument_group("server"))
     _add_limit_args(sv.add_argument_group("limits (what one request may ask for)"))
     _add_http_args(sv.add_argument_group("HTTP (vLLM's flags)"))
+    sv.add_argument("--config", default=None, metavar="FILE",
+                    help="a YAML file of flags (long names without dashes as keys); the command line wins")
+    add_foreign_args(sv.add_argument_group("vLLM's flags with no effect here (each named at start-up with why; "
+                                           "a value that would change results is refused)"))
     sv.set_defaults(func=cmd_serve)
 
 
@@ -256,8 +268,12 @@ def _add_server_args(h: argparse._ArgumentGroup) -> None:
                    help="Prometheus names' prefix: hotprefix, or vllm for vLLM's dashboards and autoscalers")
     h.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM launch lines: usage.prompt_tokens_details.cached_tokens is always on")
-    h.add_argument("--tool-call-parser", default="hermes", choices=("hermes",),
-                   help="how tool calls are read from the model's output")
+    h.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are read from the model's output (and written under tool_choice required)")
+    h.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs a request may ask for")
+    h.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprob tokens written as "token_id:N" (for tokens that are not whole characters)')
+    h.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     h.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM launch lines: tool_choice auto is always on")
 
@@ -289,6 +305,15 @@ def _add_http_args(h: argparse._ArgumentGroup) -> None:
     h.add_argument("--allow-credentials", action="store_true", help="CORS credentials (with --allowed-origins)")
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # server/tool_parsers.PARSERS (a test checks)
+
+
+def serve_flags(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The option strings of `hotprefix serve` (what a --config file may name)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return frozenset(sub.choices["serve"]._option_string_actions)  # noqa: SLF001
+
+
 def build_parser() -> argparse.ArgumentParser:
     import hotprefix
     from hotprefix.gateway import cli as gateway_cli
@@ -307,7 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        argv = expand_config(list(sys.argv[1:] if argv is None else argv), serve_flags(parser))
+    except ConfigError as e:
+        print(f"hotprefix: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from hotprefix.core.stats import SchedulerStats
@@ -35,6 +36,9 @@ class TierGauges:
     disk_file_bytes: int = 0
 
 
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
 @dataclass
 class EngineCounters:
     """Totals since start, accumulated on the engine thread after every step (the
@@ -49,8 +53,14 @@ class EngineCounters:
     cached_tokens_by_source: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     offloaded_blocks: int = 0  # pool -> host tier
     loaded_blocks: int = 0  # host tier -> pool
+    # tokens per step, as a histogram over ITERATION_BUCKETS (counts per bucket, not cumulative; the last is +Inf)
+    iteration_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_BUCKETS) + 1))
+    iteration_tokens: int = 0
 
     def add(self, st: SchedulerStats) -> None:
+        if (n := st.num_prefill_tokens + st.num_decode_tokens) > 0:
+            self.iteration_counts[bisect_left(ITERATION_BUCKETS, n)] += 1
+            self.iteration_tokens += n
         self.prefix_cache_queries += st.prefix_cache.queries
         self.prefix_cache_hits += st.prefix_cache.hits
         self.evicted_blocks += st.prefix_cache.evicted_blocks

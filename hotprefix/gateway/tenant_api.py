@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hotprefix.server.protocol import NamedToolChoice, ResponseFormat, ToolCall, ToolDef
+from hotprefix.server.protocol import NamedToolChoice, ResponseFormat, SamplingFields, ToolCall, ToolDef
 
 # Fields a backend honours but only the operator may set: they change the prompt's
 # construction (templates, special tokens, the forced prompt), the cache (salts,
@@ -93,6 +93,7 @@ class _Sampling(_Strict):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    reasoning_effort: str | None = Field(None, max_length=32)
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -140,7 +141,7 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
 
 
 NOT_FORWARDED = {"messages", "prompt", "max_completion_tokens", "max_tokens",  # rebuilt
-                 "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}  # dropped
+                 *SamplingFields.IGNORED}  # dropped: they cannot change a result
 
 
 def join_prompt(system: str, user: str) -> str:

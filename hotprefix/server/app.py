@@ -37,7 +37,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     request_log = RequestLog(cfg.request_log)
     serving = Serving(engine, metrics, request_log,
                       ServingOptions(cfg.chat_template, engine.scheduling_policy, cfg.max_n,
-                                     cfg.trust_request_chat_template, engine.default_sampling, cfg.tool_call_parser))
+                                     cfg.trust_request_chat_template, engine.default_sampling, cfg.tool_call_parser,
+                                     cfg.max_logprobs, cfg.return_tokens_as_token_ids))
     ctx = ServerContext(engine, serving, metrics, cfg, names)
     stats = StatsLogger(engine, cfg.stats_interval)
 
@@ -54,7 +55,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         await engine.shutdown()
         request_log.close()
 
-    app = FastAPI(title="hotprefix", version=hotprefix.__version__, lifespan=lifespan)
+    docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="hotprefix", version=hotprefix.__version__, lifespan=lifespan, **docs)
     app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, cfg
     app.state.model_name = names[0]
     install_error_handlers(app, metrics)

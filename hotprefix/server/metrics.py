@@ -11,20 +11,22 @@ registry per app: no module-level state.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hotprefix import metric_names as N
 from hotprefix.engine.async_engine import AsyncEngine
-from hotprefix.engine.counters import EngineCounters, TierGauges
+from hotprefix.engine.counters import ITERATION_BUCKETS, EngineCounters, TierGauges
 from hotprefix.engine.llm_engine import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0)
 
@@ -53,6 +55,10 @@ class _EngineCollector(Collector):
         yield self._gauge(N.WAITING, "Requests waiting to be scheduled.", live.waiting)
         yield self._gauge(N.SWAPPED, "Requests swapped out to host memory.", live.swapped)
         yield self._gauge(N.KV_USAGE, "KV-cache usage: 1 means 100 percent.", live.kv_usage)
+        yield self._gauge(N.KV_USAGE_LEGACY, "KV-cache usage (vLLM's older name).", live.kv_usage)
+        yield self._gauge(N.PREFIX_HIT_RATE_LEGACY, "Prefix-cache hit rate since start, in tokens (vLLM's older "
+                          "gauge).", c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries else 0.0)
+        yield self._iterations(c)
         yield self._counter(N.PREEMPTIONS, "Cumulative preemptions.", live.preemptions)
         yield self._counter(N.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.",
                             c.prefix_cache_queries)
@@ -64,6 +70,14 @@ class _EngineCollector(Collector):
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
         yield info
 
+
+    def _iterations(self, c: EngineCounters) -> Metric:
+        h = HistogramMetricFamily(self.p + N.ITERATION_TOKENS, "Tokens run through the model per engine step.",
+                                  labels=["model_name"])
+        counts = list(c.iteration_counts)  # (a copy: the engine thread adds to it)
+        bounds = [str(float(b)) for b in ITERATION_BUCKETS] + ["+Inf"]
+        h.add_metric([self.model_name], list(zip(bounds, accumulate(counts))), c.iteration_tokens)
+        return h
 
     def _labelled(self, family: type, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
         m = family(self.p + name, doc, labels=["model_name", label])
@@ -113,16 +127,24 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(P + N.ITL, "Time between output tokens.", lbl,
                              buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram(P + N.TPOT_LEGACY, "Time between output tokens (vLLM's older name).", lbl,
+                              buckets=ITL_BUCKETS, registry=r)
+        self.phases = {name: Histogram(P + name, doc, lbl, buckets=LATENCY_BUCKETS, registry=r) for name, doc in (
+            (N.PREFILL_TIME, "Time from first scheduled to first token."),
+            (N.DECODE_TIME, "Time from first token to finished."),
+            (N.INFERENCE_TIME, "Time from first scheduled to finished."))}
+        self.params_n = Histogram(P + N.PARAMS_N, "The n of each request.", lbl, buckets=(1, 2, 5, 10, 20),
+                                  registry=r)
+        self.params_max_tokens = Histogram(P + N.PARAMS_MAX_TOKENS, "The max_tokens of each request.", lbl,
+                                           buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram(P + N.E2E, "End-to-end request latency.", lbl,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(P + N.QUEUE_TIME, "Time spent waiting before first scheduled.",
                                     lbl, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_len = Histogram(P + N.REQUEST_PROMPT_TOKENS, "Prompt tokens per request.", lbl,
-                                    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
-                                    registry=r)
+                                    buckets=TOKEN_BUCKETS, registry=r)
         self.gen_len = Histogram(P + N.REQUEST_GENERATION_TOKENS, "Generated tokens per request.", lbl,
-                                 buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
-                                 registry=r)
+                                 buckets=TOKEN_BUCKETS, registry=r)
         self.rejections = Counter(P + N.REQUEST_REJECTIONS, "Requests refused before reaching the engine, by "
                                   "reason: invalid, body_too_large, unauthorized, queue_full, engine_not_running.",
                                   ["model_name", "reason"], registry=r)
@@ -133,6 +155,12 @@ class ServerMetrics:
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)
+        self.tpot.labels(self.model_name).observe(seconds)
+
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """A request's n and (effective) max_tokens, when it is submitted."""
+        self.params_n.labels(self.model_name).observe(n)
+        self.params_max_tokens.labels(self.model_name).observe(max_tokens)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record a finished (or aborted, with finish_reason 'abort') request."""
@@ -151,6 +179,14 @@ class ServerMetrics:
             self.queue_time.labels(m).observe(out.first_scheduled_time - out.arrival_time)
         if out.finished_time is not None:
             self.e2e.labels(m).observe(out.finished_time - out.arrival_time)
+        self._observe_phases(out)
+
+    def _observe_phases(self, out: RequestOutput) -> None:
+        """Prefill, decode and inference time of a finished request (those it reached)."""
+        sched, first, end = out.first_scheduled_time, out.first_token_time, out.finished_time
+        for name, a, b in ((N.PREFILL_TIME, sched, first), (N.DECODE_TIME, first, end), (N.INFERENCE_TIME, sched, end)):
+            if a is not None and b is not None:
+                self.phases[name].labels(self.model_name).observe(b - a)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ endpoints; they differ in how a piece of text and a logprob block are written.""
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 from hotprefix.engine.llm_engine import CompletionOutput, RequestOutput
@@ -71,6 +72,22 @@ class ChoiceFormat:
     def whole(self, text: str) -> dict[str, Any]:
         return self.piece(text)
 
+    def with_prompt_logprobs(self, choice: dict[str, Any], out: RequestOutput, k: int | None) -> dict[str, Any]:
+        """The choice with vLLM's `prompt_logprobs` when the request asked (k not None):
+        None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+        for the prompt token and its k most likely alternatives."""
+        if k is None:
+            return choice
+        entries: list[dict[str, Any] | None] = []
+        for lp in out.prompt_logprobs or [None] * len(out.prompt_token_ids):
+            if lp is None:
+                entries.append(None)
+                continue
+            shown = {a.token_id: a for a in lp.top[:k]} | {lp.sampled.token_id: lp.sampled}
+            entries.append({str(t): {"logprob": a.logprob, "rank": a.rank, "decoded_token": self.token_text(t)}
+                            for t, a in shown.items()})
+        return {**choice, "prompt_logprobs": entries}
+
 
 class CompletionFormat(ChoiceFormat):
     object_name = "text_completion"
@@ -88,6 +105,19 @@ class CompletionFormat(ChoiceFormat):
         return {"tokens": toks, "token_logprobs": [lp.sampled.logprob for lp in lps],
                 "top_logprobs": [{self.token_text(a.token_id): a.logprob for a in lp.top[:self.top]} for lp in lps],
                 "text_offset": offsets}
+
+    def echoed(self, prompt_ids: list[int], prompt_lps: list[TokenLogprobs | None] | None,
+               generated: dict[str, Any]) -> dict[str, Any]:
+        """An echoed prompt's logprob block (its first token has none, as in OpenAI's
+        legacy API), then the generated tokens' (`generated`, whose offsets follow)."""
+        lps = prompt_lps or [None] * len(prompt_ids)
+        toks = [self.token_text(t) for t in prompt_ids]
+        offsets = list(accumulate((len(s) for s in toks[:-1]), initial=0)) if toks else []
+        scores = [None if lp is None else lp.sampled.logprob for lp in lps]
+        tops = [None if lp is None else {self.token_text(a.token_id): a.logprob for a in lp.top[:self.top]}
+                for lp in lps]
+        return {"tokens": toks + generated["tokens"], "token_logprobs": scores + generated["token_logprobs"],
+                "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
 
 
 class ChatFormat(ChoiceFormat):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -94,12 +94,21 @@ class SamplingFields(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None
-    # accepted, not acted on: they cannot change what the model returns
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob (and this many alternatives)
+    # accepted, not acted on: they cannot change what the model returns (IGNORED; the server
+    # logs each once)
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    reasoning_effort: str | None = Field(None, max_length=32)  # no model served here reasons before answering
+    IGNORED: ClassVar[tuple[str, ...]] = ("metadata", "store", "service_tier", "prompt_cache_key",
+                                          "safety_identifier", "reasoning_effort")
+
+    def ignored(self) -> list[str]:
+        """The fields of IGNORED this request set."""
+        return [name for name in self.IGNORED if getattr(self, name) is not None]
 
     def structured(self) -> StructuredOutput | None:
         """The one output constraint the request asks for (response_format,
@@ -160,7 +169,8 @@ class SamplingFields(Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+                logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
                 structured=structured)
         except ValueError as e:
             raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
@@ -184,6 +194,17 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError("best_of is not supported (only best_of == n)", "best_of")
         if self.echo and self.stream:
             raise InvalidRequestError("echo is not supported with stream", "echo")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs is not supported with stream", "prompt_logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens 0 needs echo (the prompt alone, with its logprobs)", "max_tokens")
+
+    def prompt_logprobs_needed(self) -> int | None:
+        """Alternatives per prompt token the engine must compute: prompt_logprobs's, or
+        logprobs's when the echoed prompt comes with its logprobs (None: none)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -288,6 +309,10 @@ class ChatCompletionRequest(SamplingFields):
         """Refuse, by name, fields we cannot honour. Raises InvalidRequestError."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.limit() == 0:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only on completions, with echo)", "max_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs is not supported with stream", "prompt_logprobs")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise InvalidRequestError("two tools have the same name", "tools")

@@ -14,6 +14,7 @@ from hotprefix.config import ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, RequestOptions
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import SamplingParams
+from hotprefix.server import responses_api
 from hotprefix.server.error_handlers import ModelNotFound
 from hotprefix.server.http_errors import error_response
 from hotprefix.server.metrics import ServerMetrics
@@ -27,6 +28,7 @@ from hotprefix.server.protocol import (
     now,
     random_id,
 )
+from hotprefix.server.responses_api import ResponsesRequest, ResponseStore
 from hotprefix.server.serving import Serving
 
 
@@ -81,12 +83,40 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         return await ctx.serving.chat(body, request, ctx.check_model(body.model))
 
+    def card(name: str) -> dict[str, Any]:
+        e = ctx.engine
+        return {"id": name, "object": "model", "created": now(), "owned_by": "hotprefix", "root": e.model_name,
+                "max_model_len": e.max_model_len}
+
+    store = ResponseStore()
+
+    @api.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        return await responses_api.create(ctx.serving, store, body, request, ctx.check_model(body.model))
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Any:
+        kept = store.response(response_id)
+        if kept is None:
+            return error_response(404, f"response {response_id!r} is not kept here", "NotFoundError", "response_id")
+        return kept
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Any:
+        if not store.delete(response_id):
+            return error_response(404, f"response {response_id!r} is not kept here", "NotFoundError", "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        e = ctx.engine
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": now(), "owned_by": "hotprefix",
-                                            "root": e.model_name, "max_model_len": e.max_model_len}
-                                           for n in ctx.names]}
+        return {"object": "list", "data": [card(n) for n in ctx.names]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        if model_id not in ctx.names:
+            return error_response(404, f"the model {model_id!r} does not exist; this server serves "
+                                       f"{', '.join(ctx.names)}", "NotFoundError", "model")
+        return card(model_id)
 
     return api
 
@@ -146,14 +176,21 @@ def cache_router(ctx: ServerContext) -> APIRouter:
 
 
 def ops_router(ctx: ServerContext) -> APIRouter:
-    """/health, /version, /metrics."""
+    """/health (and /ping, SageMaker's name), /load, /version, /metrics."""
     api = APIRouter()
 
     @api.get("/health")
+    @api.get("/ping")
+    @api.post("/ping")
     async def health() -> Response:
         if not ctx.engine.is_running:
             return error_response(503, "the engine is not running", "ServiceUnavailableError")
         return Response(status_code=200)
+
+    @api.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: the requests admitted and not yet finished."""
+        return {"server_load": ctx.engine.num_unfinished}
 
     @api.get("/version")
     async def version() -> dict[str, str]:

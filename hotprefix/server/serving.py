@@ -40,7 +40,7 @@ from hotprefix.server.protocol import (
     random_id,
 )
 from hotprefix.server.responses import ClosingStreamingResponse
-from hotprefix.server.tool_parsers import PARSERS, call_grammar
+from hotprefix.server.tool_parsers import PARSERS
 
 log = logging.getLogger("hotprefix.requests")
 
@@ -90,7 +90,9 @@ class ServingOptions:
     max_n: the most samples one request may ask for (n, best_of).
     trust_request_chat_template: accept a request's own `chat_template`.
     default_sampling: sampling defaults from the model's generation config.
-    tool_parser: how tool calls are read from the model's text (tool_parsers.PARSERS)."""
+    tool_parser: how tool calls are read from the model's text (tool_parsers.PARSERS).
+    max_logprobs: the most logprobs (alternatives per token) a request may ask for.
+    tokens_as_ids: logprob tokens written as "token_id:N" (vLLM's --return-tokens-as-token-ids)."""
 
     chat_template: str | None = None
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
@@ -98,6 +100,8 @@ class ServingOptions:
     trust_request_chat_template: bool = False
     default_sampling: dict[str, Any] = field(default_factory=dict)
     tool_parser: str = "hermes"
+    max_logprobs: int = 20
+    tokens_as_ids: bool = False
 
 
 @dataclass
@@ -106,27 +110,49 @@ class Serving:
     metrics: ServerMetrics
     request_log: RequestLog
     options: ServingOptions = field(default_factory=ServingOptions)
+    _noted: set[str] = field(default_factory=set, init=False, repr=False)  # ignored fields logged once
 
     # -- shared -------------------------------------------------------------------
     async def _submit(self, body: SamplingFields, prompts: list[Prompt], max_tokens: int | None,
                       logprobs: int | None, add_special_tokens: bool, base_id: str,
-                      split_special_tokens: bool = False,
-                      structured: StructuredOutput | None = None) -> list[RequestStream]:
+                      split_special_tokens: bool = False, structured: StructuredOutput | None = None,
+                      prompt_logprobs: int | None = None) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
+        self._note_ignored(body)
         if body.priority != 0 and self.options.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
         if body.n > self.options.max_n:
             raise InvalidRequestError(f"n must be <= {self.options.max_n} (--max-n), got {body.n}", "n")
+        if logprobs is not None and logprobs > self.options.max_logprobs:
+            raise InvalidRequestError(f"at most {self.options.max_logprobs} logprobs (--max-logprobs), got {logprobs}",
+                                      "logprobs")
         params = body.sampling_params(max_tokens, logprobs, self.options.default_sampling)
-        if structured is not None:  # the tool-call grammar
+        if structured is not None or prompt_logprobs is not None:  # the tool-call grammar; echo's logprobs
             try:
-                params = replace(params, structured=structured)
+                params = replace(params, structured=structured or params.structured,
+                                 prompt_logprobs=prompt_logprobs if prompt_logprobs is not None
+                                 else params.prompt_logprobs)
             except ValueError as e:
                 raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
         options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
                                  body.pin_prefix, split_special_tokens, body.truncate_prompt_tokens)
-        return await self.engine.submit(base_id, prompts, params, options)
+        streams = await self.engine.submit(base_id, prompts, params, options)
+        for _ in prompts:  # (vLLM's per engine request; max_model_len when the request set no max_tokens)
+            self.metrics.observe_params(params.n, params.max_tokens or self.engine.max_model_len)
+        return streams
+
+    def _note_ignored(self, body: SamplingFields) -> None:
+        """Log, once per field, that a field which cannot change a result here was ignored."""
+        for name in body.ignored():
+            if name not in self._noted:
+                self._noted.add(name)
+                log.info("request field %s accepted and ignored: it cannot change a result on this server "
+                         "(logged once)", name)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text in logprobs (or "token_id:N", --return-tokens-as-token-ids)."""
+        return f"token_id:{token_id}" if self.options.tokens_as_ids else self.engine.token_text(token_id)
 
     def _observe(self, t: Tracker, out: RequestOutput) -> None:
         stamp = time.monotonic()
@@ -289,26 +315,31 @@ class Serving:
         rid = body.request_id or random_id("cmpl")
         prompts = body.prompts()
         streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
-                                     body.split_special_tokens)
+                                     body.split_special_tokens, prompt_logprobs=body.prompt_logprobs_needed())
         t = Tracker(rid, "completions", body.user, model)
-        fmt = CompletionFormat(self.engine.token_text, body.logprobs or 0, body.logprobs is not None)
+        fmt = CompletionFormat(self._token_text, body.logprobs or 0, body.logprobs is not None)
         if body.stream:
             return self._sse(streams, t, body, fmt)
         finals = await self._collect(streams, t, raw)
         choices = []
         for i, (p, out) in enumerate(zip(prompts, finals)):
             prefix = (p if isinstance(p, str) else await self.engine.detokenize(p)) if body.echo else ""
-            choices += [fmt.final_choice(i * body.n + o.index, o, prefix) for o in out.outputs]
+            for o in out.outputs:
+                c = fmt.final_choice(i * body.n + o.index, o, prefix)
+                if body.echo and body.logprobs is not None:  # the prompt's tokens first, then the generated ones
+                    c["logprobs"] = fmt.echoed(out.prompt_token_ids, out.prompt_logprobs, c["logprobs"])
+                choices.append(fmt.with_prompt_logprobs(c, out, body.prompt_logprobs))
         return self._respond(t, fmt, choices, streams)
 
-    @staticmethod
-    def _tool_grammar(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
-        """tool_choice "required" or a named function: the output is constrained to valid calls."""
+    def _tool_grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
+        """tool_choice "required" or a named function: the output is constrained to valid
+        calls in the --tool-call-parser's format."""
         choice = body.tool_choice
         if not tools or choice in (None, "none", "auto"):
             return None
         only = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return StructuredOutput(StructuredKind.GRAMMAR, call_grammar(tools, only, body.parallel_tool_calls))
+        grammar = PARSERS[self.options.tool_parser].grammar(tools, only, body.parallel_tool_calls)
+        return StructuredOutput(StructuredKind.GRAMMAR, grammar)
 
     # -- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
@@ -318,6 +349,8 @@ class Serving:
                                       "server with --trust-request-chat-template to allow it", "chat_template")
         rid = body.request_id or random_id("chatcmpl")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        if body.calls_tools() and PARSERS[self.options.tool_parser].keeps_special_tokens:
+            body.skip_special_tokens = False  # the format's marker is a special token (as vLLM's parser does)
         prompt = ChatPrompt([m.for_template() for m in body.messages], body.add_generation_prompt,
                             body.continue_final_message, body.chat_template or self.options.chat_template,
                             body.chat_template_kwargs, tools, body.operator_messages)
@@ -325,9 +358,11 @@ class Serving:
         streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid,
                                      structured=self._tool_grammar(body, tools))
         t = Tracker(rid, "chat.completions", body.user, model)
-        fmt = ChatFormat(self.engine.token_text, k, bool(body.logprobs),
+        fmt = ChatFormat(self._token_text, k, bool(body.logprobs),
                          PARSERS[self.options.tool_parser] if body.calls_tools() else None)
         if body.stream:
             return self._sse(streams, t, body, fmt)
         (final,) = await self._collect(streams, t, raw)
-        return self._respond(t, fmt, [fmt.final_choice(o.index, o) for o in final.outputs], streams)
+        choices = [fmt.with_prompt_logprobs(fmt.final_choice(o.index, o), final, body.prompt_logprobs)
+                   for o in final.outputs]
+        return self._respond(t, fmt, choices, streams)

@@ -2,10 +2,12 @@
 grammar that makes `tool_choice: "required"` (or a named function) produce valid calls.
 
 A parser turns generated text into content and calls; a streamer does the same on
-deltas, holding back text that may be the start of a call. One format is built in,
-Hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>), which Qwen-family
-models use and which tool_prompt.py teaches models whose template has no tools; add
-another by implementing ToolParser and registering it in PARSERS.
+deltas, holding back text that may be the start of a call. Three formats (vLLM's
+--tool-call-parser names): hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>),
+which Qwen-family models use and which tool_prompt.py teaches models whose template has
+no tools; llama3_json (Llama 3.1/3.2: the reply is {"name": ..., "parameters": {...}});
+mistral ([TOOL_CALLS][{"name": ..., "arguments": {...}}]). Add another by implementing
+ToolParser and registering it in PARSERS.
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ class ToolParser(Protocol):
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content outside the calls, or None when there is none; the calls)."""
 
+    keeps_special_tokens: bool  # the format's marker is a special token: the text must keep it
+
     def streamer(self) -> ToolStreamer:
         ...
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
+        """A Lark grammar (llguidance's) whose every sentence is one call in this format
+        (several when parallel) to `only` or any of the tools, arguments valid for the
+        function's parameters schema (tool_choice "required" or a named function)."""
 
 
 def _call(body: str) -> ParsedCall | None:
@@ -78,8 +87,13 @@ class HermesParser:
         content = "".join(e for kind, e in events if kind == "content").strip()
         return content or None, [e for kind, e in events if kind == "call"]
 
+    keeps_special_tokens = False
+
     def streamer(self) -> HermesStreamer:
         return HermesStreamer()
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
+        return call_grammar(tools, only, parallel)
 
 
 class HermesStreamer:
@@ -128,24 +142,166 @@ class HermesStreamer:
         return self._content(rest)
 
 
-PARSERS: dict[str, ToolParser] = {"hermes": HermesParser()}
-
-
 def call_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
     """A Lark grammar (llguidance's) whose every sentence is one Hermes call, or several
     when parallel, to `only` or to any of the tools, with arguments valid for the
     function's parameters schema."""
+    schema = _call_schema(tools, only, "arguments")
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return (f"start: {calls}\n"
+            f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} args {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
+            f"args: %json {json.dumps(schema)}\n")
+
+
+def _json_calls(text: str, sep: str) -> list[ParsedCall] | None:
+    """Calls written as JSON objects ({"name": ..., "parameters" or "arguments": {...}})
+    one after another, `sep` (and whitespace) between them; None unless all of `text` is
+    such calls."""
+    dec, i, calls = json.JSONDecoder(), 0, []
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return None
+        call = _call(json.dumps(obj)) if isinstance(obj, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
+        rest = text[i:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(sep):
+            return None
+        i = len(text) - len(rest) + len(sep)
+
+
+class _HeldStreamer:
+    """A streamer for formats whose calls are known only once the output is whole: text
+    before `marker(buf)` says a call may start is sent as it comes; from there on
+    everything is held and parsed at the end (`parse`)."""
+
+    def __init__(self, parser: Llama3JsonParser | MistralParser) -> None:
+        self.parser, self.buf, self.held, self.sent = parser, "", False, ""
+
+    def feed(self, delta: str) -> list[Event]:
+        self.buf += delta
+        if self.held:
+            return []
+        start, hold = self.parser.call_start(self.buf, not self.sent)
+        if start is not None:
+            self.held = True
+            out, self.buf = self.buf[:start], self.buf[start:]
+        else:
+            out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+        self.sent += out
+        return [("content", out)] if out else []
+
+    def finish(self) -> list[Event]:
+        """The held text parsed: its calls, or (when it does not parse) it as content."""
+        if not self.held:
+            rest, self.buf = self.buf, ""
+            return [("content", rest)] if rest else []
+        content, calls = self.parser.parse(self.buf)
+        if not calls:  # not calls after all: the held text is content, as it was written
+            content = self.buf
+        self.buf = ""
+        return ([("content", content)] if content else []) + [("call", c) for c in calls]
+
+
+def _held_tail(buf: str, marker: str) -> int:
+    """How many of buf's last characters may be the start of `marker`."""
+    return next((n for n in range(min(len(marker) - 1, len(buf)), 0, -1) if marker.startswith(buf[-n:])), 0)
+
+
+class Llama3JsonParser:
+    """Llama 3.1/3.2's JSON tool calls: the whole reply is {"name": "f", "parameters":
+    {...}} (optionally after <|python_tag|>), several separated by "; ". A reply that
+    does not start that way, or does not parse whole, is content."""
+
+    TAG = "<|python_tag|>"
+    keeps_special_tokens = False
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip()
+        body = body[len(self.TAG):] if body.startswith(self.TAG) else body
+        calls = _json_calls(body, ";") if body.startswith("{") else None
+        return (None, calls) if calls else (text.strip() or None, [])
+
+    def call_start(self, buf: str, at_start: bool) -> tuple[int | None, int]:
+        """(where a call starts in buf, or None; how much of buf's tail to hold
+        meanwhile). at_start: nothing has been sent yet (calls open the reply only)."""
+        head = buf.lstrip()
+        if not at_start:
+            return None, 0
+        if head.startswith(("{", self.TAG)):
+            return len(buf) - len(head), 0
+        return None, len(buf) if not head or self.TAG.startswith(head) else 0  # undecided: hold it all
+
+    def streamer(self) -> _HeldStreamer:
+        return _HeldStreamer(self)
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
+        return _sequence_grammar(_call_schema(tools, only, "parameters"), '"; "', "", "", parallel)
+
+
+class MistralParser:
+    """Mistral's tool calls: [TOOL_CALLS] then a JSON list of {"name": "f", "arguments":
+    {...}}; text before the marker is content. The marker is a special token, so the
+    server keeps special tokens in the text of requests with tools."""
+
+    MARK = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        i = text.find(self.MARK)
+        if i < 0:
+            return text.strip() or None, []
+        try:
+            items = json.loads(text[i + len(self.MARK):])
+        except json.JSONDecodeError:
+            return text.strip() or None, []
+        items = items if isinstance(items, list) else [items]
+        calls = [_call(json.dumps(x)) if isinstance(x, dict) else None for x in items]
+        if not calls or None in calls:
+            return text.strip() or None, []
+        return text[:i].strip() or None, calls  # type: ignore[return-value]
+
+    def call_start(self, buf: str, at_start: bool) -> tuple[int | None, int]:
+        i = buf.find(self.MARK)
+        return (i, 0) if i >= 0 else (None, _held_tail(buf, self.MARK))
+
+    def streamer(self) -> _HeldStreamer:
+        return _HeldStreamer(self)
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
+        return _sequence_grammar(_call_schema(tools, only, "arguments"), '", "', json.dumps(self.MARK + "["), '"]"',
+                                 parallel)
+
+
+def _call_schema(tools: list[dict[str, Any]], only: str | None, args_key: str) -> dict[str, Any]:
+    """The JSON schema of one call object to `only` or any of the tools, its arguments
+    (under `args_key`) valid for the function's parameters schema."""
     options = []
     for t in tools:
         fn = t["function"]
         if only is not None and fn["name"] != only:
             continue
         options.append({"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                         "arguments": fn.get("parameters") or {"type": "object"}},
-                        "required": ["name", "arguments"], "additionalProperties": False})
-    schema = {"anyOf": options, "x-guidance": COMPACT_JSON} if len(options) > 1 else {**options[0],
-                                                                                       "x-guidance": COMPACT_JSON}
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    return (f"start: {calls}\n"
-            f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} args {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
-            f"args: %json {json.dumps(schema)}\n")
+                                                         args_key: fn.get("parameters") or {"type": "object"}},
+                        "required": ["name", args_key], "additionalProperties": False})
+    return {"anyOf": options, "x-guidance": COMPACT_JSON} if len(options) > 1 else {**options[0],
+                                                                                   "x-guidance": COMPACT_JSON}
+
+
+def _sequence_grammar(schema: dict[str, Any], sep: str, open_: str, close: str, parallel: bool) -> str:
+    """A Lark grammar (llguidance's): open_, one call (several, `sep` between, when
+    parallel), close."""
+    calls = f"call ({sep} call)*" if parallel else "call"
+    return (f"start: {open_} {calls} {close}\n".replace("  ", " ")
+            + f"call: %json {json.dumps(schema)}\n")
+
+
+PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
+                                  "mistral": MistralParser()}

@@ -250,3 +250,12 @@ def test_through_a_real_server_smuggled_markers_stay_text(logged_server, tmp_pat
         assert start[0] not in literal["tokens"]
     finally:
         gw.stop()
+
+
+def test_fields_that_cannot_change_a_result_are_accepted_and_not_forwarded(setup):
+    store, fake, gw, keys = setup
+    r = post(gw, keys["acme"], "/v1/chat/completions", {**CHAT, "reasoning_effort": "low", "store": False,
+                                                        "metadata": {"a": "b"}, "service_tier": "auto"})
+    assert r.status_code == 200, r.text
+    sent = records(fake, "chat")[-1]["body"]
+    assert not {"reasoning_effort", "store", "metadata", "service_tier"} & set(sent)

@@ -1,0 +1,95 @@
+"""OpenAI's Responses API on the default model, with the official openai client: text,
+instructions, streaming events, function tools and previous_response_id, each checked
+against the chat completion it stands for (greedy: the same tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from hotprefix.model.loader import default_model_path
+from tests.server.conftest import start_server
+
+pytestmark = pytest.mark.slow
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server(default_model_path(), num_blocks_override=512, max_model_len=1024,
+                     quantized_matmul="float32")  # token-identical with and without cached prefixes
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0)
+
+
+def test_text_and_instructions_are_the_chat_completion(client, srv):
+    r = client.responses.create(model="tiny", input="Name a colour.", instructions="Answer in one word.",
+                                max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model="tiny", max_completion_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}])
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.object == "response" and r.id.startswith("resp_") and r.output[0].type == "message"
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    srv.check_drained()
+
+
+def test_a_stream_of_events_gives_the_same_text(client, srv):
+    ask = {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}],
+           "max_output_tokens": 8, "temperature": 0}
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    srv.check_drained()
+
+
+def test_function_calls_and_their_outputs_continue_a_stored_conversation(client, srv):
+    r = client.responses.create(model="tiny", input="What is the weather in Oslo?", tools=[WEATHER],
+                                tool_choice="required", temperature=0, max_output_tokens=60)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    nxt = client.responses.create(model="tiny", previous_response_id=r.id, tools=[WEATHER], temperature=0,
+                                  max_output_tokens=8, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                               "output": "12 C and sunny"}])
+    assert nxt.previous_response_id == r.id and nxt.output_text
+    # the same conversation written out as chat messages gives the same answer
+    chat = client.chat.completions.create(model="tiny", temperature=0, max_completion_tokens=8, tools=[
+        {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}], messages=[
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "12 C and sunny"}])
+    assert nxt.output_text == chat.choices[0].message.content
+    srv.check_drained()
+
+
+def test_what_is_not_kept_or_not_supported_is_named(client, srv):
+    r = client.responses.create(model="tiny", input="hi", max_output_tokens=2, store=False)
+    for rid in (r.id, "resp_unknown"):
+        with pytest.raises(openai.BadRequestError, match="previous_response_id|not kept"):
+            client.responses.create(model="tiny", input="again", previous_response_id=rid, max_output_tokens=2)
+    kept = client.responses.create(model="tiny", input="hi", max_output_tokens=2)
+    assert httpx.delete(f"{srv.v1}/responses/{kept.id}").json()["deleted"] is True
+    assert httpx.get(f"{srv.v1}/responses/{kept.id}").status_code == 404
+    for body, param in (({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+                        ({"input": "x", "frobnicate": 1}, "frobnicate"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools")):
+        bad = httpx.post(srv.v1 + "/responses", json={"model": "tiny", **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    srv.check_drained()
