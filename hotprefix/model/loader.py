@@ -222,6 +222,7 @@ def gguf_tokenizer(path: Path) -> Any:
             return AutoTokenizer.from_pretrained(str(cache))
         except Exception:  # a corrupt cache entry: convert again below
             log.warning("ignoring unreadable tokenizer cache %s", cache)
+    log.info("converting %s's tokenizer to a fast tokenizer (once; cached in %s) ...", path.name, cache)
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:

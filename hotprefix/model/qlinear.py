@@ -35,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -106,6 +107,8 @@ def build_library(force: bool = False, march: str = "native", defines: tuple[str
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the C kernels for this CPU (once; cached in %s) ...", out.parent)
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         cmd = [cc, *flags, "-shared", "-fPIC", *(str(p) for p in sources() if p.suffix == ".c"), "-o", str(so), "-lm"]
@@ -115,6 +118,7 @@ def build_library(force: bool = False, march: str = "native", defines: tuple[str
                         (r.stderr.strip().splitlines() or ["?"])[-1])
             return None
         os.replace(so, out)
+    log.info("built the C kernels in %.1fs", time.monotonic() - t0)
     return out
 
 
