@@ -6,7 +6,8 @@ Responses' typed stream events.
 
 `previous_response_id` continues a stored response: with `store` (the default) a
 response's conversation (its input and its output items) is kept in memory, the newest
-STORED_RESPONSES of them; an id not kept is a 400 naming it. Nothing is kept on disk.
+STORED_RESPONSES of them within STORED_BYTES; an id not kept is a 400 naming it. Nothing
+is kept on disk.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hotprefix.server.protocol import ChatCompletionRequest, Strict
 from hotprefix.server.responses import ClosingStreamingResponse
 
 STORED_RESPONSES = 1024  # conversations kept for previous_response_id (the newest)
+STORED_BYTES = 64 << 20  # and at most this much of them (their JSON), so that no client fills the memory
 
 
 class ResponsesRequest(Strict):
@@ -177,9 +179,10 @@ class ResponseStore:
     """The newest STORED_RESPONSES conversations, by response id (event loop only):
     each the chat messages a continuation starts from."""
 
-    def __init__(self, capacity: int = STORED_RESPONSES) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+    def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
+        self.bytes = 0
 
     def history(self, rid: str | None) -> list[dict[str, Any]]:
         """The messages of stored response `rid` ([] for None). Raises InvalidRequestError."""
@@ -197,12 +200,18 @@ class ResponseStore:
         return None if kept is None else kept[1]
 
     def keep(self, rid: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
-        self._items[rid] = (messages, response)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        """Keep a conversation; the oldest go while more than `capacity` or `max_bytes`
+        are kept (one larger than max_bytes is not kept at all)."""
+        size = len(json.dumps([messages, response]))
+        self._items[rid] = (messages, response, size)
+        self.bytes += size
+        while self._items and (len(self._items) > self.capacity or self.bytes > self.max_bytes):
+            self.bytes -= self._items.popitem(last=False)[1][2]
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        kept = self._items.pop(rid, None)
+        self.bytes -= kept[2] if kept is not None else 0
+        return kept is not None
 
 
 async def stream_events(chunks: AsyncIterator[str], rid: str, body: ResponsesRequest, model: str,

@@ -93,3 +93,39 @@ def test_what_is_not_kept_or_not_supported_is_named(client, srv):
         bad = httpx.post(srv.v1 + "/responses", json={"model": "tiny", **body})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
     srv.check_drained()
+
+
+def test_the_store_keeps_the_newest_within_its_count_and_bytes():
+    from hotprefix.errors import InvalidRequestError
+    from hotprefix.server.responses_api import ResponseStore
+
+    store = ResponseStore(capacity=3, max_bytes=2000)
+    msg = [{"role": "user", "content": "x" * 300}]
+    for i in range(4):
+        store.keep(f"r{i}", msg, {"id": f"r{i}"})
+    assert [store.response(f"r{i}") is not None for i in range(4)] == [False, True, True, True]  # the count
+    store.keep("big", [{"role": "user", "content": "y" * 1500}], {"id": "big"})  # the bytes: two more go
+    assert [store.response(r) is not None for r in ("r1", "r2", "r3", "big")] == [False, False, True, True]
+    store.keep("huge", [{"role": "user", "content": "z" * 5000}], {})  # larger than the budget: nothing kept
+    assert store.response("huge") is None and store.bytes == 0
+    with pytest.raises(InvalidRequestError, match="not kept"):
+        store.history("r3")
+    assert store.delete("huge") is False
+
+
+def _aborted(srv) -> float:
+    lines = httpx.get(srv.url + "/metrics").text.splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines
+               if x.startswith("hotprefix:request_success_total{") and 'finished_reason="abort"' in x)
+
+
+def test_a_client_leaving_a_stream_frees_everything(srv):
+    before = _aborted(srv)
+    with httpx.stream("POST", srv.v1 + "/responses", timeout=60, json={
+            "model": "tiny", "input": "Count to fifty.", "max_output_tokens": 200, "stream": True,
+            "temperature": 0}) as r:  # greedy: the same long answer every run
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 12:  # a few deltas in, the client goes
+                break
+    srv.check_drained()
+    assert _aborted(srv) == before + 1  # stopped when the client went, not run to its 200 tokens
