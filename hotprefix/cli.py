@@ -310,8 +310,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # server/tool_parsers.
 
 def serve_flags(parser: argparse.ArgumentParser) -> frozenset[str]:
     """The option strings of `hotprefix serve` (what a --config file may name)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-    return frozenset(sub.choices["serve"]._option_string_actions)  # noqa: SLF001
+    sub = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict) and "serve" in a.choices)
+    return frozenset(sub.choices["serve"]._option_string_actions)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class PinError(ValueError):
+    """A pin cannot be taken: the prefix is not cached, or the pin limit would be exceeded."""
+
+
 class InvalidRequestError(ValueError):
     """The request cannot be served as given (HTTP 400). The message says why."""
 

@@ -22,11 +22,8 @@ from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
 from hotprefix.core.hashing import BlockHash, BlockHasher
 from hotprefix.core.kv_tiers import HostEntry, KVTiers
 from hotprefix.core.request import Request
+from hotprefix.errors import PinError
 from hotprefix.sizing import blocks_for_tokens
-
-
-class PinError(ValueError):
-    """A pin cannot be taken: the prefix is not cached, or the pin limit would be exceeded."""
 
 
 @dataclass

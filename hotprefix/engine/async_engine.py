@@ -77,7 +77,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, limits: AdmissionConfig | None = None,
                  thread: threading.Thread | None = None, go: threading.Event | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
         self.limits = limits or AdmissionConfig()
         self.counters = EngineCounters()
         self.live = LiveStats()  # replaced (never mutated) by the engine thread
@@ -105,7 +105,7 @@ class AsyncEngine:
         barrier = threading.Barrier(n)
 
         def copy() -> None:
-            _ = self.engine.encoder.tokenizer
+            _ = self._engine.encoder.tokenizer
             try:
                 barrier.wait(timeout=30)
             except threading.BrokenBarrierError:  # a worker slow to start: it copies on first use
@@ -165,8 +165,8 @@ class AsyncEngine:
         self._cmds.put(_Wake())
         if self._thread is not None and self._thread.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        if self.engine is not None:  # the disk tier's queued writes (the engine thread has stopped)
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        if self._engine is not None:  # the disk tier's queued writes (the engine thread has stopped)
+            await asyncio.get_running_loop().run_in_executor(None, self._engine.close)
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._fail_streams(EngineDeadError("the server is shutting down"))
 
@@ -187,32 +187,32 @@ class AsyncEngine:
     # -- what never changes after start-up (safe from any thread) -------------------------------------
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self._engine.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.arch.vocab_size
+        return self._engine.arch.vocab_size
 
     @property
     def block_size(self) -> int:
-        return self.engine.kv.block_size
+        return self._engine.kv.block_size
 
     @property
     def default_sampling(self) -> dict[str, float | int]:
         """Sampling defaults from the model's generation config (see ModelConfig)."""
-        return self.engine.default_sampling
+        return self._engine.default_sampling
 
     @property
     def scheduling_policy(self) -> SchedulingPolicy:
-        return self.engine.config.scheduler.scheduling_policy
+        return self._engine.config.scheduler.scheduling_policy
 
     def cache_info(self) -> dict[str, str]:
         """The KV cache's configuration, as labels of hotprefix:cache_config_info."""
-        plan, cc = self.engine.runner.plan, self.engine.config.cache
+        plan, cc = self._engine.runner.plan, self._engine.config.cache
         return {"block_size": str(plan.block_size), "num_gpu_blocks": str(plan.num_blocks),
                 "cache_dtype": plan.dtype_name, "enable_prefix_caching": str(cc.enable_prefix_caching),
                 "prefix_caching_hash_algo": cc.prefix_caching_hash_algo}
@@ -240,7 +240,8 @@ class AsyncEngine:
         except BaseException:
             self.num_queued -= weight
             raise
-        streams = [RequestStream(self, st.request_id, st.prompt_token_ids, len(st.children)) for st in states]
+        streams = [RequestStream(self._forget, st.request_id, st.prompt_token_ids, len(st.children))
+                   for st in states]
         for s in streams:
             self._streams[s.request_id] = s
         self._cmds.put(_Add(states))
@@ -273,7 +274,7 @@ class AsyncEngine:
         base = f"{request_id}-{next(self._ids):x}"
 
         def work() -> list[PreparedRequest]:
-            return [self.engine.prepare_request(f"{base}-{i}", self._render(p), params, options.priority,
+            return [self._engine.prepare_request(f"{base}-{i}", self._render(p), params, options.priority,
                                                 options.add_special_tokens, options.cache_salt,
                                                 options.cache_salt_offset, options.pin_prefix,
                                                 options.split_special_tokens, options.truncate_prompt_tokens)
@@ -323,7 +324,7 @@ class AsyncEngine:
 
     def _render(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, ChatPrompt):
-            return self.engine.encode_chat(prompt.messages, prompt.add_generation_prompt,
+            return self._engine.encode_chat(prompt.messages, prompt.add_generation_prompt,
                                            prompt.continue_final_message, prompt.chat_template,
                                            prompt.template_kwargs, prompt.tools, prompt.operator_messages)
         return prompt
@@ -357,7 +358,7 @@ class AsyncEngine:
     def check_chat_template(self, template: str) -> None:
         """Render a tiny conversation with `template` (at start-up, so a broken
         --chat-template fails the start, not the first request). Raises InvalidRequestError."""
-        self.engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
+        self._engine.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps; return its result or raise its error."""
@@ -372,20 +373,20 @@ class AsyncEngine:
         """Token ids of text (or of a conversation, rendered), in a worker. Raises InvalidRequestError."""
         if isinstance(prompt, ChatPrompt):
             return await self._in_worker(lambda: list(self._render(prompt)))
-        return await self._in_worker(lambda: self.engine.tokenize(prompt, add_special_tokens, split_special_tokens))
+        return await self._in_worker(lambda: self._engine.tokenize(prompt, add_special_tokens, split_special_tokens))
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of token ids, in a worker. Raises InvalidRequestError for an id out of range."""
         check_token_ids(ids, self.vocab_size, "tokens")
-        return await self._in_worker(lambda: self.engine.detokenize(ids))
+        return await self._in_worker(lambda: self._engine.detokenize(ids))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cheap; for logprobs), on this thread's tokenizer copy."""
-        return self.engine.detokenize([token_id])
+        return self._engine.detokenize([token_id])
 
     def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
         """The block hashes of a prompt's full blocks (pure: no engine state)."""
-        return self.engine.prefix_hashes(ids, cache_salt, cache_salt_offset)
+        return self._engine.prefix_hashes(ids, cache_salt, cache_salt_offset)
 
     async def pin(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> int:
         return await self.call(lambda e: e.pin(ids, cache_salt, cache_salt_offset))
@@ -431,14 +432,14 @@ class AsyncEngine:
             case _Add(states):
                 for st in states:
                     try:
-                        self.engine.enqueue(st)
+                        self._engine.enqueue(st)
                     except Exception as e:  # the pin limit filled up since admission
                         self._post(st.request_id, e)
             case _Abort(request_id):
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
             case _Call(fn, fut):
                 try:
-                    self._set_future(fut, fn(self.engine), None)
+                    self._set_future(fut, fn(self._engine), None)
                 except Exception as e:
                     self._set_future(fut, None, e)
             case _Wake():
@@ -459,26 +460,26 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         """On the engine thread: a new LiveStats from the scheduler."""
-        sched = self.engine.scheduler
+        sched = self._engine.scheduler
         self.live = LiveStats(len(sched.running), len(sched.waiting), len(sched.swapped), sched.kv.usage(),
-                              sched.num_preemptions, self.engine.tier_gauges())
+                              sched.num_preemptions, self._engine.tier_gauges())
 
     def _run(self) -> None:
         try:
-            self.engine.warmup()  # here, not on the main thread: see load()
-            _ = self.engine.encoder.tokenizer  # this thread's copy (detokenizing), before the first request
+            self._engine.warmup()  # here, not on the main thread: see load()
+            _ = self._engine.encoder.tokenizer  # this thread's copy (detokenizing), before the first request
             self._ready.set()
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests())
-                if not self.engine.has_unfinished_requests():
+                self._drain(block=not self._engine.has_unfinished_requests())
+                if not self._engine.has_unfinished_requests():
                     continue
                 try:
-                    outs = self.engine.step(self._publish)
+                    outs = self._engine.step(self._publish)
                 except Exception as e:  # a bug in scheduling: fail what is in flight, keep serving
                     log.exception("engine step failed; failing the requests in flight")
                     self.counters.step_errors += 1
-                    outs = self.engine.fail_all(e)
-                self.counters.add(self.engine.scheduler.make_stats())
+                    outs = self._engine.fail_all(e)
+                self.counters.add(self._engine.scheduler.make_stats())
                 self._publish()
                 for out in outs:
                     self._post(out.request_id, out)

@@ -6,14 +6,11 @@ A RequestStream lives on the event loop; AsyncEngine fills it from the engine th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hotprefix.engine.llm_engine import RequestOutput
-
-if TYPE_CHECKING:
-    from hotprefix.engine.async_engine import AsyncEngine
 
 
 @dataclass(frozen=True)
@@ -49,9 +46,12 @@ Prompt = str | list[int] | ChatPrompt
 class RequestStream:
     """The outputs of one engine request, in step order. Iterating ends after the
     finished output (or raises the error that ended it); closing it early, or
-    cancelling the consumer, aborts the request. Lives on the event loop."""
+    cancelling the consumer, aborts the request. Lives on the event loop.
 
-    engine: AsyncEngine
+    on_close(stream, abort) is its owner's (AsyncEngine's stream table): called at
+    every close, with abort=True while the engine has not sent its last item."""
+
+    on_close: Callable[[RequestStream, bool], None]
     request_id: str
     prompt_token_ids: list[int]
     weight: int  # sequences it counts against the queue limit until its first output
@@ -78,4 +78,4 @@ class RequestStream:
     def close(self) -> None:
         """Abort the request unless it ended; stop counting it. Idempotent."""
         self.finished = True
-        self.engine._forget(self, abort=not self.ended)
+        self.on_close(self, not self.ended)

@@ -364,7 +364,7 @@ class Store:
         if key_id is not None:
             q = q.where(usage.c.key_id == key_id)
         with self.engine.connect() as c:
-            return [dict(r._mapping) for r in c.execute(q)]
+            return [dict(m) for m in c.execute(q).mappings()]
 
     def usage_report(self, group_by: str = "tenant", since: dt.datetime | None = None,
                      until: dt.datetime | None = None) -> list[dict[str, Any]]:
@@ -385,7 +385,7 @@ class Store:
         if until is not None:
             q = q.where(usage.c.created_at < until)
         with self.engine.connect() as c:
-            rows = [dict(r._mapping) for r in c.execute(q)]
+            rows = [dict(m) for m in c.execute(q).mappings()]
         for r in rows:
             r[group_by] = str(r[group_by])
             for k in ("requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens"):

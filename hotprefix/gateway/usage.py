@@ -21,6 +21,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +99,11 @@ class Outcome:
 @dataclass(eq=False)
 class InFlight:
     """One admitted request, from admission to its one end. `outcome` is filled in by
-    the proxy; `end()`/`end_soon()` may be called any number of times, from anywhere."""
+    the proxy; `end()`/`end_soon()` may be called any number of times, from anywhere.
+    `start_end(flight)` is its owner's (Accounting's): it starts the one end, as a task
+    that the owner tracks."""
 
-    acct: Accounting
+    start_end: Callable[[InFlight], asyncio.Task]
     request_id: str
     caller: Caller
     reserved: int
@@ -111,9 +114,7 @@ class InFlight:
     def end_soon(self) -> asyncio.Task:
         """Start ending the request (once) in a task of its own; returns that task."""
         if self._ending is None:
-            self._ending = asyncio.get_running_loop().create_task(self.acct._end(self))
-            self.acct.tasks.add(self._ending)
-            self._ending.add_done_callback(self.acct.tasks.discard)
+            self._ending = self.start_end(self)
         return self._ending
 
     async def end(self) -> None:
@@ -135,6 +136,13 @@ class Accounting:
         self.inflight: dict[str, InFlight] = {}
         self.tasks: set[asyncio.Task] = set()
 
+    def _start_end(self, flight: InFlight) -> asyncio.Task:
+        """The task that ends `flight` (tracked until it is done)."""
+        task = asyncio.get_running_loop().create_task(self._end(flight))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
     async def admit(self, caller: Caller, request_id: str, row: dict[str, Any], want: int, least: int,
                     t0: float) -> tuple[Decision, InFlight | None]:
         """Ask the limiter; if admitted, write the `started` row. If that fails, the
@@ -143,7 +151,7 @@ class Accounting:
         if not decision.admitted:
             await self.record_refused(caller, row, UsageStatus.RATE_LIMITED, 429, t0)
             return decision, None
-        flight = InFlight(self, request_id, caller, decision.granted, t0)
+        flight = InFlight(self._start_end, request_id, caller, decision.granted, t0)
         try:
             await asyncio.to_thread(self.store.start_usage, row | {
                 "request_id": request_id, "gateway_id": self.gateway_id, "reserved_tokens": decision.granted})

@@ -5,9 +5,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from hotprefix.core.kv_cache_manager import PinError
 from hotprefix.engine.async_engine import EngineDeadError
-from hotprefix.errors import QueueFullError, RequestFailedError
+from hotprefix.errors import PinError, QueueFullError, RequestFailedError
 from hotprefix.server.http_errors import error_response as _error
 from hotprefix.server.http_errors import install_common_handlers
 from hotprefix.server.metrics import ServerMetrics

@@ -27,7 +27,7 @@ async def idle(engine: AsyncEngine) -> None:
         if not await engine.call(lambda e: e.has_unfinished_requests()):
             break
         await asyncio.sleep(0.01)
-    kv = engine.engine.kv
+    kv = engine._engine.kv
 
     def check(e):
         e.scheduler.check_integrity()
@@ -158,7 +158,7 @@ def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(tiny_llama):
     async def main():
         eng = make_engine(tiny_llama[0])
         eng.start()
-        runner = eng.engine.runner
+        runner = eng._engine.runner
         real = runner.forward
 
         def broken(sched):
@@ -277,7 +277,7 @@ def test_load_builds_warms_and_steps_on_one_thread(tiny_llama):
         return eng
 
     ae = AsyncEngine.load(build)
-    assert ae.engine.warmed and seen["build"] is not threading.current_thread()
+    assert ae._engine.warmed and seen["build"] is not threading.current_thread()
 
     async def main():
         ae.start()
