@@ -348,9 +348,8 @@ class AsyncEngine:
 
     def _forget(self, stream: RequestStream, abort: bool) -> None:
         """A stream is closed: stop counting it as queued, drop it, abort it if it runs."""
-        if self._streams.pop(stream.request_id, None) is not None and not stream.started:
-            stream.started = True
-            self.num_queued -= stream.weight
+        if self._streams.pop(stream.request_id, None) is not None:
+            self._mark_started(stream)
         if abort:
             stream.ended = True
             self.abort(stream.request_id)
@@ -407,13 +406,18 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        if not stream.started:
-            stream.started = True
-            self.num_queued -= stream.weight
+        self._mark_started(stream)
         if isinstance(item, BaseException) or item.finished:
             stream.ended = True
             del self._streams[request_id]
         stream.queue.put_nowait(item)
+
+    def _mark_started(self, stream: RequestStream) -> None:
+        """The stream no longer waits for its first output (it has it, or it closed):
+        its sequences leave the queued count, once. The one place that count goes down."""
+        if not stream.started:
+            stream.started = True
+            self.num_queued -= stream.weight
 
     def _fail_streams(self, error: BaseException) -> None:
         """On the loop: end every open stream with `error`."""

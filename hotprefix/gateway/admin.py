@@ -127,7 +127,7 @@ def operations_routes(api: APIRouter, store: Store, monitor: BackendMonitor) -> 
 
     @api.get("/backends")
     async def backends() -> dict[str, Any]:
-        return {"data": [{"url": b.url, "healthy": b.healthy, "kind": b.kind, "model": b.model,
+        return {"data": [{"url": b.url, "healthy": b.healthy, "kind": b.kind.value, "model": b.model,
                           "inflight": b.inflight, "last_error": b.last_error} for b in monitor.router.backends]}
 
     @api.post("/warmup")

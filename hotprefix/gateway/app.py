@@ -82,7 +82,7 @@ def client_router(proxy: Proxy, monitor: BackendMonitor, counters: Counters) -> 
                 r = await monitor.client.get(b.url + "/v1/models", headers=monitor.headers, timeout=10)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except httpx.HTTPError as e:
-                proxy.mark_down(b, e)
+                b.mark_down(f"{type(e).__name__}: {e}")
         raise GatewayError(503, "no backend is up", "ServiceUnavailableError")
 
     @api.get("/health")

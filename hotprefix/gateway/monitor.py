@@ -16,7 +16,7 @@ import logging
 import httpx
 
 from hotprefix.gateway.config import GatewayConfig
-from hotprefix.gateway.routing import Backend, Router
+from hotprefix.gateway.routing import Backend, BackendKind, Router
 from hotprefix.gateway.store import Store
 from hotprefix.gateway.warmup import warm_backend, warm_items
 
@@ -27,9 +27,10 @@ async def probe(client: httpx.AsyncClient, backend: Backend, headers: dict[str, 
     """Learn the backend's kind (hotprefix or other), its first model id and context."""
     try:
         v = await client.get(backend.url + "/version", headers=headers, timeout=5)
-        backend.kind = "hotprefix" if v.status_code == 200 and v.json().get("server") == "hotprefix" else "openai"
+        ours = v.status_code == 200 and v.json().get("server") == "hotprefix"
+        backend.kind = BackendKind.HOTPREFIX if ours else BackendKind.OPENAI
     except (httpx.HTTPError, ValueError, AttributeError):
-        backend.kind = "openai"
+        backend.kind = BackendKind.OPENAI
     try:
         m = (await client.get(backend.url + "/v1/models", headers=headers, timeout=5)).json()["data"][0]
         backend.model = m["id"]
@@ -79,15 +80,12 @@ class BackendMonitor:
             return
         if ok and not backend.healthy:
             await probe(self.health_client, backend, self.headers)
-            backend.healthy, backend.last_error = True, None
-            backend.token_counts.clear()  # it may have restarted with another model or template
-            log.info("backend %s is up (%s, model %s)", backend.url, backend.kind, backend.model)
+            backend.mark_up()
+            log.info("backend %s is up (%s, model %s)", backend.url, backend.kind.value, backend.model)
             if self.cfg.warmup:
                 self.spawn(self.warm(backend))
         elif not ok:
-            if backend.healthy:
-                log.warning("backend %s is down: %s", backend.url, err)
-            backend.healthy, backend.last_error = False, err
+            backend.mark_down(err)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(b) for b in self.router.backends))

@@ -57,7 +57,7 @@ from hotprefix.gateway.tenant_api import (
 )
 from hotprefix.gateway.usage import Accounting, Caller, InFlight, UsageStoreUnavailable
 from hotprefix.server.body_guard import BodyRejected, parse_json_object
-from hotprefix.server.responses import ClosingStreamingResponse
+from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
 
 log = logging.getLogger(__name__)
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -145,12 +145,6 @@ class Upstream:
             self.closed = True
             self.backend.inflight -= 1
             await self.resp.aclose()
-
-
-async def wait_disconnect(request: Request) -> None:
-    """Return once the client has gone away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.1)
 
 
 @dataclass
@@ -355,7 +349,7 @@ class Proxy:
                                                                          json=b, headers=fwd))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: try the next
                 if isinstance(e, httpx.ConnectError):  # refused: down. A connect timeout may be a busy
-                    self.mark_down(backend, e)  # backend: the health checks decide (monitor.py)
+                    backend.mark_down(f"{type(e).__name__}: {e}")  # back up: the health checks decide
                 errors.append(f"{backend.url}: {type(e).__name__}")
                 continue
             except httpx.TimeoutException:
@@ -385,12 +379,6 @@ class Proxy:
             backend.inflight -= 1
             raise
         return Upstream(resp, backend)
-
-    def mark_down(self, backend: Backend, err: BaseException) -> None:
-        if backend.healthy:
-            log.warning("backend %s is down: %s", backend.url, err)
-        backend.healthy = False
-        backend.last_error = f"{type(err).__name__}: {err}"
 
     async def _answer(self, up: Upstream, flight: InFlight, headers: dict[str, str]) -> Response:
         """A non-streamed answer, read whole and passed on."""

@@ -15,8 +15,21 @@ tenant still stay together with their cache.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass, field
+from enum import Enum
+
+log = logging.getLogger("hotprefix.gateway.monitor")
+
+
+class BackendKind(str, Enum):
+    """What a backend is, learnt from its /version: hotprefix (salt offsets, /pin,
+    /tokenize, operator_messages) or any other OpenAI-compatible server."""
+
+    UNKNOWN = "unknown"
+    HOTPREFIX = "hotprefix"
+    OPENAI = "openai"
 
 
 @dataclass
@@ -24,7 +37,7 @@ class Backend:
     url: str
     healthy: bool = False
     inflight: int = 0
-    kind: str = "unknown"  # "hotprefix" (salt offsets, /pin, /tokenize) or "openai" (anything else)
+    kind: BackendKind = BackendKind.UNKNOWN
     model: str | None = None
     max_model_len: int | None = None  # from its /v1/models, when it says
     last_error: str | None = None
@@ -32,7 +45,20 @@ class Backend:
 
     @property
     def supports_salt(self) -> bool:
-        return self.kind == "hotprefix"
+        return self.kind is BackendKind.HOTPREFIX
+
+    def mark_down(self, why: str) -> None:
+        """Out of routing until a health check finds it up (logged when it was up). The
+        one place a backend goes down: the health checks and the proxy call it."""
+        if self.healthy:
+            log.warning("backend %s is down: %s", self.url, why)
+        self.healthy, self.last_error = False, why
+
+    def mark_up(self) -> None:
+        """Back in routing; what was learnt of its prompts is forgotten (it may have
+        restarted with another model or template)."""
+        self.healthy, self.last_error = True, None
+        self.token_counts.clear()
 
 
 def route_key(prompt_text: str | None, public: bool, tenant: str) -> str:

@@ -49,7 +49,7 @@ async def warm_backend(client: httpx.AsyncClient, router: Router, backend: Backe
         system = [{"role": "system", "content": it.prompt.text}]
         salt = None if it.prompt.public else K.tenant_salt(secret, it.tenant)
         try:
-            if backend.kind == "hotprefix":
+            if backend.supports_salt:
                 body = {"messages": system} | ({"cache_salt": salt} if salt else {})
                 r = await client.post(backend.url + "/pin", json=body, headers=headers, timeout=600)
             else:
@@ -62,7 +62,7 @@ async def warm_backend(client: httpx.AsyncClient, router: Router, backend: Backe
             done += 1
             log.info("warm-up %s: %d/%d prompt %s v%d (%s)%s", backend.url, i, len(mine), it.prompt.name,
                      it.prompt.version, "public" if it.prompt.public else f"private to {it.tenant}",
-                     f", pinned {r.json().get('pinned_blocks')} blocks" if backend.kind == "hotprefix" else "")
+                     f", pinned {r.json().get('pinned_blocks')} blocks" if backend.supports_salt else "")
         except (httpx.HTTPError, ValueError) as e:
             log.warning("warm-up %s: prompt %s v%d failed: %s", backend.url, it.prompt.name, it.prompt.version, e)
     return done

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +136,26 @@ GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(source: str, setting: str = "auto") -> dict[str, float | int]:
+class GenerationConfigSource(str, Enum):
+    """--generation-config's two modes (any other value is a folder holding a
+    generation_config.json): the model folder's file, or none (the API's defaults)."""
+
+    AUTO = "auto"
+    VLLM = "vllm"
+
+
+def generation_defaults(source: str, setting: str = GenerationConfigSource.AUTO) -> dict[str, float | int]:
     """Default sampling parameters (SamplingParams field names) from a
-    generation_config.json: "auto" reads the model folder's (GGUF files have none),
-    "vllm" gives none, anything else is a folder holding one. Raises ModelLoadError
+    generation_config.json: AUTO reads the model folder's (GGUF files have none),
+    VLLM gives none, anything else is a folder holding one. Raises ModelLoadError
     for a folder without the file or a file that is not valid."""
-    if setting == "vllm":
+    if setting == GenerationConfigSource.VLLM:
         return {}
-    folder = Path(source) if setting == "auto" else Path(setting).expanduser()
+    auto = setting == GenerationConfigSource.AUTO
+    folder = Path(source) if auto else Path(setting).expanduser()
     path = folder / "generation_config.json"
     if not path.is_file():
-        if setting == "auto":
+        if auto:
             return {}
         raise ModelLoadError(f"--generation-config {setting}: no generation_config.json there")
     try:

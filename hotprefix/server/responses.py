@@ -1,11 +1,22 @@
-"""A streaming response that always ends what it streams (shared by the server and the gateway)."""
+"""A streaming response that always ends what it streams, and the wait for a client that
+leaves (shared by the server and the gateway)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
+
+DISCONNECT_POLL_S = 0.1  # how often a waiting handler asks whether its client is still there
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client has gone away (polled every DISCONNECT_POLL_S)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 class ClosingStreamingResponse(StreamingResponse):

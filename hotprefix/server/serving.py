@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from fastapi import Request
@@ -39,7 +40,7 @@ from hotprefix.server.protocol import (
     now,
     random_id,
 )
-from hotprefix.server.responses import ClosingStreamingResponse
+from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
 from hotprefix.server.tool_parsers import PARSERS
 
 log = logging.getLogger("hotprefix.requests")
@@ -61,6 +62,14 @@ class RequestLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+class LogStatus(str, Enum):
+    """How a request ended, in its request-log line."""
+
+    OK = "ok"
+    ERROR = "error"
+    CLIENT_DISCONNECTED = "client_disconnected"
 
 
 @dataclass
@@ -165,7 +174,7 @@ class Serving:
         if out.finished:
             self.metrics.observe_finished(out)
 
-    def _finish(self, t: Tracker, streams: list[RequestStream], status: str) -> None:
+    def _finish(self, t: Tracker, streams: list[RequestStream], status: LogStatus) -> None:
         """Abort what is unfinished, count aborted ones, write the log line (once)."""
         if t.done:
             return
@@ -183,7 +192,7 @@ class Serving:
         reasons = sorted({o.finish_reason or "abort" for out in outs for o in out.outputs})
         self.request_log.write({
             "time": time.time(), "request_id": t.request_id, "endpoint": t.endpoint, "model": t.model,
-            "user": t.user, "status": status,
+            "user": t.user, "status": status.value,
             "prompt_tokens": sum(len(s.prompt_token_ids) for s in streams),
             "cached_tokens": sum(o.num_cached_tokens for o in outs),
             "completion_tokens": sum(len(o.token_ids) for out in outs for o in out.outputs),
@@ -214,20 +223,16 @@ class Serving:
                 raise RequestFailedError("the request ended without a final output")
             return final
 
-        async def disconnected() -> None:
-            while not await raw.is_disconnected():
-                await asyncio.sleep(0.25)
-
-        status = "client_disconnected"
+        status = LogStatus.CLIENT_DISCONNECTED
         work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
-        watch = asyncio.ensure_future(disconnected())
+        watch = asyncio.ensure_future(wait_disconnect(raw))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
                 raise asyncio.CancelledError("client disconnected")
-            status = "error"
+            status = LogStatus.ERROR
             finals = work.result()
-            status = "ok"
+            status = LogStatus.OK
             return finals
         finally:
             watch.cancel()
@@ -273,7 +278,7 @@ class Serving:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         async def gen() -> AsyncIterator[str]:
-            status = "client_disconnected"
+            status = LogStatus.CLIENT_DISCONNECTED
             try:
                 if (head := fmt.head(body.n)) is not None:
                     yield event({**base, "choices": head})
@@ -291,9 +296,9 @@ class Serving:
                 if opts and opts.include_usage:
                     yield event({**base, "choices": [], "usage": self.usage(streams, t)})
                 yield "data: [DONE]\n\n"
-                status = "ok"
+                status = LogStatus.OK
             except Exception as e:  # an engine failure after the response started: report it in-band
-                status = "error"
+                status = LogStatus.ERROR
                 log.warning("stream %s failed: %s", t.request_id, e)
                 own = isinstance(e, RequestFailedError) and e.own  # its grammar: the same request fails anywhere
                 yield event(error_body(str(e), *(("BadRequestError", 400) if own else ("InternalServerError", 500))))
@@ -301,7 +306,7 @@ class Serving:
             finally:
                 self._finish(t, streams, status)
 
-        return ClosingStreamingResponse(gen(), lambda: self._finish(t, streams, "client_disconnected"),
+        return ClosingStreamingResponse(gen(), lambda: self._finish(t, streams, LogStatus.CLIENT_DISCONNECTED),
                                         media_type="text/event-stream")
 
     def _respond(self, t: Tracker, fmt: ChoiceFormat, choices: list[dict[str, Any]],
