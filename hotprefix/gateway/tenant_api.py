@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hotprefix.errors import InvalidRequestError
 from hotprefix.server.protocol import NamedToolChoice, ResponseFormat, SamplingFields, ToolCall, ToolDef
 
 # Fields a backend honours but only the operator may set: they change the prompt's
@@ -63,24 +64,26 @@ class Message(_Strict):
 
 
 class _Sampling(_Strict):
-    """Sampling fields a tenant may set (OpenAI's and vLLM's harmless extras)."""
+    """Sampling fields a tenant may set (OpenAI's and vLLM's harmless extras). Their
+    values are checked by the server's own rules (check_sampling); the bounds here are
+    the gateway's own (n, and no max_tokens 0: that needs echo, an operator field)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    min_p: float | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool | None = None
     stream: bool = False
@@ -98,12 +101,15 @@ class _Sampling(_Strict):
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def wanted_logprobs(self) -> int | None:
+        return None
+
 
 class TenantChat(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -111,11 +117,17 @@ class TenantChat(_Sampling):
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class TenantCompletion(_Sampling):
     prompt: str | list[str] = Field(min_length=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = None
     best_of: int | None = Field(None, ge=1, le=128)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 MODELS: dict[str, type[_Sampling]] = {"chat": TenantChat, "completions": TenantCompletion}
@@ -128,7 +140,7 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
         if k in OPERATOR_FIELDS:
             raise TenantRequestError(f"'{k}' is set by the operator; the gateway does not accept it from clients", k)
     try:
-        return MODELS[endpoint].model_validate(raw)
+        req = MODELS[endpoint].model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err.get("loc", ()))
@@ -138,6 +150,22 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
             raise TenantRequestError("the gateway accepts 'prompt' as a string or a list of strings (token-id "
                                      "prompts cannot be prefixed with the tenant's system prompt)", "prompt") from None
         raise TenantRequestError(f"{loc or 'body'}: {err.get('msg')}", loc.split(".")[0] if loc else None) from None
+    check_sampling(req)
+    return req
+
+
+def check_sampling(req: _Sampling) -> None:
+    """The tenant's sampling values, checked by the server's one set of rules (its
+    request model's sampling_params, i.e. SamplingParams.validate), so that the gateway
+    refuses exactly what a hotprefix backend would. Raises TenantRequestError naming the field."""
+    fields = {k: v for k, v in req.model_dump(exclude_none=True, by_alias=True).items()
+              if k in SamplingFields.model_fields}
+    try:
+        SamplingFields.model_validate(fields).sampling_params(req.wanted_max_tokens(), req.wanted_logprobs())
+    except InvalidRequestError as e:
+        raise TenantRequestError(str(e), e.param) from None
+    except ValidationError as e:  # (the tenant model's types are the server's: not expected)
+        raise TenantRequestError(f"invalid sampling parameters: {e.errors()[0].get('msg')}", None) from None
 
 
 NOT_FORWARDED = {"messages", "prompt", "max_completion_tokens", "max_tokens",  # rebuilt

@@ -259,3 +259,30 @@ def test_fields_that_cannot_change_a_result_are_accepted_and_not_forwarded(setup
     assert r.status_code == 200, r.text
     sent = records(fake, "chat")[-1]["body"]
     assert not {"reasoning_effort", "store", "metadata", "service_tier"} & set(sent)
+
+
+@pytest.mark.parametrize("endpoint,extra", [
+    ("chat", {"temperature": -1}), ("chat", {"top_p": 0}), ("chat", {"min_p": 1.5}), ("chat", {"top_k": -2}),
+    ("chat", {"presence_penalty": 3}), ("chat", {"repetition_penalty": 0}), ("chat", {"seed": 2**64}),
+    ("chat", {"stop": [""]}), ("chat", {"stop_token_ids": list(range(5000))}), ("chat", {"logit_bias": {"x": 1}}),
+    ("chat", {"logprobs": True, "top_logprobs": 21}), ("chat", {"min_tokens": 9, "max_tokens": 3}),
+    ("completions", {"logprobs": 21}), ("completions", {"frequency_penalty": -2.5}),
+])
+def test_the_gateway_refuses_sampling_values_by_the_servers_own_rules(setup, endpoint, extra):
+    """The same 400 (and param) as a hotprefix server gives, from the same rules, and
+    nothing reaches the backend."""
+    from hotprefix.errors import InvalidRequestError
+    from hotprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    store, fake, gw, keys = setup
+    body = {**(CHAT if endpoint == "chat" else {"prompt": "hi", "max_tokens": 3}), **extra}
+    server_side = (ChatCompletionRequest if endpoint == "chat" else CompletionRequest).model_validate(body)
+    logprobs = (server_side.top_logprobs or 0) if endpoint == "chat" and server_side.logprobs \
+        else (server_side.logprobs if endpoint == "completions" else None)
+    with pytest.raises(InvalidRequestError) as want:
+        server_side.sampling_params(body.get("max_tokens"), logprobs)
+    n = len(records(fake))
+    r = post(gw, keys["acme"], f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == want.value.param, r.text
+    assert str(want.value) in r.json()["error"]["message"]
+    assert len(records(fake)) == n
