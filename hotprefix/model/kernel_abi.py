@@ -1,5 +1,7 @@
-"""The C kernels' ABI (csrc/*.c), stated once: ctypes mirrors of the structs the
-library reads and the signature of every function it exports.
+"""The C kernels' ABI, the Python side of csrc/hp_api.h (the one header that declares
+every exported function and the structs): ctypes mirrors of the structs the library
+reads and the signature of every function it exports (tests/model/test_kernel_abi.py
+compares SIGNATURES with the header's prototypes).
 
 `bind` loads a built library, declares the signatures and compares each struct's size
 and field offsets with the library's own (`hp_struct_layout`), so that a struct edited

@@ -11,6 +11,7 @@
  * Returns 0, or -2 when out of memory.
  * ------------------------------------------------------------------------ */
 #include "ops.h"
+#include "hp_api.h"
 
 #define ATT_CHUNK 32
 

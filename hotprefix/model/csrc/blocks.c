@@ -8,6 +8,7 @@
  * weights. Rows of W are split over OpenMP threads.
  */
 #include "hp.h"
+#include "hp_api.h"
 
 /* The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block's 12 scale
  * bytes (gguf's Q4_K.get_scale_min). */

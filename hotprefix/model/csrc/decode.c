@@ -1,6 +1,7 @@
 #include <stddef.h>
 
 #include "ops.h"
+#include "hp_api.h"
 
 /* ------------------------------------------------------------------------
  * Every decoder layer of a decode step in one call and one parallel region.
@@ -24,37 +25,7 @@ static inline void merge_row(float *o, const float *lse, const float *osh, const
     for (int d = 0; d < D; d++) orow[d] = srow[d] * wa + orow[d] * wb;
 }
 
-/* One layer's weights (each projection's parts regrouped by hp_repack) and cache. */
-typedef struct {
-    const float *norm1, *norm2;                     /* [E] */
-    hp_part qkv[3], o, gu[2], down;                 /* rows [(H + 2 KVH) D], [E], [2I], [E] */
-    int nqkv, ngu;                                  /* parts of qkv (1-3) and gu (1-2) */
-    const float *b_qkv, *b_o;                       /* [(H + 2 KVH) D], [E], or NULL */
-    float *kpool, *vpool;                           /* [KVH, S, D] */
-} hp_layer;
-
-/* The decoder stack: its layers and shape. */
-typedef struct {
-    const hp_layer *layers;
-    int nlayers, E, H, KVH, D, I;
-    float eps, scale;
-    int64_t head_stride;                            /* floats between KV heads of a pool: S * D */
-} hp_stack;
-
-/* One decode step. x [M, E]: the rows' hidden states, updated in place through the
- * layers. cos, sin: [M, D] (rope()'s halves); wslots [M]: where each row's key and value
- * go; rows, task, ntasks, aslots: the attention plan over each row's own context
- * (hp_paged_attention's, with rows indexing q as [M * H, D]); srows, stask, nstasks,
- * sslots: the plan over the cascades' shared prefixes (nsrows rows, each in one task;
- * nstasks 0: none), whose output is merged into those rows' by log-sum-exp (merge_row). */
-typedef struct {
-    float *x;
-    const float *cos_, *sin_;
-    const int64_t *wslots, *rows, *task, *aslots, *srows, *stask, *sslots;
-    int M, ntasks, nsrows, nstasks;
-} hp_step;
-
-/* sizeof and the field offsets, in declaration order, of the structs above (which: 0
+/* sizeof and the field offsets, in declaration order, of hp_api.h's structs (which: 0
  * hp_part, 1 hp_layer, 2 hp_stack, 3 hp_step) into out (room for 32); returns how many
  * were written. qlinear.bind compares them with its ctypes mirrors. */
 int hp_struct_layout(int which, int64_t *out) {

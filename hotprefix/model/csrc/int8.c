@@ -7,6 +7,7 @@
  * Q4_K, Q4_K and Q6_K), computed in one work-sharing loop.
  */
 #include "hp.h"
+#include "hp_api.h"
 
 #define M_CHUNK 64  /* rows of x whose int8 form (M_CHUNK * K bytes) stays in L2 while the groups pass */
 

@@ -1,6 +1,7 @@
 /* RMSNorm, RoPE, silu * up and KV writes as separate calls (the layer-by-layer path of
  * int8 mode): the row functions of ops.h over the rows, split over OpenMP threads. */
 #include "ops.h"
+#include "hp_api.h"
 
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads)

@@ -25,6 +25,7 @@
  * All are within 3% of the GGUF bytes except Q5_0/Q5_1 (the fallbacks of small models).
  */
 #include "hp.h"
+#include "hp_api.h"
 
 /* offsets inside a K-quant unit */
 enum { K45_SC = 64, K45_MN = 192, K45_CODES = 320, K5_HI = 2368, K6_SC = 32, K6_LO = 288, K6_HI = 2336 };
