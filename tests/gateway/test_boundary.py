@@ -286,3 +286,23 @@ def test_the_gateway_refuses_sampling_values_by_the_servers_own_rules(setup, end
     assert r.status_code == 400 and r.json()["error"]["param"] == want.value.param, r.text
     assert str(want.value) in r.json()["error"]["message"]
     assert len(records(fake)) == n
+
+
+def test_the_tenant_allow_list_is_a_subset_of_the_servers_table():
+    """The server's request model is the one table of sampling fields: every field a tenant
+    may send is one of its fields, of the same type (the gateway's list stays an explicit
+    allow-list, so that a new server field is closed to tenants until the operator's code
+    opens it), and the values are checked by the server's rules (test above)."""
+    from hotprefix.gateway.tenant_api import MODELS
+    from hotprefix.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+    server = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+    gateway_only = {"messages"}  # rebuilt by the gateway (the forced prompt first): its own model
+    for endpoint, model in MODELS.items():
+        theirs = server[endpoint].model_fields
+        for name, f in model.model_fields.items():
+            if name in gateway_only:
+                continue
+            assert name in theirs, (endpoint, name)
+            if name in SamplingFields.model_fields and "StreamOptions" not in str(f.annotation):
+                assert str(f.annotation).replace(" | None", "") in str(theirs[name].annotation), (name, f.annotation)
