@@ -61,6 +61,7 @@ from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
 
 log = logging.getLogger(__name__)
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+TOKENIZE_ERRORS = (httpx.HTTPError, KeyError, ValueError, TypeError)  # a backend's /tokenize that did not answer
 PROBES = ("A", "z")  # two client inputs that share no first character
 REFUSALS = {Refusal.TOO_LARGE: "this request needs at least {least} tokens, more than the key's {tpm} tokens per "
                                "minute",
@@ -210,11 +211,8 @@ class Proxy:
             req = ({"messages": [{"role": "system", "content": prompt.text}, {"role": "user", "content": probe}]}
                    if endpoint == "chat" else {"prompt": join_prompt(prompt.text, probe), "split_special_tokens": True})
             try:
-                r = await self.client.post(backend.url + "/tokenize", json=req, headers=self.backend_headers,
-                                           timeout=10)
-                r.raise_for_status()
-                counts.append(r.json()["tokens"])
-            except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
+                counts.append((await self._tokenize(backend, req))["tokens"])
+            except TOKENIZE_ERRORS as e:
                 log.warning("tokenize on %s failed (%s): salting the whole prompt", backend.url, e)
                 return 0
         n = _common_prefix(*counts)
@@ -225,24 +223,23 @@ class Proxy:
         return route_key(caller.prompt.text if caller.prompt else None, bool(caller.prompt and caller.prompt.public),
                          caller.tenant.name)
 
+    async def _tokenize(self, backend: Backend, req: dict[str, Any]) -> dict[str, Any]:
+        """A hotprefix backend's /tokenize answer to `req`. Raises one of TOKENIZE_ERRORS."""
+        r = await self.client.post(backend.url + "/tokenize", json=req, headers=self.backend_headers, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
     async def _prompt_tokens(self, endpoint: str, body: dict[str, Any], caller: Caller) -> int:
         """The prompt tokens `body` will carry: counted by the first hotprefix backend in
         its routing order (its /tokenize renders exactly what it will serve, tools and
         all), else prompt_token_bound, which never counts low."""
-        for backend in self.router.order(self._route_key(caller)):
-            if not backend.supports_salt:
-                continue
+        backend = next((b for b in self.router.order(self._route_key(caller)) if b.supports_salt), None)
+        if backend is not None:
             try:
-                total = 0
-                for req in tokenize_bodies(endpoint, body):
-                    r = await self.client.post(backend.url + "/tokenize", json=req, headers=self.backend_headers,
-                                               timeout=10)
-                    r.raise_for_status()
-                    total += int(r.json()["count"])
-                return total
-            except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:  # a 400 too: the bound, and the
-                log.debug("tokenize on %s: %s; reserving the bound", backend.url, e)  # backend answers the request
-            break
+                return sum([int((await self._tokenize(backend, req))["count"])
+                            for req in tokenize_bodies(endpoint, body)])
+            except TOKENIZE_ERRORS as e:  # a 400 too: the bound, and the backend answers the request
+                log.debug("tokenize on %s: %s; reserving the bound", backend.url, e)
         return prompt_token_bound(body)
 
     async def body_for(self, backend: Backend, endpoint: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:

@@ -5,7 +5,6 @@ endpoints; they differ in how a piece of text and a logprob block are written.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import accumulate
 from typing import Any
 
 from hotprefix.engine.llm_engine import CompletionOutput, RequestOutput
@@ -109,15 +108,14 @@ class CompletionFormat(ChoiceFormat):
     def echoed(self, prompt_ids: list[int], prompt_lps: list[TokenLogprobs | None] | None,
                generated: dict[str, Any]) -> dict[str, Any]:
         """An echoed prompt's logprob block (its first token has none, as in OpenAI's
-        legacy API), then the generated tokens' (`generated`, whose offsets follow)."""
-        lps = prompt_lps or [None] * len(prompt_ids)
-        toks = [self.token_text(t) for t in prompt_ids]
-        offsets = list(accumulate((len(s) for s in toks[:-1]), initial=0)) if toks else []
-        scores = [None if lp is None else lp.sampled.logprob for lp in lps]
-        tops = [None if lp is None else {self.token_text(a.token_id): a.logprob for a in lp.top[:self.top]}
-                for lp in lps]
-        return {"tokens": toks + generated["tokens"], "token_logprobs": scores + generated["token_logprobs"],
-                "top_logprobs": tops + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+        legacy API; the engine scored every later one), then the generated tokens'
+        (`generated`, whose offsets follow)."""
+        first = self.token_text(prompt_ids[0])
+        rest = self.logprob_block((prompt_lps or [])[1:], len(first))  # entry i scores prompt token i
+        return {"tokens": [first] + rest["tokens"] + generated["tokens"],
+                "token_logprobs": [None] + rest["token_logprobs"] + generated["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"] + generated["top_logprobs"],
+                "text_offset": [0] + rest["text_offset"] + generated["text_offset"]}
 
 
 class ChatFormat(ChoiceFormat):

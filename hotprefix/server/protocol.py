@@ -110,6 +110,10 @@ class SamplingFields(Strict):
         """The fields of IGNORED this request set."""
         return [name for name in self.IGNORED if getattr(self, name) is not None]
 
+    def prompt_logprobs_needed(self) -> int | None:
+        """Alternatives per prompt token the engine must compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
     def structured(self) -> StructuredOutput | None:
         """The one output constraint the request asks for (response_format,
         structured_outputs or a guided_* field), or None. Raises InvalidRequestError
@@ -169,7 +173,7 @@ class SamplingFields(Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
                 repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+                logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_needed(),
                 skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
                 structured=structured)
         except ValueError as e:
@@ -200,8 +204,7 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError("max_tokens 0 needs echo (the prompt alone, with its logprobs)", "max_tokens")
 
     def prompt_logprobs_needed(self) -> int | None:
-        """Alternatives per prompt token the engine must compute: prompt_logprobs's, or
-        logprobs's when the echoed prompt comes with its logprobs (None: none)."""
+        """prompt_logprobs's, or logprobs's when the echoed prompt comes with its logprobs."""
         if self.echo and self.logprobs is not None:
             return max(self.prompt_logprobs or 0, self.logprobs)
         return self.prompt_logprobs

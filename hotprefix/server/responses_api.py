@@ -25,6 +25,7 @@ from pydantic import Field
 from hotprefix.errors import InvalidRequestError
 from hotprefix.server.protocol import ChatCompletionRequest, Strict
 from hotprefix.server.responses import ClosingStreamingResponse
+from hotprefix.server.tool_parsers import new_item_id
 
 STORED_RESPONSES = 1024  # conversations kept for previous_response_id (the newest)
 STORED_BYTES = 64 << 20  # and at most this much of them (their JSON), so that no client fills the memory
@@ -134,21 +135,15 @@ def _chat_tool(t: dict[str, Any], i: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def new_id(prefix: str) -> str:
-    import secrets
-
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
 def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat answer's message as Responses output items: a message with its text, and
     a function_call item per tool call."""
     items = []
     if message.get("content"):
-        items.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+        items.append({"type": "message", "id": new_item_id("msg"), "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
     for call in message.get("tool_calls") or ():
-        items.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
+        items.append({"type": "function_call", "id": new_item_id("fc"), "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                       "status": "completed"})
     return items
@@ -236,7 +231,7 @@ async def stream_events(chunks: AsyncIterator[str], rid: str, body: ResponsesReq
 
 async def _translated(chunks: Any, rid: str, body: ResponsesRequest, model: str, on_done: Any,
                       event: Any) -> AsyncIterator[str]:
-    msg_id, text, calls, finish, usage = new_id("msg"), "", [], None, None
+    msg_id, text, calls, finish, usage = new_item_id("msg"), "", [], None, None
     opened = False
     async for raw in chunks:
         if not raw.startswith("data: {"):
@@ -284,7 +279,7 @@ async def _translated(chunks: Any, rid: str, body: ResponsesRequest, model: str,
 async def create(serving: Any, store: ResponseStore, body: ResponsesRequest, raw: Request, model: str) -> Any:
     """POST /v1/responses: the answer as a Response object, or its stream of events."""
     chat = to_chat(body, store.history(body.previous_response_id))
-    rid = new_id("resp")
+    rid = new_item_id("resp")
     keep_from = 1 if body.instructions else 0  # the instructions are per request: not carried on
 
     def done(message: dict[str, Any], response: dict[str, Any]) -> None:

@@ -124,8 +124,8 @@ class Serving:
     # -- shared -------------------------------------------------------------------
     async def _submit(self, body: SamplingFields, prompts: list[Prompt], max_tokens: int | None,
                       logprobs: int | None, add_special_tokens: bool, base_id: str,
-                      split_special_tokens: bool = False, structured: StructuredOutput | None = None,
-                      prompt_logprobs: int | None = None) -> list[RequestStream]:
+                      split_special_tokens: bool = False,
+                      structured: StructuredOutput | None = None) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
         self._note_ignored(body)
@@ -137,11 +137,9 @@ class Serving:
             raise InvalidRequestError(f"at most {self.options.max_logprobs} logprobs (--max-logprobs), got {logprobs}",
                                       "logprobs")
         params = body.sampling_params(max_tokens, logprobs, self.options.default_sampling)
-        if structured is not None or prompt_logprobs is not None:  # the tool-call grammar; echo's logprobs
+        if structured is not None:  # the tool-call grammar
             try:
-                params = replace(params, structured=structured or params.structured,
-                                 prompt_logprobs=prompt_logprobs if prompt_logprobs is not None
-                                 else params.prompt_logprobs)
+                params = replace(params, structured=structured)
             except ValueError as e:
                 raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
         options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
@@ -320,7 +318,7 @@ class Serving:
         rid = body.request_id or random_id("cmpl")
         prompts = body.prompts()
         streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
-                                     body.split_special_tokens, prompt_logprobs=body.prompt_logprobs_needed())
+                                     body.split_special_tokens)
         t = Tracker(rid, "completions", body.user, model)
         fmt = CompletionFormat(self._token_text, body.logprobs or 0, body.logprobs is not None)
         if body.stream:

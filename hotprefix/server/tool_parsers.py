@@ -30,8 +30,13 @@ class ParsedCall:
         return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def new_item_id(prefix: str) -> str:
+    """An id in OpenAI's style for calls and Responses items: call_..., resp_..., msg_..."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
 def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+    return new_item_id("call")
 
 
 Event = tuple[str, "str | ParsedCall"]  # ("content", text) or ("call", ParsedCall)
@@ -119,8 +124,7 @@ class HermesStreamer:
             if not self.inside:
                 i = self.buf.find(TOOL_CALL_OPEN)
                 if i < 0:  # hold a tail that may be the start of a call
-                    hold = next((n for n in range(min(len(TOOL_CALL_OPEN) - 1, len(self.buf)), 0, -1)
-                                 if TOOL_CALL_OPEN.startswith(self.buf[-n:])), 0)
+                    hold = _held_tail(self.buf, TOOL_CALL_OPEN)
                     events += self._content(self.buf[:len(self.buf) - hold])
                     self.buf = self.buf[len(self.buf) - hold:]
                     return events
