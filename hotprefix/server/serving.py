@@ -146,7 +146,8 @@ class Serving:
                                  body.pin_prefix, split_special_tokens, body.truncate_prompt_tokens)
         streams = await self.engine.submit(base_id, prompts, params, options)
         for _ in prompts:  # (vLLM's per engine request; max_model_len when the request set no max_tokens)
-            self.metrics.observe_params(params.n, params.max_tokens or self.engine.max_model_len)
+            self.metrics.observe_params(params.n, self.engine.max_model_len if params.max_tokens is None
+                                        else params.max_tokens)
         return streams
 
     def _note_ignored(self, body: SamplingFields) -> None:
