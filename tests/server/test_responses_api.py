@@ -5,6 +5,8 @@ against the chat completion it stands for (greedy: the same tokens)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -120,12 +122,31 @@ def _aborted(srv) -> float:
 
 
 def test_a_client_leaving_a_stream_frees_everything(srv):
+    """The client goes after the first delta while the engine thread is held between
+    steps (so the answer cannot end first, however short it is): the request is aborted
+    and nothing is left held."""
     before = _aborted(srv)
-    with httpx.stream("POST", srv.v1 + "/responses", timeout=60, json={
-            "model": "tiny", "input": "Count to fifty.", "max_output_tokens": 200, "stream": True,
-            "temperature": 0}) as r:  # greedy: the same long answer every run
-        for i, _ in enumerate(r.iter_lines()):
-            if i == 12:  # a few deltas in, the client goes
-                break
+    gate, held = threading.Event(), threading.Event()
+
+    def hold(_engine):
+        held.set()
+        gate.wait(30)
+
+    holder = threading.Thread(target=srv.on_engine, args=(hold, 60))
+    try:
+        with httpx.stream("POST", srv.v1 + "/responses", timeout=60, json={
+                "model": "tiny", "input": "Count to fifty.", "max_output_tokens": 200, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: response.output_text.delta"):
+                    holder.start()
+                    assert held.wait(30)
+                    break  # the client goes
+        deadline = time.monotonic() + 30
+        while _aborted(srv) != before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _aborted(srv) == before + 1  # aborted when the client went, while it could not have ended
+    finally:
+        gate.set()
+        if holder.is_alive() or held.is_set():
+            holder.join(60)
     srv.check_drained()
-    assert _aborted(srv) == before + 1  # stopped when the client went, not run to its 200 tokens

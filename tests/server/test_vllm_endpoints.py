@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import httpx
 import openai
@@ -32,23 +33,29 @@ def test_a_model_is_retrieved_by_its_id(live, client):
 def test_ping_and_load(live):
     assert httpx.get(live.url + "/ping").status_code == 200 and httpx.post(live.url + "/ping").status_code == 200
     assert httpx.get(live.url + "/load").json() == {"server_load": 0}
-    started, seen = threading.Event(), []
+    gate, held = threading.Event(), threading.Event()
 
-    def stream():
-        try:
-            with httpx.stream("POST", live.v1 + "/completions", timeout=60, json={
-                    "prompt": "count", "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
-                for i, _ in enumerate(r.iter_lines()):
-                    if i == 1:
-                        seen.append(httpx.get(live.url + "/load").json()["server_load"])
-        finally:
-            started.set()
+    def hold(_engine):  # the engine thread waits here, between steps, until the gate opens
+        held.set()
+        gate.wait(30)
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
-    t.join(60)
-    assert seen == [1]  # while its tokens came, the one request was the load
+    holder = threading.Thread(target=live.on_engine, args=(hold, 60))
+    holder.start()
+    assert held.wait(30)
+    answer: list = []
+    asker = threading.Thread(target=lambda: answer.append(httpx.post(live.v1 + "/completions", timeout=60, json={
+        "prompt": "count", "max_tokens": 4, "ignore_eos": True})))
+    asker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(live.url + "/load").json()["server_load"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(live.url + "/load").json() == {"server_load": 1}  # admitted, waiting on the engine
+    finally:
+        gate.set()
+        holder.join(60)
+        asker.join(60)
+    assert answer[0].status_code == 200
     live.wait_idle()
     assert httpx.get(live.url + "/load").json() == {"server_load": 0}
 
@@ -77,6 +84,8 @@ def test_vllms_metric_names_under_its_prefix(tiny_llama):
         body = {"prompt": "one two three", "max_tokens": 5, "n": 2, "ignore_eos": True, "temperature": 0}
         r = httpx.post(s.v1 + "/completions", json=body).json()
         r2 = httpx.post(s.v1 + "/completions", json=body).json()  # the second hits the cached prefix
+        echo = httpx.post(s.v1 + "/completions", json={"prompt": "one two", "max_tokens": 0, "echo": True})
+        assert echo.status_code == 200, echo.text
         text = httpx.get(s.url + "/metrics").text
     finally:
         s.stop()
@@ -88,8 +97,8 @@ def test_vllms_metric_names_under_its_prefix(tiny_llama):
     assert values["vllm:gpu_cache_usage_perc"] == values["vllm:kv_cache_usage_perc"]
     hits, queries = values["vllm:prefix_cache_hits_total"], values["vllm:prefix_cache_queries_total"]
     assert queries > 0 and values["vllm:gpu_prefix_cache_hit_rate"] == pytest.approx(hits / queries)
-    assert values["vllm:request_params_n_sum"] == 4 and values["vllm:request_params_n_count"] == 2
-    assert values["vllm:request_params_max_tokens_sum"] == 10
+    assert values["vllm:request_params_n_sum"] == 5 and values["vllm:request_params_n_count"] == 3
+    assert values["vllm:request_params_max_tokens_sum"] == 10  # 5 + 5 + 0: the echo asked for no tokens
     prompt = r["usage"]["prompt_tokens"]
     generated = r["usage"]["completion_tokens"] + r2["usage"]["completion_tokens"]
     assert generated == 20
@@ -100,4 +109,4 @@ def test_vllms_metric_names_under_its_prefix(tiny_llama):
     for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
                  "time_per_output_token_seconds", "request_queue_time_seconds"):
         assert values[f"vllm:{name}_count"] > 0, name
-    assert values["vllm:request_inference_time_seconds_count"] == 2  # one a request
+    assert values["vllm:request_inference_time_seconds_count"] == 3  # one a request
