@@ -170,7 +170,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        admission=AdmissionConfig(a.max_num_queued_requests, a.preprocess_timeout),
                        max_n=a.max_n, max_request_body_bytes=parse_size(a.max_request_body_bytes),
                        trust_request_chat_template=a.trust_request_chat_template,
-                       request_log=a.request_log, shutdown_timeout=a.shutdown_timeout,
+                       request_log=a.request_log, request_log_prompts=a.request_log_prompts,
+                       shutdown_timeout=a.shutdown_timeout,
                        log_level="debug" if a.verbose else "info", uvicorn_log_level=a.uvicorn_log_level,
                        allowed_origins=_list(a.allowed_origins), allowed_methods=_list(a.allowed_methods),
                        allowed_headers=_list(a.allowed_headers), allow_credentials=a.allow_credentials,
@@ -259,7 +260,12 @@ def _add_server_args(h: argparse._ArgumentGroup) -> None:
                    help="a Jinja chat template (file or string) to override the model's")
     h.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own chat_template (the server renders it; refused by default)")
-    h.add_argument("--request-log", default=None, help="append one JSON line per finished request to this file")
+    h.add_argument("--request-log", default=None,
+                   help="append one JSON line per finished request to this file: times, token counts and each "
+                        "prompt's block-hash chain (keyed; no text), which `hotprefix lint FILE` reads")
+    h.add_argument("--request-log-prompts", action="store_true",
+                   help="also write each prompt's rendered text in the request log (lint then names the "
+                        "volatile content and writes the fix)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
     h.add_argument("--disable-log-stats", action="store_true",

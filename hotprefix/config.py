@@ -337,7 +337,9 @@ class ServerConfig:
     served_model_names: the names clients may use (the first is reported and labels
     metrics; default: the model file's or folder's name).
     api_key: when set, /v1/* and the admin endpoints need `Authorization: Bearer <key>`.
-    request_log: a file to append one JSON line per finished request to.
+    request_log: a file to append one JSON line per finished request to (with each prompt's
+    keyed block-hash chain, never its text unless request_log_prompts).
+    request_log_prompts: also write each prompt's rendered text in the request log.
     shutdown_timeout: seconds to let running requests finish after SIGTERM.
     admission: how many sequences may wait, and the preprocessing budget (AdmissionConfig).
     max_n: the most samples (n, best_of) one request may ask for.
@@ -366,6 +368,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20
     trust_request_chat_template: bool = False
     request_log: str | None = None
+    request_log_prompts: bool = False
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     uvicorn_log_level: str = "info"

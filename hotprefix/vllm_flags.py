@@ -38,7 +38,8 @@ class ForeignFlag:
         return "foreign_" + self.names[-1].lstrip("-").replace("-", "_").replace(".", "_")
 
 
-_NO_PROMPT_LOGS = "hotprefix never logs prompts or outputs; --request-log writes one line per finished request"
+_NO_PROMPT_LOGS = ("hotprefix logs no prompt or output to its log; --request-log writes one line per finished "
+                   "request (prompt text only with --request-log-prompts)")
 FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ForeignFlag(("--disable-log-requests",), _NO_PROMPT_LOGS),
     ForeignFlag(("--enable-log-requests",), _NO_PROMPT_LOGS),

@@ -215,7 +215,8 @@ class AsyncEngine:
         plan, cc = self._engine.runner.plan, self._engine.config.cache
         return {"block_size": str(plan.block_size), "num_gpu_blocks": str(plan.num_blocks),
                 "cache_dtype": plan.dtype_name, "enable_prefix_caching": str(cc.enable_prefix_caching),
-                "prefix_caching_hash_algo": cc.prefix_caching_hash_algo}
+                "prefix_caching_hash_algo": cc.prefix_caching_hash_algo,  # host tier blocks, as vLLM's CPU blocks:
+                "num_cpu_blocks": str(self._engine.kv.tiers.host.num_slots if self._engine.kv.tiers else 0)}
 
     # -- requests -------------------------------------------------------------
     async def submit(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
@@ -378,6 +379,10 @@ class AsyncEngine:
         """The text of token ids, in a worker. Raises InvalidRequestError for an id out of range."""
         check_token_ids(ids, self.vocab_size, "tokens")
         return await self._in_worker(lambda: self._engine.detokenize(ids))
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """A prompt's text, special tokens kept (the request log), on this thread's tokenizer copy."""
+        return self._engine.detokenize(ids)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cheap; for logprobs), on this thread's tokenizer copy."""

@@ -462,5 +462,6 @@ class LLMEngine:
                              num_cached_tokens=st.children[0].request.num_cached_tokens or 0,
                              arrival_time=st.arrival_time, first_scheduled_time=st.first_scheduled_time,
                              first_token_time=st.first_token_time, finished_time=now if finished else None,
-                             prompt_logprobs=st.prompt_logprobs)
+                             prompt_logprobs=st.prompt_logprobs,
+                             block_hashes=list(st.children[0].request.block_hashes) if finished else [])
 

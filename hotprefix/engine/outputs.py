@@ -46,3 +46,6 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # prompt_logprobs: entry i for prompt token i
+    # once finished: the block hashes of the first sample's full blocks (prompt, then output;
+    # empty without prefix caching), for the request log and the prefix-group view
+    block_hashes: list[bytes] = field(default_factory=list)

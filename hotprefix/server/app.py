@@ -22,11 +22,23 @@ from hotprefix.server.body_guard import BodyGuard
 from hotprefix.server.error_handlers import install_error_handlers
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.middleware import ApiKeyGuard
+from hotprefix.server.prefix_log import LogKey, PrefixGroups, PrefixRecorder
 from hotprefix.server.routes import ServerContext, cache_router, openai_router, ops_router, tokens_router
 from hotprefix.server.serving import RequestLog, Serving, ServingOptions
 from hotprefix.server.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
+
+
+def prefix_recorder(engine: AsyncEngine, cfg: ServerConfig) -> PrefixRecorder | None:
+    """Block-hash chains for the request log and /prefix_groups (None without prefix caching)."""
+    info = engine.cache_info()
+    if info["enable_prefix_caching"] != "True":
+        return None
+    kv = {"block_size": engine.block_size, "blocks": int(info["num_gpu_blocks"]),
+          "host_blocks": int(info["num_cpu_blocks"])}
+    return PrefixRecorder(LogKey.for_log(cfg.request_log), PrefixGroups(engine.block_size), kv,
+                          cfg.request_log_prompts)
 
 
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
@@ -38,7 +50,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     serving = Serving(engine, metrics, request_log,
                       ServingOptions(cfg.chat_template, engine.scheduling_policy, cfg.max_n,
                                      cfg.trust_request_chat_template, engine.default_sampling, cfg.tool_call_parser,
-                                     cfg.max_logprobs, cfg.return_tokens_as_token_ids))
+                                     cfg.max_logprobs, cfg.return_tokens_as_token_ids),
+                      prefix_recorder(engine, cfg))
     ctx = ServerContext(engine, serving, metrics, cfg, names)
     stats = StatsLogger(engine, cfg.stats_interval)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 
 import hotprefix
@@ -141,9 +141,18 @@ def tokens_router(ctx: ServerContext) -> APIRouter:
 
 
 def cache_router(ctx: ServerContext) -> APIRouter:
-    """/pin, /unpin, /reset_prefix_cache: the operator's controls of the prefix cache."""
+    """/pin, /unpin, /reset_prefix_cache: the operator's controls of the prefix cache;
+    /prefix_groups: how requests share prefixes (server/prefix_log.py)."""
     api = APIRouter()
     engine = ctx.engine
+
+    @api.get("/prefix_groups")
+    async def prefix_groups(top: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
+        """Requests grouped by their first block: where they broke off from every earlier
+        request, and the hit rate measured and possible (`hotprefix lint --url` reads it)."""
+        if ctx.serving.prefix is None:
+            raise InvalidRequestError("prefix caching is off (--no-enable-prefix-caching): no prefix groups")
+        return ctx.serving.prefix.groups.snapshot(top)
 
     @api.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:

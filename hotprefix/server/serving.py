@@ -32,6 +32,7 @@ from hotprefix.sampling_params import StructuredKind, StructuredOutput
 from hotprefix.server.http_errors import error_body
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.openai_format import ChatFormat, ChoiceFormat, CompletionFormat
+from hotprefix.server.prefix_log import PrefixRecorder
 from hotprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -84,6 +85,8 @@ class Tracker:
     last: dict[str, RequestOutput] = field(default_factory=dict)
     last_token_at: dict[str, float] = field(default_factory=dict)
     done: bool = False  # the log line is written
+    cache_salt: str | None = None
+    cache_salt_offset: int = 0
 
 
 def failure(out: RequestOutput) -> RequestFailedError | None:
@@ -119,6 +122,7 @@ class Serving:
     metrics: ServerMetrics
     request_log: RequestLog
     options: ServingOptions = field(default_factory=ServingOptions)
+    prefix: PrefixRecorder | None = None  # block-hash chains for the log and /prefix_groups (None: no caching)
     _noted: set[str] = field(default_factory=set, init=False, repr=False)  # ignored fields logged once
 
     # -- shared -------------------------------------------------------------------
@@ -189,7 +193,7 @@ class Serving:
         outs = list(t.last.values())
         first = [o.first_token_time for o in outs if o.first_token_time is not None]
         reasons = sorted({o.finish_reason or "abort" for out in outs for o in out.outputs})
-        self.request_log.write({
+        row = {
             "time": time.time(), "request_id": t.request_id, "endpoint": t.endpoint, "model": t.model,
             "user": t.user, "status": status.value,
             "prompt_tokens": sum(len(s.prompt_token_ids) for s in streams),
@@ -198,7 +202,13 @@ class Serving:
             "ttft_s": round(min(first) - min(o.arrival_time for o in outs), 4) if first else None,
             "latency_s": time.monotonic() - t.start,
             "finish_reason": ",".join(reasons) if reasons else None,
-        })
+        }
+        if self.prefix is not None:
+            text = self.engine.prompt_text if self.prefix.with_text else None
+            row["kv"] = self.prefix.kv
+            row["prefix"] = [self.prefix.entry(o, t.cache_salt, t.cache_salt_offset,
+                                               text(o.prompt_token_ids) if text else None) for o in outs]
+        self.request_log.write(row)
 
     def usage(self, streams: list[RequestStream], t: Tracker) -> dict[str, Any]:
         prompt = sum(len(s.prompt_token_ids) for s in streams)
@@ -320,7 +330,8 @@ class Serving:
         prompts = body.prompts()
         streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
                                      body.split_special_tokens)
-        t = Tracker(rid, "completions", body.user, model)
+        t = Tracker(rid, "completions", body.user, model, cache_salt=body.cache_salt,
+                    cache_salt_offset=body.cache_salt_offset)
         fmt = CompletionFormat(self._token_text, body.logprobs or 0, body.logprobs is not None)
         if body.stream:
             return self._sse(streams, t, body, fmt)
@@ -361,7 +372,8 @@ class Serving:
         k = body.top_logprobs or 0
         streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid,
                                      structured=self._tool_grammar(body, tools))
-        t = Tracker(rid, "chat.completions", body.user, model)
+        t = Tracker(rid, "chat.completions", body.user, model, cache_salt=body.cache_salt,
+                    cache_salt_offset=body.cache_salt_offset)
         fmt = ChatFormat(self._token_text, k, bool(body.logprobs),
                          PARSERS[self.options.tool_parser] if body.calls_tools() else None)
         if body.stream:

@@ -1,63 +1,37 @@
 """`hotprefix lint`: why prompts do not share their prefixes, and what fixing it would gain.
 
-Prompts are tokenized exactly as the server would (same tokenizer and chat
-template) and run, in order, through a model of the prefix cache that uses the
-engine's own block hasher: a prompt hits the longest run of its leading full
-blocks seen before, capped so its last token is computed; all its full blocks
-are then cached (an unbounded cache, no eviction). For each prompt, the point
-where it stops matching every earlier prompt is its break; volatile content
-(timestamps, dates, UUIDs, ids, counters) whose span contains the break is
-what broke sharing. The fix moves such content to the end of the prompt, then
-checks again (a prompt may hold several); the hit rate after the fix is
-predicted the same way.
+Input is a log of OpenAI request bodies, or the server's own request log
+(`hotprefix serve --request-log FILE`): its rows carry, per prompt, the chain of
+(keyed, salted) block hashes, the cached tokens the server measured and, with
+`--request-log-prompts`, the rendered prompt text.
+
+Prompts run, in arrival order, through a replay of the prefix cache that uses the
+engine's own hasher, pool and eviction order (tools/cache_sim.py), of the size the
+log states or the flags give (unbounded otherwise: the output says which). For
+each prompt, the point where it stops matching every earlier prompt is its break;
+volatile content (tools/volatile.py) whose span holds the break is what broke
+sharing. The fix moves such content to the end of the prompt, round by round, and
+keeps a round only if the predicted hit rate rises; it is idempotent.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-from dataclasses import dataclass, field
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHasher
 from hotprefix.engine.tokenizer import PromptEncoder
+from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
 from hotprefix.tools.jsonl import iter_objects
+from hotprefix.tools.volatile import Placement, Volatile, find_volatile, move, spans_of
 
-VOLATILE = [  # (kind, pattern), most specific first
-    ("uuid", r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"),
-    ("timestamp", r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?"),
-    ("date", r"\b\d{4}-\d{2}-\d{2}\b|\b\d{1,2}/\d{1,2}/\d{2,4}\b|\b(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
-             r"[a-z]*\.? \d{1,2}(?:st|nd|rd|th)?,? \d{4}\b"),
-    ("time", r"\b\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?\b"),
-    ("unix_time", r"\b1[5-9]\d{8}(?:\d{3})?\b"),
-    ("id", r"(?i)\b(?:req(?:uest)?|user|session|trace|msg|conv(?:ersation)?|order|account)(?:[_-]?id)?[\s:=#_-]+"
-           r"(?=[A-Za-z0-9_-]*\d)[A-Za-z0-9][A-Za-z0-9_-]{3,}"),
-    ("hex_id", r"\b[0-9a-fA-F]{12,}\b"),
-    ("counter", r"\b\d+\b"),
-]
-_PATTERNS = [(k, re.compile(p)) for k, p in VOLATILE]
-
-
-@dataclass
-class Volatile:
-    kind: str
-    start: int
-    end: int
-    text: str
-
-
-def find_volatile(text: str) -> list[Volatile]:
-    """Non-overlapping volatile spans, the most specific kind winning."""
-    taken: list[Volatile] = []
-    for kind, pat in _PATTERNS:
-        for m in pat.finditer(text):
-            if not any(m.start() < v.end and v.start < m.end() for v in taken):
-                taken.append(Volatile(kind, m.start(), m.end(), m.group()))
-    return sorted(taken, key=lambda v: v.start)
+MAX_ROUNDS = 8
 
 
 class Trie:
@@ -79,87 +53,107 @@ class Trie:
         return n
 
 
-@dataclass
-class Simulation:
-    hits: list[int] = field(default_factory=list)  # cached tokens per prompt
-    lcps: list[int] = field(default_factory=list)  # tokens shared with some earlier prompt
+def token_lcps(prompts: list[list[int]]) -> list[int]:
+    """Per prompt, the tokens it shares with the longest-matching earlier prompt."""
+    trie = Trie()
+    return [trie.lcp_then_insert(ids) for ids in prompts]
+
+
+@dataclass(frozen=True)
+class LintRequest:
+    """One prompt as lint sees it. body: what the fix edits (None when only hashes are
+    known); ids/text: its tokens and their text (None likewise); sim: what the cache
+    replay needs; measured: the cached tokens the server reported (log rows only);
+    group: its prefix group (the first block's hash, hex; None under one block)."""
+
+    body: dict[str, Any] | None
+    ids: list[int] | None
+    text: str | None
+    sim: SimRequest
+    measured: int | None = None
+    logged_group: str | None = None  # the first block's digest in the server's log (as /prefix_groups names it)
 
     @property
-    def total_hits(self) -> int:
-        return sum(self.hits)
+    def tokens(self) -> int:
+        return self.sim.prompt_tokens
 
-
-def simulate(prompts: list[list[int]], block_size: int) -> Simulation:
-    """Run prompts in order through an unbounded prefix cache (the engine's rules)."""
-    hasher = BlockHasher(block_size)
-    seen: set[bytes] = set()
-    trie = Trie()
-    sim = Simulation()
-    for ids in prompts:
-        hashes = hasher.hashes_of(ids)
-        cap = (len(ids) - 1) // block_size
-        n = 0
-        while n < min(cap, len(hashes)) and hashes[n] in seen:
-            n += 1
-        sim.hits.append(n * block_size)
-        sim.lcps.append(trie.lcp_then_insert(ids))
-        seen.update(hashes)
-    return sim
+    @property
+    def group(self) -> str | None:
+        if self.logged_group is not None:
+            return self.logged_group
+        return bytes(self.sim.hashes[0]).hex()[:16] if self.sim.hashes else None
 
 
 @dataclass
-class Request:
-    body: dict[str, Any]
-    text: str  # the prompt text as the model sees it
-    ids: list[int]
-
-
-def _texts(body: dict[str, Any]) -> list[tuple[str, str]]:
-    """(location, text) of every editable text in a request body."""
-    if "messages" in body:
-        return [(f"messages.{i}", m.get("content") or "") for i, m in enumerate(body["messages"])
-                if isinstance(m.get("content"), str)]
-    return [("prompt", body["prompt"])] if isinstance(body.get("prompt"), str) else []
-
-
-def _set_text(body: dict[str, Any], loc: str, text: str) -> None:
-    if loc == "prompt":
-        body["prompt"] = text
-    else:
-        body["messages"][int(loc.split(".")[1])]["content"] = text
-
-
-def move_to_end(body: dict[str, Any], culprit: str) -> dict[str, Any]:
-    """A copy of body with one occurrence of culprit moved from its text to the
-    end of the last text (the end of the prompt): what stays in front is shared."""
-    out = json.loads(json.dumps(body))
-    texts = _texts(out)
-    for loc, text in texts:
-        i = text.find(culprit)
-        if i >= 0:
-            _set_text(out, loc, text[:i] + text[i + len(culprit):])
-            break
-    last_loc, last_text = _texts(out)[-1]
-    _set_text(out, last_loc, f"{last_text}\n({culprit})")
-    return out
+class Finding:
+    index: int
+    span: Volatile
+    break_token: int
 
 
 class Linter:
-    def __init__(self, encoder: PromptEncoder, block_size: int, chat_template: str | None = None) -> None:
+    """Tokenizes as the server does (same tokenizer, template, hasher, block size) and
+    replays through a cache of `size`."""
+
+    def __init__(self, encoder: PromptEncoder, block_size: int, chat_template: str | None = None,
+                 size: CacheSize | None = None) -> None:
         self.encoder = encoder
         self.block_size = block_size
         self.chat_template = chat_template
+        self.size = size or CacheSize()
+        self.hasher = BlockHasher(block_size)
 
-    def prepare(self, body: dict[str, Any]) -> Request:
+    # -- inputs ------------------------------------------------------------------------
+    def prepare(self, body: dict[str, Any], output_tokens: int = 1, measured: int | None = None) -> LintRequest:
+        """A request body as the server would tokenize it (its cache salt included).
+        Raises InvalidRequestError for a body the server would refuse."""
         ids = self.encoder.encode_request(body, self.chat_template)
-        return Request(body, self.encoder.decode(ids), ids)
+        salt = body.get("cache_salt")
+        hashes = self.hasher.hashes_of(ids, salt if isinstance(salt, str) else None,
+                                       int(body.get("cache_salt_offset") or 0))
+        return LintRequest(body, ids, self.encoder.decode(ids), SimRequest(hashes, len(ids), output_tokens),
+                           measured)
 
-    def culprits(self, reqs: list[Request], sim: Simulation) -> list[tuple[int, Volatile, int, int]]:
-        """(request index, volatile span, break token, break char) for every prompt whose
-        break falls inside a volatile span."""
+    def from_log(self, entry: dict[str, Any]) -> LintRequest:
+        """One prompt of a request-log row (its `prefix` entry). With its text (and a text
+        that tokenizes back to as many tokens), a body the fix can edit; else hashes only."""
+        tokens, out, cached = int(entry["tokens"]), int(entry.get("completion") or 1), int(entry.get("cached") or 0)
+        text = entry.get("text")
+        group = entry["blocks"][0] if entry["blocks"] and tokens >= self.block_size else None
+        if isinstance(text, str):
+            body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+            if entry.get("salt"):
+                body |= {"cache_salt": entry["salt"], "cache_salt_offset": int(entry.get("salt_offset") or 0)}
+            r = self.prepare(body, out, cached)
+            if r.tokens == tokens:
+                return replace(r, logged_group=group)
+        hashes = [bytes.fromhex(h) for h in entry["blocks"]]
+        return LintRequest(None, None, None, SimRequest(hashes, tokens, out), cached, group)
+
+    def from_log_entries(self, entries: list[dict[str, Any]]) -> list[LintRequest]:
+        """The prompts of a request log: all by their text when every one has a text that
+        tokenizes back to its logged length, else all by their logged hashes (a replay
+        cannot mix the two: the log's hashes are keyed)."""
+        reqs = [self.from_log(e) for e in entries]
+        if all(r.body is not None for r in reqs):
+            return reqs
+        return [self.from_log({k: v for k, v in e.items() if k != "text"}) for e in entries]
+
+    # -- analysis ------------------------------------------------------------------------
+    def run(self, reqs: list[LintRequest], size: CacheSize | None = None) -> Replay:
+        return replay([r.sim for r in reqs], self.block_size, size or self.size)
+
+    def rate(self, reqs: list[LintRequest], size: CacheSize | None = None) -> float:
+        total = sum(r.tokens for r in reqs)
+        return self.run(reqs, size).total_hits / total if total else 0.0
+
+    def culprits(self, reqs: list[LintRequest]) -> list[Finding]:
+        """For every prompt whose break falls inside a volatile span: that span (in the
+        prompt's text) and the break's token position. Needs the prompts' text."""
         found = []
-        for i, (r, lcp) in enumerate(zip(reqs, sim.lcps)):
-            if i == 0 or lcp >= len(r.ids) - 1:
+        lcps = token_lcps([r.ids or [] for r in reqs])
+        for i, (r, lcp) in enumerate(zip(reqs, lcps)):
+            if i == 0 or r.ids is None or r.text is None or lcp >= len(r.ids) - 1:
                 continue
             # The first differing token spans [brk_char, brk_end) of the text; it may
             # start with the space before the volatile content.
@@ -167,86 +161,156 @@ class Linter:
             brk_end = len(self.encoder.decode(r.ids[:lcp + 1]))
             for v in find_volatile(r.text):
                 if v.start < max(brk_end, brk_char + 1) and brk_char < v.end:
-                    found.append((i, v, lcp, brk_char))
+                    found.append(Finding(i, v, lcp))
                     break
         return found
 
-    def fix(self, reqs: list[Request], rounds: int = 5) -> tuple[list[Request], set[str]]:
-        """Move break-causing volatile content to the end of each prompt, round by
-        round, keeping a round only if it raises the predicted hits. Returns the
-        fixed requests and the kinds of content whose move helped."""
+    def fix(self, reqs: list[LintRequest]) -> tuple[list[LintRequest], set[str]]:
+        """Move break-causing volatile content to the end of each prompt, round by round,
+        keeping a round only if it raises the predicted hit rate. Returns the fixed
+        requests and the kinds whose move helped. Idempotent: fixing the result again
+        changes nothing. Requests without text are returned as they are."""
         helped: set[str] = set()
-        hits = simulate([r.ids for r in reqs], self.block_size).total_hits
-        for _ in range(rounds):
-            found = self.culprits(reqs, simulate([r.ids for r in reqs], self.block_size))
+        if any(r.body is None for r in reqs):
+            return reqs, helped
+        rate = self.rate(reqs)
+        for _ in range(MAX_ROUNDS):
+            found = self.culprits(reqs)
             if not found:
                 break
-            by_req = {i: v for i, v, _, _ in found}
-            # Prompts without a break of their own (the first one, say) carry the same
-            # kind of content at about the same place: move it too.
-            where: dict[str, list[int]] = {}
+            by_req = {f.index: f.span for f in found}
+            where: dict[str, list[int]] = defaultdict(list)
             for v in by_req.values():
-                where.setdefault(v.kind, []).append(v.start)
-            fixed = []
-            for i, r in enumerate(reqs):
-                v = by_req.get(i) or self._near(r.text, {k: statistics.median(p) for k, p in where.items()})
-                fixed.append(self.prepare(move_to_end(r.body, v.text)) if v is not None else r)
-            new_hits = simulate([r.ids for r in fixed], self.block_size).total_hits
-            if new_hits <= hits:
+                where[v.kind].append(v.start)
+            near = {k: statistics.median(p) for k, p in where.items()}
+            spans = [by_req.get(i) or _near(r.text or "", near) for i, r in enumerate(reqs)]
+            best = max(([self._moved(r, v, where) for r, v in zip(reqs, spans)] for where in Placement),
+                       key=self.rate)
+            new_rate = self.rate(best)
+            if new_rate <= rate:
                 break
-            reqs, hits = fixed, new_hits
+            reqs, rate = best, new_rate
             helped |= set(where)
         return reqs, helped
 
-    @staticmethod
-    def _near(text: str, positions: dict[str, float], slack: int = 64) -> Volatile | None:
-        """The volatile span of a culprit kind closest to where that kind broke other prompts."""
-        best = None
-        for v in find_volatile(text):
-            if v.kind in positions and abs(v.start - positions[v.kind]) <= slack:
-                if best is None or abs(v.start - positions[v.kind]) < abs(best.start - positions[best.kind]):
-                    best = v
-        return best
+    def _moved(self, r: LintRequest, v: Volatile | None, where: Placement) -> LintRequest:
+        """r with the clause around v moved to `where` (r itself when v is None, is not in
+        an editable text, or is placed already)."""
+        if v is None or r.body is None:
+            return r
+        spot = next(((loc, s) for loc, s in spans_of(r.body) if s.kind == v.kind and s.text == v.text), None)
+        if spot is None:
+            return r
+        body = move(r.body, *spot, where, self.encoder.special_tokens)
+        return r if body is r.body else self.prepare(body, r.sim.output_tokens)
 
-    def report(self, bodies: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        reqs = [self.prepare(b) for b in bodies]
-        sim = simulate([r.ids for r in reqs], self.block_size)
-        total = sum(len(r.ids) for r in reqs)
+    def report(self, reqs: list[LintRequest]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The findings (see render) and the fixed request bodies (empty without text)."""
+        sim = self.run(reqs)
+        total = sum(r.tokens for r in reqs)
         fixed, helped = self.fix(reqs)
-        found = [f for f in self.culprits(reqs, sim) if f[1].kind in helped]
-        fsim = simulate([r.ids for r in fixed], self.block_size)
-        waste = sum(min(lcp, len(r.ids) - 1) - h for r, lcp, h in zip(reqs, sim.lcps, sim.hits))
-        kinds: dict[str, dict[str, Any]] = {}
-        for i, v, brk, _ in found:
-            k = kinds.setdefault(v.kind, {"kind": v.kind, "requests": 0, "examples": [], "break_tokens": []})
-            k["requests"] += 1
-            k["break_tokens"].append(brk)
-            if len(k["examples"]) < 3:
-                text = reqs[i].text
-                k["examples"].append({"request": i, "snippet": v.text, "token_pos": brk, "char_pos": v.start,
-                                      "context": text[max(0, v.start - 40):v.end + 40]})
-        findings = [{**k, "median_break_token": statistics.median(k.pop("break_tokens"))} for k in kinds.values()]
-        breaks = [{"request": i, "break_token": lcp, "prompt_tokens": len(r.ids),
-                   "context": self.encoder.decode(r.ids[max(0, lcp - 8):lcp]) + " ⟂ "
-                   + self.encoder.decode(r.ids[lcp:lcp + 8])}
-                  for i, (r, lcp) in enumerate(zip(reqs, sim.lcps)) if i and lcp < len(r.ids) - 1]
+        found = [f for f in self.culprits(reqs) if f.span.kind in helped]
+        measured = [r.measured for r in reqs]
+        textual = all(r.ids is not None for r in reqs)
         out = {
             "requests": len(reqs), "prompt_tokens": total, "block_size": self.block_size,
+            "cache": self.size.describe(self.block_size), "cache_blocks": self.size.device_blocks,
+            "host_blocks": self.size.host_blocks,
+            "hit_rate_measured": (sum(measured) / total if total else 0.0) if None not in measured else None,
             "hit_rate_as_sent": sim.total_hits / total if total else 0.0,
-            "hit_rate_if_fixed": fsim.total_hits / sum(len(r.ids) for r in fixed) if fixed else 0.0,
-            "alignment_waste_tokens": waste, "alignment_waste_rate": waste / total if total else 0.0,
-            "volatile_before_break": findings,
-            "breaks": sorted(breaks, key=lambda b: b["break_token"])[:20],
+            "hit_rate_unbounded": self.rate(reqs, CacheSize()),
+            "hit_rate_if_fixed": self.rate(fixed) if textual else None,
+            "hit_rate_if_fixed_unbounded": self.rate(fixed, CacheSize()) if textual else None,
+            "requests_too_big": sim.too_big,
+            "text": textual,
+            "alignment_waste_tokens": 0, "alignment_waste_rate": 0.0,
+            "volatile_before_break": self._findings(reqs, found),
+            "breaks": self._breaks(reqs, sim) if textual else [],
+            "groups": self._groups(reqs, sim),
         }
-        return out, [r.body for r in fixed]
+        if textual:
+            lcps = token_lcps([r.ids or [] for r in reqs])
+            unb = self.run(reqs, CacheSize())
+            waste = sum(min(lcp, r.tokens - 1) - h for r, lcp, h in zip(reqs, lcps, unb.hits))
+            out["alignment_waste_tokens"], out["alignment_waste_rate"] = waste, waste / total if total else 0.0
+        return out, [r.body for r in fixed if r.body is not None] if textual else []
+
+    def _findings(self, reqs: list[LintRequest], found: list[Finding]) -> list[dict[str, Any]]:
+        kinds: dict[str, dict[str, Any]] = {}
+        for f in found:
+            k = kinds.setdefault(f.span.kind, {"kind": f.span.kind, "requests": 0, "examples": [], "breaks": []})
+            k["requests"] += 1
+            k["breaks"].append(f.break_token)
+            if len(k["examples"]) < 3:
+                text, v = reqs[f.index].text or "", f.span
+                k["examples"].append({"request": f.index, "snippet": v.text, "token_pos": f.break_token,
+                                      "char_pos": v.start, "context": text[max(0, v.start - 40):v.end + 40]})
+        return [{**k, "median_break_token": statistics.median(k.pop("breaks"))} for k in kinds.values()]
+
+    def _breaks(self, reqs: list[LintRequest], sim: Replay) -> list[dict[str, Any]]:
+        lcps = token_lcps([r.ids or [] for r in reqs])
+        rows = [{"request": i, "break_token": lcp, "prompt_tokens": r.tokens,
+                 "context": self.encoder.decode((r.ids or [])[max(0, lcp - 8):lcp]) + " ⟂ "
+                 + self.encoder.decode((r.ids or [])[lcp:lcp + 8])}
+                for i, (r, lcp) in enumerate(zip(reqs, lcps)) if i and lcp < r.tokens - 1]
+        return sorted(rows, key=lambda b: b["break_token"])[:20]
+
+    def _groups(self, reqs: list[LintRequest], sim: Replay, top: int = 10) -> list[dict[str, Any]]:
+        """The sharing structure: requests grouped by their first block, with where they
+        broke off from every earlier request (block granularity) and their hit rates."""
+        groups: dict[str | None, dict[str, Any]] = {}
+        for r, hit, shared in zip(reqs, sim.hits, sim.shared_blocks):
+            g = groups.setdefault(r.group, {"group": r.group, "requests": 0, "prompt_tokens": 0, "predicted": 0,
+                                            "measured": 0, "breaks": Counter()})
+            g["requests"] += 1
+            g["prompt_tokens"] += r.tokens
+            g["predicted"] += hit
+            g["measured"] += r.measured or 0
+            if g["requests"] > 1 and shared * self.block_size < r.tokens - 1:
+                g["breaks"][shared * self.block_size] += 1
+        out = []
+        for g in sorted(groups.values(), key=lambda g: -g["prompt_tokens"])[:top]:
+            n = g["prompt_tokens"] or 1
+            out.append({"group": g["group"], "requests": g["requests"], "prompt_tokens": g["prompt_tokens"],
+                        "hit_rate_predicted": g["predicted"] / n,
+                        "hit_rate_measured": g["measured"] / n if None not in [r.measured for r in reqs] else None,
+                        "breaks": [{"token": t, "requests": c} for t, c in g["breaks"].most_common(5)]})
+        return out
+
+
+def _near(text: str, positions: dict[str, float], slack: int = 64) -> Volatile | None:
+    """The volatile span of a culprit kind closest to where that kind broke other prompts."""
+    best = None
+    for v in find_volatile(text):
+        if v.kind in positions and abs(v.start - positions[v.kind]) <= slack:
+            if best is None or abs(v.start - positions[v.kind]) < abs(best.start - positions[best.kind]):
+                best = v
+    return best
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "    -  " if x is None else f"{100 * x:5.1f} %"
 
 
 def render(r: dict[str, Any]) -> str:
     lines = [f"{r['requests']} requests, {r['prompt_tokens']} prompt tokens, block size {r['block_size']}",
-             f"prefix-cache hit rate as sent:            {100 * r['hit_rate_as_sent']:5.1f} %",
-             f"hit rate with volatile content moved:     {100 * r['hit_rate_if_fixed']:5.1f} %",
-             f"shared tokens lost to block alignment:    {r['alignment_waste_tokens']} "
-             f"({100 * r['alignment_waste_rate']:.1f} % of prompt tokens)"]
+             f"assumed cache: {r['cache']}"]
+    if r["hit_rate_measured"] is not None:
+        lines.append(f"prefix-cache hit rate measured by the server: {_pct(r['hit_rate_measured'])}")
+    lines += [f"prefix-cache hit rate as sent (predicted):    {_pct(r['hit_rate_as_sent'])}",
+              f"  ... with an unbounded cache:                {_pct(r['hit_rate_unbounded'])}"]
+    if r["hit_rate_if_fixed"] is not None:
+        lines.append(f"hit rate with volatile content moved:        {_pct(r['hit_rate_if_fixed'])}")
+        lines.append(f"shared tokens lost to block alignment:       {r['alignment_waste_tokens']} "
+                     f"({100 * r['alignment_waste_rate']:.1f} % of prompt tokens)")
+    else:
+        lines.append("no prompt text in the log: start the server with --request-log-prompts to find the "
+                     "volatile content and a fix")
+    if r["requests_too_big"]:
+        lines.append(f"{r['requests_too_big']} requests did not fit the assumed cache at all")
     if r["volatile_before_break"]:
         lines.append("\nvolatile content where sharing breaks:")
         for f in r["volatile_before_break"]:
@@ -255,6 +319,14 @@ def render(r: dict[str, Any]) -> str:
                          f"~{f['median_break_token']:.0f}: {ex['snippet']!r} (request {ex['request']}, "
                          f"char {ex['char_pos']})")
             lines.append(f"             ...{ex['context']!r}...")
+    if r["groups"]:
+        lines.append("\nprefix groups (requests sharing a first block), largest first:")
+        for g in r["groups"][:5]:
+            brk = ", ".join(f"token {b['token']} ({b['requests']})" for b in g["breaks"][:3]) or "none"
+            lines.append(f"  {g['group'] or '(under one block)':<18} {g['requests']:>5} requests, hit rate "
+                         f"{_pct(g['hit_rate_predicted']).strip()} predicted"
+                         + (f", {_pct(g['hit_rate_measured']).strip()} measured" if g["hit_rate_measured"]
+                            is not None else "") + f"; breaks at {brk}")
     if r["breaks"]:
         lines.append("\nearliest breaks (⟂ marks where a prompt stops matching every earlier one):")
         for b in r["breaks"][:5]:
@@ -262,26 +334,93 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def read_requests(path: Path) -> list[dict[str, Any]]:
-    """OpenAI request bodies (or request-log rows with a `prompt`), one per line. Raises ConfigError."""
-    out = []
+# -- reading ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogInput:
+    """What a file held: request bodies, or the server's log rows (prompt entries in
+    arrival order, and the cache the server had, if the log says)."""
+
+    bodies: list[dict[str, Any]]
+    entries: list[dict[str, Any]]
+    block_size: int | None = None
+    size: CacheSize | None = None
+
+
+def read_requests(path: Path) -> LogInput:
+    """OpenAI request bodies, or `hotprefix serve --request-log` rows, one per line.
+    Raises ConfigError naming the line of a row that is neither."""
+    bodies: list[dict[str, Any]] = []
+    rows: list[tuple[float, int, dict[str, Any]]] = []
     for i, row in iter_objects(path):
-        if "messages" not in row and "prompt" not in row:
+        if "prefix" in row:
+            if not _valid_log_row(row):
+                raise ConfigError(f"{path}:{i}: a request-log row whose `prefix` or times are malformed")
+            rows.append((float(row.get("time") or 0) - float(row.get("latency_s") or 0), i, row))
+        elif "request_id" in row and "prompt_tokens" in row:
+            raise ConfigError(f"{path}:{i}: a request-log row without block hashes (a server without prefix "
+                              "caching, or older than this lint)")
+        elif "messages" in row or "prompt" in row:
+            bodies.append(row)
+        else:
             raise ConfigError(f"{path}:{i}: neither `messages` nor `prompt`")
-        out.append(row)
-    if not out:
+    if bodies and rows:
+        raise ConfigError(f"{path}: mixes request bodies and request-log rows")
+    if not bodies and not rows:
         raise ConfigError(f"{path}: no requests")
-    return out
+    entries = [e for _, _, row in sorted(rows, key=lambda t: t[:2]) for e in row["prefix"] if e.get("blocks")
+               is not None]
+    if rows and not entries:
+        raise ConfigError(f"{path}: no request-log row carries block hashes")
+    kv = next((row.get("kv") for _, _, row in rows if row.get("kv")), None)
+    size = None if kv is None else CacheSize(int(kv["blocks"]), int(kv.get("host_blocks") or 0), "from the log")
+    return LogInput(bodies, entries, int(kv["block_size"]) if kv else None, size)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _valid_log_row(row: dict[str, Any]) -> bool:
+    """Whether a log row has the shape the server writes (so a damaged line is named, not a traceback)."""
+    def hexes(blocks: Any) -> bool:
+        return blocks is None or (isinstance(blocks, list) and all(
+            isinstance(b, str) and len(b) % 2 == 0 and all(c in "0123456789abcdef" for c in b) for b in blocks))
+
+    entries = row.get("prefix")
+    times_ok = all(isinstance(row.get(k, 0), (int, float)) for k in ("time", "latency_s"))
+    kv = row.get("kv")
+    kv_ok = kv is None or (isinstance(kv, dict) and all(_is_int(kv.get(k, 0)) for k in ("block_size", "blocks",
+                                                                                       "host_blocks"))
+                           and kv.get("block_size", 0) >= 1 and kv.get("blocks", 0) >= 1)
+    return times_ok and kv_ok and isinstance(entries, list) and all(
+        isinstance(e, dict) and _is_int(e.get("tokens")) and e["tokens"] >= 1 and _is_int(e.get("cached", 0))
+        and _is_int(e.get("completion", 0)) and hexes(e.get("blocks")) and isinstance(e.get("text", ""), str)
+        and isinstance(e.get("salt") or "", str) and _is_int(e.get("salt_offset", 0)) for e in entries)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lint", help="find what breaks prefix sharing in a log of requests",
-                       description="Read OpenAI request bodies (JSONL), tokenize them as the server would, and "
-                                   "report where prefix sharing breaks and what volatile content breaks it.")
-    p.add_argument("file", help="JSONL of request bodies ({'messages': ...} or {'prompt': ...})")
+                       description="Read OpenAI request bodies or the server's request log (JSONL), replay them "
+                                   "through the server's prefix cache, and report where sharing breaks, what "
+                                   "volatile content breaks it, and the hit rate with it moved. The cache is "
+                                   "the one the log states, else the one the flags give, else unbounded.")
+    p.add_argument("file", nargs="?", help="JSONL of request bodies ({'messages': ...} or {'prompt': ...}) or "
+                                           "a `hotprefix serve --request-log` file")
+    p.add_argument("--url", default=None, help="read a live server's prefix groups (GET /prefix_groups) instead")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, for --url")
     p.add_argument("--model", default=None, help="model whose tokenizer and chat template to use (default: bundled)")
     p.add_argument("--chat-template", default=None, help="override the chat template (file or string)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the log's, else 16)")
+    c = p.add_argument_group("the cache to simulate (default: the size the log states, else unbounded)")
+    c.add_argument("--num-blocks", type=int, default=None, help="device KV blocks, as the server's pool")
+    c.add_argument("--kv-cache-memory", default=None, help="bytes of KV cache (e.g. 2GiB), as serve's flag")
+    c.add_argument("--kv-cache-dtype", default="float32", help="KV dtype for --kv-cache-memory and "
+                                                                "--kv-offloading-size (float32, float16, fp8...)")
+    c.add_argument("--kv-offloading-size", type=float, default=None, help="GiB of host KV tier, as serve's flag")
+    c.add_argument("--host-blocks", type=int, default=None, help="host KV tier blocks")
+    c.add_argument("--unbounded", action="store_true", help="assume a cache that never evicts")
     p.add_argument("--write-fixed", default=None, help="write the requests with volatile content moved here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -295,13 +434,49 @@ def load_encoder(model: str | None) -> PromptEncoder:
     return PromptEncoder(gguf_tokenizer(path) if path.is_file() else load_tokenizer(str(path)))
 
 
+def cache_size(a: argparse.Namespace, block_size: int, logged: CacheSize | None) -> CacheSize:
+    """The cache the flags ask for, else the log's, else unbounded. Raises ConfigError."""
+    if a.unbounded:
+        return CacheSize(source="--unbounded")
+    per_block = None
+    if a.kv_cache_memory is not None or a.kv_offloading_size is not None:
+        from hotprefix.config import parse_size
+        from hotprefix.tools.size import kv_dtype, load_shape
+
+        per_block = load_shape(a.model)[1].kv.bytes_per_block(kv_dtype(a.kv_cache_dtype), block_size)
+    device = a.num_blocks
+    if a.kv_cache_memory is not None and per_block:
+        device = parse_size(a.kv_cache_memory) // per_block
+    host = a.host_blocks
+    if a.kv_offloading_size is not None and per_block:
+        host = int(a.kv_offloading_size * 2**30) // per_block
+    try:
+        if device is None and host is None:
+            return logged or CacheSize(source="no size given")
+        base = logged or CacheSize()
+        return CacheSize(device if device is not None else base.device_blocks,
+                         host if host is not None else base.host_blocks, "from the flags")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(a: argparse.Namespace) -> int:
+    if a.url:
+        from hotprefix.tools.lint_live import run_live
+
+        return run_live(a.url, a.api_key, a.json)
+    if not a.file:
+        raise ConfigError("give a request file, or --url SERVER")
     template = a.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
-    linter = Linter(load_encoder(a.model), a.block_size, template)
-    rep, fixed = linter.report(read_requests(Path(a.file)))
+    data = read_requests(Path(a.file))
+    block_size = a.block_size or data.block_size or 16
+    linter = Linter(load_encoder(a.model), block_size, template, cache_size(a, block_size, data.size))
+    reqs = [linter.prepare(b) for b in data.bodies] + linter.from_log_entries(data.entries)
+    rep, fixed = linter.report(reqs)
     if a.write_fixed:
         Path(a.write_fixed).write_text("".join(json.dumps(b) + "\n" for b in fixed))
     print(json.dumps(rep, indent=2, ensure_ascii=False) if a.json else render(rep))
     return 0
+

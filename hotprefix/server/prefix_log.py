@@ -1,0 +1,159 @@
+"""What the request log and GET /prefix_groups say about prefix sharing, without prompt text.
+
+Per prompt, the chain of its block hashes, each the engine's hash (salted per tenant
+through the cache salt) passed through a keyed BLAKE2b and cut to 8 bytes: equal
+blocks of one server (and of one log file across restarts) get equal digests, and a
+digest reveals nothing about the text (a guess cannot be checked without the key).
+The key is random per process, or kept next to the request log (`FILE.key`, 0600)
+so that a log stays comparable across restarts.
+
+PrefixGroups is the live view: requests grouped by their first block, with how often
+and where (block position) they broke off from every earlier request, and what the
+cache gave them. It is bounded: the most recent `max_hashes` block digests and
+`max_groups` groups are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hotprefix.config import ConfigError
+from hotprefix.engine.outputs import RequestOutput
+
+DIGEST_BYTES = 8
+
+
+class LogKey:
+    """The key of the block digests (see the module doc)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    @classmethod
+    def for_log(cls, log_path: str | None) -> LogKey:
+        """A random key, kept in LOG.key when there is a log (created 0600 once, whole or
+        not at all, then reused). Raises ConfigError for a key file that is not one."""
+        if log_path is None:
+            return cls(secrets.token_bytes(32))
+        path = Path(f"{log_path}.key")
+        if not path.exists():
+            key = secrets.token_bytes(32)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key.hex() + "\n")
+            try:
+                os.link(tmp, path)  # atomic, and never over a key another process just made
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return cls(cls._read(path))
+
+    @staticmethod
+    def _read(path: Path) -> bytes:
+        try:
+            key = bytes.fromhex(path.read_text().strip())
+        except (ValueError, OSError):
+            key = b""
+        if len(key) != 32:
+            raise ConfigError(f"{path}: not a request-log key (64 hex digits); remove it to start a new one")
+        return key
+
+    def digest(self, data: bytes) -> str:
+        return hashlib.blake2b(data, key=self.key, digest_size=DIGEST_BYTES).hexdigest()
+
+    def digests(self, hashes: list[bytes]) -> list[str]:
+        return [self.digest(h) for h in hashes]
+
+
+@dataclass
+class GroupStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    shared_tokens: int = 0  # what a cache that never evicts could have given (capped as the engine caps)
+    breaks: Counter = field(default_factory=Counter)  # token position -> requests that broke off there
+
+
+class PrefixGroups:
+    """Live per-group sharing statistics (see the module doc). Lives on the event loop."""
+
+    def __init__(self, block_size: int, max_hashes: int = 200_000, max_groups: int = 256) -> None:
+        self.block_size = block_size
+        self.max_hashes = max_hashes
+        self.max_groups = max_groups
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self.groups: OrderedDict[str, GroupStats] = OrderedDict()
+        self.requests = 0
+
+    def observe(self, digests: list[str], prompt_tokens: int, cached_tokens: int) -> None:
+        """One finished prompt: digests of its full blocks (prompt, then output). Mutates the view."""
+        self.requests += 1
+        group = digests[0] if digests and prompt_tokens >= self.block_size else "(under one block)"
+        g = self.groups.get(group)
+        if g is None:
+            g = self.groups[group] = GroupStats()
+            if len(self.groups) > self.max_groups:
+                self.groups.popitem(last=False)
+        self.groups.move_to_end(group)
+        shared = 0
+        while shared < len(digests) and digests[shared] in self._seen:
+            shared += 1
+        cap = (prompt_tokens - 1) // self.block_size
+        g.requests += 1
+        g.prompt_tokens += prompt_tokens
+        g.cached_tokens += cached_tokens
+        g.shared_tokens += min(shared, cap) * self.block_size
+        if g.requests > 1 and shared < cap:
+            g.breaks[shared * self.block_size] += 1
+        for d in digests:
+            self._seen[d] = None
+            self._seen.move_to_end(d)
+        while len(self._seen) > self.max_hashes:
+            self._seen.popitem(last=False)
+
+    def snapshot(self, top: int = 50) -> dict[str, Any]:
+        """The view as JSON: groups with the most prompt tokens first."""
+        rows = sorted(self.groups.items(), key=lambda kv: -kv[1].prompt_tokens)[:top]
+        return {"block_size": self.block_size, "requests": self.requests, "groups": [
+            {"group": k, "requests": g.requests, "prompt_tokens": g.prompt_tokens, "cached_tokens": g.cached_tokens,
+             "hit_rate": g.cached_tokens / g.prompt_tokens if g.prompt_tokens else 0.0,
+             "possible_hit_rate": g.shared_tokens / g.prompt_tokens if g.prompt_tokens else 0.0,
+             "breaks": [{"token": t, "requests": c} for t, c in g.breaks.most_common(10)]}
+            for k, g in rows]}
+
+
+@dataclass
+class PrefixRecorder:
+    """Turns finished prompts into request-log entries and feeds the live view.
+    kv: the cache the server has, written in each log row (lint replays that size)."""
+
+    key: LogKey
+    groups: PrefixGroups
+    kv: dict[str, int]
+    with_text: bool = False
+
+    def entry(self, out: RequestOutput, cache_salt: str | None, cache_salt_offset: int,
+              text: str | None) -> dict[str, Any]:
+        """The log entry of one engine request (its prompt); a finished one also feeds
+        the live view. `blocks` is None for one that did not finish (its hashes are unknown)."""
+        tokens = len(out.prompt_token_ids)
+        row: dict[str, Any] = {"tokens": tokens, "cached": out.num_cached_tokens,
+                               "completion": len(out.outputs[0].token_ids) if out.outputs else 0,
+                               "blocks": None, "salt": None}
+        if cache_salt is not None:
+            row["salt"] = self.key.digest(cache_salt.encode())
+            row["salt_offset"] = cache_salt_offset
+        if out.finished:
+            row["blocks"] = self.key.digests(out.block_hashes)
+            self.groups.observe(row["blocks"], tokens, out.num_cached_tokens)
+        if self.with_text and text is not None:
+            row["text"] = text
+        return row
