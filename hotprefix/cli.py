@@ -171,6 +171,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        max_n=a.max_n, max_request_body_bytes=parse_size(a.max_request_body_bytes),
                        trust_request_chat_template=a.trust_request_chat_template,
                        request_log=a.request_log, request_log_prompts=a.request_log_prompts,
+                       dashboard_window=60 * a.dashboard_window,
                        shutdown_timeout=a.shutdown_timeout,
                        log_level="debug" if a.verbose else "info", uvicorn_log_level=a.uvicorn_log_level,
                        allowed_origins=_list(a.allowed_origins), allowed_methods=_list(a.allowed_methods),
@@ -263,6 +264,8 @@ def _add_server_args(h: argparse._ArgumentGroup) -> None:
     h.add_argument("--request-log", default=None,
                    help="append one JSON line per finished request to this file: times, token counts and each "
                         "prompt's block-hash chain (keyed; no text), which `hotprefix lint FILE` reads")
+    h.add_argument("--dashboard-window", type=float, default=15.0,
+                   help="minutes of history the /dashboard page shows (sampled every 5 s)")
     h.add_argument("--request-log-prompts", action="store_true",
                    help="also write each prompt's rendered text in the request log (lint then names the "
                         "volatile content and writes the fix)")

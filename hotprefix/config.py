@@ -339,7 +339,10 @@ class ServerConfig:
     api_key: when set, /v1/* and the admin endpoints need `Authorization: Bearer <key>`.
     request_log: a file to append one JSON line per finished request to (with each prompt's
     keyed block-hash chain, never its text unless request_log_prompts).
-    request_log_prompts: also write each prompt's rendered text in the request log.
+    request_log_prompts: also write each prompt's rendered text in the request log (and
+    show the start of each prefix group's first prompt on /dashboard and /prefix_groups).
+    dashboard_interval / dashboard_window: seconds between the dashboard's samples, and
+    how far back its series goes.
     shutdown_timeout: seconds to let running requests finish after SIGTERM.
     admission: how many sequences may wait, and the preprocessing budget (AdmissionConfig).
     max_n: the most samples (n, best_of) one request may ask for.
@@ -369,6 +372,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     request_log: str | None = None
     request_log_prompts: bool = False
+    dashboard_interval: float = 5.0
+    dashboard_window: float = 900.0
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     uvicorn_log_level: str = "info"
@@ -400,6 +405,9 @@ class ServerConfig:
             raise ConfigError("give --ssl-keyfile and --ssl-certfile together")
         if not self.stats_interval > 0:
             raise ConfigError(f"the stats interval must be > 0, got {self.stats_interval}")
+        if not 0 < self.dashboard_interval <= self.dashboard_window <= 7 * 86400:
+            raise ConfigError("the dashboard needs 0 < its interval <= its window (--dashboard-window) <= 7 days, got "
+                              f"{self.dashboard_interval} s and {self.dashboard_window} s")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:

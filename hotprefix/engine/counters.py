@@ -70,3 +70,16 @@ class EngineCounters:
             self.cached_tokens_by_source[source.value] += n * st.block_size
         self.offloaded_blocks += st.tiers.offloaded_blocks
         self.loaded_blocks += st.tiers.loaded_blocks
+
+
+@dataclass(frozen=True)
+class PinSummary:
+    """The pool's pins and cache now (LLMEngine.pin_summary, on the engine thread):
+    pinned blocks, the most allowed, the pool's size, cached blocks, and each pinned
+    prefix as (its first block's hash, its length in blocks)."""
+
+    pinned_blocks: int
+    max_pinned_blocks: int
+    num_blocks: int
+    cached_blocks: int
+    prefixes: tuple[tuple[bytes, int], ...]

@@ -19,7 +19,7 @@ from hotprefix.core.kv_tiers import KVTiers
 from hotprefix.core.outputs import EngineCoreOutput
 from hotprefix.core.request import Request, RequestStatus
 from hotprefix.core.scheduler import Scheduler
-from hotprefix.engine.counters import TierGauges
+from hotprefix.engine.counters import PinSummary, TierGauges
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
 from hotprefix.engine.outputs import CompletionOutput, RequestOutput  # (their home; imported from here too)
@@ -338,6 +338,12 @@ class LLMEngine:
                 f"pinning this prompt needs {new} more blocks, but only "
                 f"{self.kv.max_pinned_blocks - self.kv.num_pinned_blocks} of the {self.kv.max_pinned_blocks} "
                 "allowed by --max-pinned-fraction are free", "pin_prefix")
+
+    def pin_summary(self) -> PinSummary:
+        """The pins and the cache now (reads the pool: call on the engine thread)."""
+        kv = self.kv
+        return PinSummary(kv.num_pinned_blocks, kv.max_pinned_blocks, kv.num_blocks, kv.pool.num_cached_blocks,
+                          tuple((bytes(b[0].block_hash or b""), len(b)) for b in kv.pins.values() if b))
 
     def pin(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
         """Pin the cached full blocks of a prompt. Returns blocks newly pinned.

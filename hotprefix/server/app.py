@@ -19,6 +19,7 @@ import hotprefix
 from hotprefix.config import ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.server.body_guard import BodyGuard
+from hotprefix.server.dashboard import Dashboard, dashboard_router
 from hotprefix.server.error_handlers import install_error_handlers
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.middleware import ApiKeyGuard
@@ -41,6 +42,17 @@ def prefix_recorder(engine: AsyncEngine, cfg: ServerConfig) -> PrefixRecorder | 
                           cfg.request_log_prompts)
 
 
+def server_limits(engine: AsyncEngine, cfg: ServerConfig) -> dict[str, object]:
+    """What the dashboard lists as the server's limits."""
+    info = engine.cache_info()
+    return {"max_model_len": engine.max_model_len, "block_size": engine.block_size,
+            "kv_blocks": int(info["num_gpu_blocks"]), "host_tier_blocks": int(info["num_cpu_blocks"]),
+            "kv_cache_dtype": info["cache_dtype"], "prefix_caching": info["enable_prefix_caching"] == "True",
+            "max_num_queued_requests": cfg.admission.max_num_queued_requests, "max_n": cfg.max_n,
+            "max_logprobs": cfg.max_logprobs, "max_request_body_bytes": cfg.max_request_body_bytes,
+            "api_key": cfg.api_key is not None}
+
+
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     """The app serving `engine`. Starting the app starts the engine thread (and the
     stats line); stopping it stops the engine."""
@@ -54,15 +66,19 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
                       prefix_recorder(engine, cfg))
     ctx = ServerContext(engine, serving, metrics, cfg, names)
     stats = StatsLogger(engine, cfg.stats_interval)
+    dash = Dashboard(engine, metrics, serving.prefix, server_limits(engine, cfg), cfg.dashboard_interval,
+                     cfg.dashboard_window)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         stats_task = asyncio.create_task(stats.run()) if cfg.log_stats else None
+        dash_task = asyncio.create_task(dash.run())
         scheme = "https" if cfg.ssl_certfile else "http"
         log.info("serving %s (max_model_len %d) on %s://%s:%d%s", ", ".join(names), engine.max_model_len, scheme,
                  cfg.host, cfg.port, cfg.root_path)
         yield
+        dash_task.cancel()
         if stats_task is not None:
             stats_task.cancel()
         await engine.shutdown()
@@ -75,6 +91,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     install_error_handlers(app, metrics)
     for router in (openai_router, tokens_router, cache_router, ops_router):
         app.include_router(router(ctx))
+    app.include_router(dashboard_router(dash))
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes, on_reject=metrics.rejected)
     app.add_middleware(ApiKeyGuard, api_key=cfg.api_key, on_reject=metrics.rejected)
     if cfg.allowed_origins:  # outermost: preflights need no key

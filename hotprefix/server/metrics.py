@@ -10,6 +10,9 @@ registry per app: no module-level state.
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Iterator
 from itertools import accumulate
 
@@ -107,6 +110,24 @@ class _EngineCollector(Collector):
                             t.disk_bad_files)
 
 
+class Recent:
+    """The latest observations (monotonic time, value), at most `size`: exact percentiles
+    over a recent window (the histograms only know their buckets)."""
+
+    def __init__(self, size: int = 20_000) -> None:
+        self.items: deque[tuple[float, float]] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self.items.append((time.monotonic(), value))
+
+    def percentiles(self, since: float, ps: tuple[float, ...] = (0.5, 0.95)) -> tuple[list[float | None], int]:
+        """The ps-quantiles (nearest rank) of the values observed since `since`, and how many there were."""
+        vals = sorted(v for t, v in self.items if t >= since)
+        if not vals:
+            return [None for _ in ps], 0
+        return [vals[min(len(vals) - 1, max(0, math.ceil(p * len(vals)) - 1))] for p in ps], len(vals)
+
+
 class ServerMetrics:
     """The app's registry and its per-request metrics; names start with `prefix:`."""
 
@@ -117,6 +138,8 @@ class ServerMetrics:
         P = prefix + ":"  # noqa: N806 - reads like the names it builds
         self.registry.register(_EngineCollector(engine, model_name, cache_info, P))
         r, lbl = self.registry, ["model_name"]
+        self.recent_ttft, self.recent_itl = Recent(), Recent()  # raw, for the dashboard's percentiles
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prompt_tokens_cached": 0}  # as the counters
         self.prompt_tokens = Counter(P + N.PROMPT_TOKENS, "Prompt tokens processed.", lbl, registry=r)
         self.generation_tokens = Counter(P + N.GENERATION_TOKENS, "Generated tokens.", lbl, registry=r)
         self.cached_tokens = Counter(P + N.CACHED_PROMPT_TOKENS, "Prompt tokens served from the prefix cache.",
@@ -154,6 +177,7 @@ class ServerMetrics:
         self.rejections.labels(self.model_name, reason).inc()
 
     def observe_token_gap(self, seconds: float) -> None:
+        self.recent_itl.add(seconds)
         self.itl.labels(self.model_name).observe(seconds)
         self.tpot.labels(self.model_name).observe(seconds)
 
@@ -166,6 +190,9 @@ class ServerMetrics:
         """Record a finished (or aborted, with finish_reason 'abort') request."""
         m = self.model_name
         completion = sum(len(o.token_ids) for o in out.outputs)
+        self.totals["prompt_tokens"] += len(out.prompt_token_ids)
+        self.totals["generation_tokens"] += completion
+        self.totals["prompt_tokens_cached"] += out.num_cached_tokens
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(m).inc(completion)
         self.cached_tokens.labels(m).inc(out.num_cached_tokens)
@@ -174,6 +201,7 @@ class ServerMetrics:
         self.prompt_len.labels(m).observe(len(out.prompt_token_ids))
         self.gen_len.labels(m).observe(completion)
         if out.first_token_time is not None:
+            self.recent_ttft.add(out.first_token_time - out.arrival_time)
             self.ttft.labels(m).observe(out.first_token_time - out.arrival_time)
         if out.first_scheduled_time is not None:
             self.queue_time.labels(m).observe(out.first_scheduled_time - out.arrival_time)

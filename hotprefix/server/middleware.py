@@ -6,7 +6,8 @@ import hmac
 
 from hotprefix.server.http_errors import error_response
 
-PROTECTED = ("/v1/", "/reset_prefix_cache", "/pin", "/unpin", "/tokenize", "/detokenize", "/prefix_groups")
+PROTECTED = ("/v1/", "/reset_prefix_cache", "/pin", "/unpin", "/tokenize", "/detokenize", "/prefix_groups",
+             "/dashboard/data")
 
 
 def app_path(scope) -> str:

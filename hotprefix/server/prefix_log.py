@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,9 @@ class GroupStats:
     cached_tokens: int = 0
     shared_tokens: int = 0  # what a cache that never evicts could have given (capped as the engine caps)
     breaks: Counter = field(default_factory=Counter)  # token position -> requests that broke off there
+    last_use: float = 0.0  # unix time of its latest request
+    blocks: int = 0  # full prompt blocks of its latest request
+    text: str | None = None  # the start of its first prompt, only when the operator logs prompts
 
 
 class PrefixGroups:
@@ -93,8 +97,9 @@ class PrefixGroups:
         self.groups: OrderedDict[str, GroupStats] = OrderedDict()
         self.requests = 0
 
-    def observe(self, digests: list[str], prompt_tokens: int, cached_tokens: int) -> None:
-        """One finished prompt: digests of its full blocks (prompt, then output). Mutates the view."""
+    def observe(self, digests: list[str], prompt_tokens: int, cached_tokens: int, text: str | None = None) -> None:
+        """One finished prompt: digests of its full blocks (prompt, then output), and the
+        start of its text when prompts are logged. Mutates the view."""
         self.requests += 1
         group = digests[0] if digests and prompt_tokens >= self.block_size else "(under one block)"
         g = self.groups.get(group)
@@ -108,6 +113,9 @@ class PrefixGroups:
             shared += 1
         cap = (prompt_tokens - 1) // self.block_size
         g.requests += 1
+        g.last_use, g.blocks = time.time(), prompt_tokens // self.block_size
+        if g.text is None and text is not None:
+            g.text = text[:160]
         g.prompt_tokens += prompt_tokens
         g.cached_tokens += cached_tokens
         g.shared_tokens += min(shared, cap) * self.block_size
@@ -126,7 +134,8 @@ class PrefixGroups:
             {"group": k, "requests": g.requests, "prompt_tokens": g.prompt_tokens, "cached_tokens": g.cached_tokens,
              "hit_rate": g.cached_tokens / g.prompt_tokens if g.prompt_tokens else 0.0,
              "possible_hit_rate": g.shared_tokens / g.prompt_tokens if g.prompt_tokens else 0.0,
-             "breaks": [{"token": t, "requests": c} for t, c in g.breaks.most_common(10)]}
+             "breaks": [{"token": t, "requests": c} for t, c in g.breaks.most_common(10)],
+             "last_use": g.last_use, "blocks": g.blocks, **({"text": g.text} if g.text is not None else {})}
             for k, g in rows]}
 
 
@@ -153,7 +162,7 @@ class PrefixRecorder:
             row["salt_offset"] = cache_salt_offset
         if out.finished:
             row["blocks"] = self.key.digests(out.block_hashes)
-            self.groups.observe(row["blocks"], tokens, out.num_cached_tokens)
+            self.groups.observe(row["blocks"], tokens, out.num_cached_tokens, text if self.with_text else None)
         if self.with_text and text is not None:
             row["text"] = text
         return row

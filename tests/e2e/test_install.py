@@ -56,6 +56,8 @@ def test_the_wheel_installs_outside_the_repo_and_serves_the_default_model(tmp_pa
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        page = httpx.get(url + "/dashboard", timeout=10)  # the page ships in the wheel
+        assert page.status_code == 200 and "<title>hotprefix dashboard</title>" in page.text
         assert list((tmp_path / "cache").rglob("*.so")), "the kernel was not built from the wheel's source"
     finally:
         proc.terminate()

@@ -1,0 +1,160 @@
+"""The built-in dashboard: GET /dashboard (one static page from the package: no build step,
+no CDN, works offline) and GET /dashboard/data (the JSON it draws, behind --api-key).
+
+The numbers are the ones /metrics exports: the engine's counters (prefix-cache queries
+and hits, cached tokens by source, tokens computed) and the handlers' counters, sampled
+every `interval` seconds into a series over the last `window` seconds; latency
+percentiles are exact over the window (ServerMetrics keeps the latest observations);
+the top cached prefixes come from the prefix groups (server/prefix_log.py), with pins
+marked; their text only when the operator logs prompts (--request-log-prompts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import HTMLResponse
+
+from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.server.metrics import ServerMetrics
+from hotprefix.server.prefix_log import PrefixRecorder
+
+SOURCES = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The cumulative counters and the gauges at one moment (unix time `t`, monotonic `mono`)."""
+
+    t: float
+    mono: float
+    queries: int
+    hits: int
+    by_source: dict[str, int]
+    prefill: int
+    decode: int
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+@dataclass
+class Dashboard:
+    """The series and the page's JSON. Lives on the event loop; `run` samples until cancelled."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    prefix: PrefixRecorder | None
+    limits: dict[str, Any]
+    interval: float = 5.0
+    window: float = 900.0
+    samples: deque[Sample] = field(default_factory=deque)
+
+    def sample(self, keep: bool = True) -> Sample:
+        """Take one sample and return it; a kept one stays while it is inside the window (only
+        the sampler keeps them, so a client polling /dashboard/data cannot grow the series)."""
+        c, live = self.engine.counters, self.engine.live
+        s = Sample(time.time(), time.monotonic(), c.prefix_cache_queries, c.prefix_cache_hits,
+                   dict(c.cached_tokens_by_source), c.prefill_tokens, c.decode_tokens, live.running, live.waiting,
+                   live.kv_usage)
+        if keep:
+            self.samples.append(s)
+            while len(self.samples) > 2 and self.samples[1].mono < s.mono - self.window:
+                self.samples.popleft()
+        return s
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval)
+
+    async def data(self, minutes: float | None = None) -> dict[str, Any]:
+        """Everything the page shows, now (a fresh sample, not kept, closes the series)."""
+        now = self.sample(keep=False)
+        span = min(self.window, 60 * minutes) if minutes else self.window
+        pts = [s for s in self.samples if s.mono >= now.mono - span - 1e-9]
+        if len(pts) > 1 and now.mono - pts[-1].mono < self.interval / 2:
+            pts[-1] = now  # a point a moment after the last would be a rate over a moment: a spike
+        else:
+            pts.append(now)
+        base = pts[0]
+        (ttft50, ttft95), n_ttft = self.metrics.recent_ttft.percentiles(base.mono)
+        (itl50, itl95), n_itl = self.metrics.recent_itl.percentiles(base.mono)
+        pins = await self.engine.call(lambda e: e.pin_summary())
+        live = self.engine.live
+        return {
+            "time": now.t, "model": self.metrics.model_name, "limits": self.limits,
+            "window": {"seconds": now.mono - base.mono, **_rates(base, now),
+                       "ttft_p50": ttft50, "ttft_p95": ttft95, "ttft_count": n_ttft,
+                       "itl_p50": itl50, "itl_p95": itl95, "itl_count": n_itl},
+            "series": [{"t": b.t, **_rates(a, b), "running": b.running, "waiting": b.waiting, "kv_usage": b.kv_usage}
+                       for a, b in zip(pts, pts[1:])],
+            "now": {"running": live.running, "waiting": live.waiting, "swapped": live.swapped,
+                    "preemptions": live.preemptions, "kv_usage": live.kv_usage,
+                    "pinned_blocks": pins.pinned_blocks, "max_pinned_blocks": pins.max_pinned_blocks,
+                    "cached_blocks": pins.cached_blocks, "num_blocks": pins.num_blocks,
+                    "pinned_share": pins.pinned_blocks / pins.num_blocks,
+                    "tiers": _tiers(live.tiers)},
+            "totals": self._totals(now),
+            "top_prefixes": self._top(pins.prefixes),
+        }
+
+    def _totals(self, now: Sample) -> dict[str, Any]:
+        """The counters as /metrics exports them (the page's numbers can be checked against it)."""
+        return {"prefix_cache_queries": now.queries, "prefix_cache_hits": now.hits,
+                "prompt_tokens_cached_by_source": now.by_source, **self.metrics.totals}
+
+    def _top(self, pinned: tuple[tuple[bytes, int], ...], top: int = 10) -> list[dict[str, Any]]:
+        if self.prefix is None:
+            return []
+        pinned_groups = {self.prefix.key.digest(h) for h, _ in pinned}
+        groups = sorted((g for g in self.prefix.groups.snapshot(1000)["groups"] if g["blocks"]),
+                        key=lambda g: -g["cached_tokens"])[:top]
+        return [{"hash": g["group"], "tokens": g["blocks"] * self.prefix.groups.block_size,
+                 "requests": g["requests"], "hit_tokens": g["cached_tokens"], "hit_rate": g["hit_rate"],
+                 "last_use": g["last_use"], "pinned": g["group"] in pinned_groups,
+                 **({"text": g["text"]} if "text" in g else {})} for g in groups]
+
+
+def _rates(a: Sample, b: Sample) -> dict[str, Any]:
+    """Token-weighted hit rate (and by source) and tokens/s between two samples."""
+    q = b.queries - a.queries
+    dt = max(b.mono - a.mono, 1e-9)
+    return {"queries": q, "hits": b.hits - a.hits, "hit_rate": (b.hits - a.hits) / q if q else None,
+            "hit_rate_by_source": {s: (b.by_source.get(s, 0) - a.by_source.get(s, 0)) / q if q else None
+                                   for s in SOURCES},
+            "prompt_tps": (b.prefill - a.prefill) / dt, "generation_tps": (b.decode - a.decode) / dt}
+
+
+def _tiers(t: Any) -> dict[str, Any]:
+    if t is None:
+        return {}
+    return {"host": {"blocks": t.host_blocks, "capacity": t.host_capacity},
+            "disk": {"blocks": t.disk_blocks, "capacity": t.disk_capacity}}
+
+
+def page() -> str:
+    """The page (hotprefix/server/static/dashboard.html, shipped in the wheel)."""
+    return resources.files("hotprefix.server").joinpath("static/dashboard.html").read_text()
+
+
+def dashboard_router(dash: Dashboard) -> APIRouter:
+    """/dashboard (the page; it holds no data) and /dashboard/data (behind --api-key)."""
+    api = APIRouter()
+    html = page()
+
+    @api.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(html)
+
+    @api.get("/dashboard/data")
+    async def dashboard_data(minutes: float | None = Query(None, gt=0, le=1440)) -> dict[str, Any]:
+        return await dash.data(minutes)
+
+    return api
