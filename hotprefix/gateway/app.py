@@ -2,8 +2,9 @@
 
 Client side: /v1/chat/completions, /v1/completions, /v1/models (a gateway key
 in `Authorization: Bearer sk-hp-...`), /health. Operator side: /admin (the admin
-key): tenants, the prompt pool, keys, usage, backends, warm-up; /metrics (the
-metrics key, else the admin key). Operator keys are checked before any body is
+key): tenants, the prompt pool, keys, usage, backends, warm-up, the dashboard's data;
+/metrics (the metrics key, else the admin key); /dashboard (a static page that asks for
+the admin key). Operator keys are checked before any body is
 read; every body is bounded and checked (server.body_guard) before a handler.
 A background loop health-checks the backends; a backend that comes (back) up
 is probed (hotprefix or another OpenAI-compatible server) and warmed. Another
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 import hotprefix
 from hotprefix.gateway.admin import admin_router
 from hotprefix.gateway.config import GatewayConfig
+from hotprefix.gateway.dashboard import dashboard_routes
 from hotprefix.gateway.middleware import OperatorGuard
 from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.proxy import GatewayError, Proxy
@@ -156,6 +158,9 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
     install_gateway_handlers(app)
     app.include_router(client_router(proxy, monitor, counters))
     app.include_router(admin_router(store, secret, proxy, monitor))
+    page, data = dashboard_routes(store, monitor)
+    app.include_router(page)
+    app.include_router(data, prefix="/admin")
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes)
     app.add_middleware(OperatorGuard, admin_key=cfg.admin_key, metrics_key=cfg.metrics_key)
     return app

@@ -46,7 +46,8 @@ class LogKey:
         if not path.exists():
             key = secrets.token_bytes(32)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            tmp.unlink(missing_ok=True)  # a stale one (or a planted link: never written through)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(key.hex() + "\n")
             try:

@@ -121,3 +121,17 @@ def test_without_prefix_caching_there_are_no_chains(tiny_llama, tmp_path):
     assert r.status_code == 400 and "prefix caching is off" in r.json()["error"]["message"]
     (row,) = rows_of(path)
     assert "prefix" not in row and not (tmp_path / "requests.jsonl.key").exists()
+
+
+def test_a_planted_link_at_the_temporary_name_is_never_written_through(tmp_path):
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    log = tmp_path / "requests.jsonl"
+    (tmp_path / f".requests.jsonl.key.{os.getpid()}.tmp").symlink_to(victim)
+    key = LogKey.for_log(str(log))
+    assert victim.read_text() == "keep me"
+    assert bytes.fromhex((tmp_path / "requests.jsonl.key").read_text().strip()) == key.key
+    assert stat.S_IMODE((tmp_path / "requests.jsonl.key").stat().st_mode) == 0o600
+    assert not (tmp_path / f".requests.jsonl.key.{os.getpid()}.tmp").exists()
