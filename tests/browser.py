@@ -20,6 +20,10 @@ from websockets.sync.client import connect
 BINARIES = ("chromium", "chromium-browser", "google-chrome")
 
 
+class CDPError(AssertionError):
+    """The browser answered a command with an error."""
+
+
 def chromium_path() -> str:
     """The browser binary. Raises AssertionError naming the fix when there is none."""
     path = next((p for b in BINARIES if (p := shutil.which(b))), None)
@@ -63,7 +67,8 @@ class Browser:
         while True:
             msg = json.loads(self.ws.recv(timeout=60))
             if msg.get("id") == self._id:
-                assert "error" not in msg, msg["error"]
+                if "error" in msg:
+                    raise CDPError(msg["error"])
                 return msg.get("result", {})
             self.events.append(msg)
 
@@ -80,7 +85,10 @@ class Browser:
         yet, say) it may throw: that counts as not yet."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            r = self.send("Runtime.evaluate", {"expression": expr, "returnByValue": True})
+            try:
+                r = self.send("Runtime.evaluate", {"expression": expr, "returnByValue": True})
+            except CDPError:  # the page navigated under the command: not yet
+                r = {"exceptionDetails": True}
             value = None if "exceptionDetails" in r else r["result"].get("value")
             if value:
                 return value

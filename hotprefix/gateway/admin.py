@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from hotprefix.gateway.budgets import PriceTable, Scope
 from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.proxy import GatewayError, Proxy
-from hotprefix.gateway.store import MAX_GRACE_S, USAGE_GROUPS, Store
+from hotprefix.gateway.store import MAX_GRACE_S, USAGE_GROUPS, Store, check_budget
 
 MAX_EXPIRES_S = 10 * 365 * 86400.0  # a new key's lifetime: at most ten years
 
@@ -21,7 +22,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class NewTenant(Strict):
+class BudgetFields(Strict):
+    """A budget (gateway/budgets.py); every field None: no cap."""
+
+    max_budget_tokens: int | None = Field(None, ge=1, le=2**62)
+    max_budget: float | None = Field(None, gt=0, lt=1e12)
+    budget_duration: str | None = Field(None, max_length=16)
+
+    def has_budget(self) -> bool:
+        return any(v is not None for v in (self.max_budget_tokens, self.max_budget, self.budget_duration))
+
+
+class KeyBudget(BudgetFields):
+    models: list[str] | None = Field(None, max_length=100)
+
+
+class NewTenant(BudgetFields):
     name: str
     prompt: str | None = None
 
@@ -36,7 +52,7 @@ class NewPrompt(Strict):
     public: bool = False
 
 
-class NewKey(Strict):
+class NewKey(KeyBudget):
     tenant: str
     name: str | None = None
     expires_in_s: float | None = Field(None, gt=0, le=MAX_EXPIRES_S)
@@ -63,7 +79,20 @@ def tenant_routes(api: APIRouter, store: Store, proxy: Proxy) -> None:
 
     @api.post("/tenants", status_code=201)
     async def create_tenant(body: NewTenant) -> dict[str, Any]:
-        return (await _run(store.create_tenant, body.name, body.prompt)).__dict__
+        if body.has_budget():  # checked before anything is written
+            check_budget(body.max_budget_tokens, body.max_budget, body.budget_duration)
+        t = await _run(store.create_tenant, body.name, body.prompt)
+        if body.has_budget():
+            await _run(store.set_budget, tenant=t.name, tokens=body.max_budget_tokens, money=body.max_budget,
+                       duration=body.budget_duration)
+        return (await _run(store.tenant, t.name)).__dict__
+
+    @api.put("/tenants/{name}/budget")
+    async def tenant_budget(name: str, body: BudgetFields) -> dict[str, Any]:
+        await _run(store.set_budget, tenant=name, tokens=body.max_budget_tokens, money=body.max_budget,
+                   duration=body.budget_duration)
+        proxy.auth_cache.clear()
+        return (await _run(store.tenant, name)).__dict__
 
     @api.patch("/tenants/{name}")
     async def update_tenant(name: str, body: TenantUpdate) -> dict[str, Any]:
@@ -93,9 +122,30 @@ def key_routes(api: APIRouter, store: Store, secret: bytes, proxy: Proxy) -> Non
     async def create_key(body: NewKey) -> dict[str, Any]:
         expires = None if body.expires_in_s is None else (
             dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) + dt.timedelta(seconds=body.expires_in_s))
+        if body.has_budget():  # checked before anything is written
+            check_budget(body.max_budget_tokens, body.max_budget, body.budget_duration)
         key, rec = await _run(store.create_key, secret, body.tenant, body.name, expires, body.rpm, body.tpm,
                               body.max_concurrent)
+        if body.has_budget() or body.models is not None:
+            await _run(store.set_budget, key_id=rec.id, tokens=body.max_budget_tokens, money=body.max_budget,
+                       duration=body.budget_duration, models=body.models)
+            rec = await _run(store.key, rec.id)
         return {"key": key, **rec.public()}
+
+    @api.put("/keys/{key_id}/budget")
+    async def key_budget(key_id: str, body: KeyBudget) -> dict[str, Any]:
+        await _run(store.set_budget, key_id=key_id, tokens=body.max_budget_tokens, money=body.max_budget,
+                   duration=body.budget_duration, models=body.models)
+        proxy.auth_cache.clear()
+        return (await _run(store.key, key_id)).public()
+
+    @api.get("/budgets")
+    async def budgets(tenant: str | None = None) -> dict[str, Any]:
+        """What each budgeted key and tenant spent in its current period, and its caps."""
+        scopes = [Scope(f"tenant:{t.name}", t.budget) for t in await _run(store.list_tenants)
+                  if tenant in (None, t.name)]
+        scopes += [Scope(f"key:{k.id}", k.budget) for k in await _run(store.list_keys, tenant)]
+        return {"data": [{"scope": name, **v} for name, v in (await proxy.acct.ledger.spent(scopes)).items()]}
 
     @api.post("/keys/{key_id}/revoke")
     async def revoke(key_id: str) -> dict[str, Any]:
@@ -110,7 +160,7 @@ def key_routes(api: APIRouter, store: Store, secret: bytes, proxy: Proxy) -> Non
         return {"key": key, **rec.public()}
 
 
-def operations_routes(api: APIRouter, store: Store, monitor: BackendMonitor) -> None:
+def operations_routes(api: APIRouter, store: Store, monitor: BackendMonitor, prices: PriceTable) -> None:
     """/admin/usage, /admin/backends, /admin/warmup."""
 
     @api.get("/usage")
@@ -123,7 +173,8 @@ def operations_routes(api: APIRouter, store: Store, monitor: BackendMonitor) -> 
             u = None if until is None else dt.datetime.fromisoformat(until)
         except ValueError as e:
             raise GatewayError(400, f"since/until must be ISO dates: {e}", "BadRequestError", "since") from None
-        return {"group_by": group_by, "data": await _run(store.usage_report, group_by, s, u)}
+        return {"group_by": group_by, "data": await _run(store.usage_report, group_by, s, u,
+                                                         prices if prices.prices else None)}
 
     @api.get("/backends")
     async def backends() -> dict[str, Any]:
@@ -141,5 +192,5 @@ def admin_router(store: Store, secret: bytes, proxy: Proxy, monitor: BackendMoni
     api = APIRouter(prefix="/admin")
     tenant_routes(api, store, proxy)
     key_routes(api, store, secret, proxy)
-    operations_routes(api, store, monitor)
+    operations_routes(api, store, monitor, proxy.cfg.prices)
     return api

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 import hotprefix
 from hotprefix.gateway.admin import admin_router
+from hotprefix.gateway.budgets import Ledger, MemoryLedger, RedisLedger
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.dashboard import dashboard_routes
 from hotprefix.gateway.middleware import OperatorGuard
@@ -118,7 +119,8 @@ def install_gateway_handlers(app: FastAPI) -> None:
         return _error(400, str(exc), "BadRequestError")
 
 
-def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: Limiter) -> FastAPI:
+def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: Limiter,
+                      ledger: Ledger | None = None) -> FastAPI:
     """The gateway over `cfg.backends`. The store must be migrated. Starting the app
     starts the health and usage loops; stopping it lets the requests' ends finish,
     then closes the HTTP client and the limiter."""
@@ -126,7 +128,8 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
     counters = Counters(router)
     client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.backend_timeout, connect=5.0),
                                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
-    acct = Accounting(store, limiter, counters, cfg.gateway_id, cfg.heartbeat_s, cfg.orphan_after_s)
+    ledger = ledger or make_ledger(cfg)
+    acct = Accounting(store, limiter, counters, cfg.gateway_id, cfg.heartbeat_s, cfg.orphan_after_s, ledger)
     proxy = Proxy(cfg, store, secret, router, client, acct)
     background: set[asyncio.Task] = set()
 
@@ -152,13 +155,14 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
         await client.aclose()
         await health_client.aclose()
         await limiter.close()
+        await ledger.close()
 
     app = FastAPI(title="hotprefix gateway", version=hotprefix.__version__, lifespan=lifespan)
     app.state.proxy, app.state.router, app.state.store, app.state.monitor = proxy, router, store, monitor
     install_gateway_handlers(app)
     app.include_router(client_router(proxy, monitor, counters))
     app.include_router(admin_router(store, secret, proxy, monitor))
-    page, data = dashboard_routes(store, monitor)
+    page, data = dashboard_routes(store, monitor, ledger)
     app.include_router(page)
     app.include_router(data, prefix="/admin")
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes)
@@ -170,3 +174,8 @@ def make_limiter(cfg: GatewayConfig) -> Limiter:
     from hotprefix.gateway.ratelimit import MemoryLimiter, RedisLimiter
 
     return RedisLimiter(cfg.redis_url, cfg.lease_s) if cfg.redis_url else MemoryLimiter(cfg.lease_s)
+
+
+def make_ledger(cfg: GatewayConfig) -> Ledger:
+    """The budgets' counters: in Redis when the gateway has one (shared by every gateway), else here."""
+    return RedisLedger(cfg.redis_url) if cfg.redis_url else MemoryLedger()

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from hotprefix.config import KEEP_ALIVE_S, ConfigError, parse_size
+from hotprefix.gateway.budgets import Budget, PriceTable
+from hotprefix.gateway.budgets import parse_duration as parse_budget_duration
 
 MAX_DURATION_S = 10 * 365 * 86400.0
 
@@ -84,6 +86,10 @@ def cmd_tenants(a: argparse.Namespace) -> int:
     if a.action == "prompts":
         _print(store.list_prompts(), a.json, ["name", "version", "public", "chars", "created_at"])
         return 0
+    if a.action == "set-budget":
+        store.set_budget(tenant=a.name, tokens=a.max_budget_tokens, money=a.max_budget, duration=a.budget_duration)
+        print(f"tenant {a.name}: {_budget_text(store.tenant(a.name).budget)}")
+        return 0
     if a.action == "add-prompt":
         text = _prompt_text(a)
         if not text:
@@ -98,7 +104,12 @@ def cmd_tenants(a: argparse.Namespace) -> int:
     if text:  # the tenant's own pool prompt, named after it
         prompt_name = store.add_prompt(a.name, text, a.public).name
     if a.action == "create":
+        if _has_budget(a):  # checked before anything is written
+            Budget(a.max_budget_tokens, a.max_budget, parse_budget_duration(a.budget_duration))
         t = store.create_tenant(a.name, prompt_name)
+        if _has_budget(a):
+            store.set_budget(tenant=t.name, tokens=a.max_budget_tokens, money=a.max_budget,
+                             duration=a.budget_duration)
     else:
         if prompt_name is None and not a.no_prompt:
             raise ConfigError("give --prompt, --system-prompt(-file) or --no-prompt")
@@ -107,6 +118,32 @@ def cmd_tenants(a: argparse.Namespace) -> int:
     print(f"tenant {t.name}: " + (f"system prompt {p.name} v{p.version} ({'public' if p.public else 'private'})"
                                   if p else "no system prompt"))
     return 0
+
+
+def _has_budget(a: argparse.Namespace) -> bool:
+    return any(getattr(a, k, None) is not None for k in ("max_budget_tokens", "max_budget", "budget_duration"))
+
+
+def _models(a: argparse.Namespace) -> list[str] | None:
+    return None if a.models is None else [m.strip() for m in a.models.split(",") if m.strip()]
+
+
+def _budget_text(b: Budget) -> str:
+    caps = [f"{b.tokens} tokens" if b.tokens is not None else "", f"{b.money:g} in money" if b.money else ""]
+    caps = [c for c in caps if c]
+    if not caps:
+        return "no budget"
+    return " and ".join(caps) + (f" per {b.duration_s} s" if b.duration_s else " (never resets)")
+
+
+def _budget_args(c: argparse.ArgumentParser, models: bool = False) -> None:
+    c.add_argument("--max-budget-tokens", type=int, default=None, help="the most tokens (prompt + output) per period")
+    c.add_argument("--max-budget", type=float, default=None,
+                   help="the most spend per period, in the price table's currency (the gateway's --prices)")
+    c.add_argument("--budget-duration", default=None, help="the period: 1h, 1d, 30d (aligned to UTC; default: never "
+                                                           "resets)")
+    if models:
+        c.add_argument("--models", default=None, help="comma-separated models the key may use (default: any)")
 
 
 # --- keys -----------------------------------------------------------------------------------------------
@@ -122,6 +159,12 @@ def cmd_keys(a: argparse.Namespace) -> int:
         _print(rows, a.json, ["id", "tenant", "name", "key", "active", "rpm", "tpm", "max_concurrent",
                               "expires_at", "revoked_at"])
         return 0
+    if a.action == "set-budget":
+        store.set_budget(key_id=a.key_id, tokens=a.max_budget_tokens, money=a.max_budget, duration=a.budget_duration,
+                         models=_models(a))
+        rec = store.key(a.key_id)
+        print(f"key {rec.id}: {_budget_text(rec.budget)}; models: {', '.join(rec.models) if rec.models else 'any'}")
+        return 0
     if a.action == "revoke":
         rec = store.revoke_key(a.key_id)
         print(f"revoked {rec.id} ({rec.tenant})")
@@ -132,7 +175,13 @@ def cmd_keys(a: argparse.Namespace) -> int:
     else:
         expires = None if a.expires_in is None else (
             dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) + dt.timedelta(seconds=parse_duration(a.expires_in)))
+        if _has_budget(a):  # checked before anything is written
+            Budget(a.max_budget_tokens, a.max_budget, parse_budget_duration(a.budget_duration))
         key, rec = store.create_key(secret, a.tenant, a.name, expires, a.rpm, a.tpm, a.max_concurrent)
+        if _has_budget(a) or a.models is not None:
+            store.set_budget(key_id=rec.id, tokens=a.max_budget_tokens, money=a.max_budget,
+                             duration=a.budget_duration, models=_models(a))
+            rec = store.key(rec.id)
     if a.json:
         print(json.dumps({"key": key, **rec.public()}, indent=2))
     else:
@@ -149,8 +198,10 @@ def cmd_usage(a: argparse.Namespace) -> int:
         until = None if a.until is None else dt.datetime.fromisoformat(a.until)
     except ValueError as e:
         raise ConfigError(f"--since/--until must be ISO dates (2026-11-22 or 2026-11-22T10:00): {e}") from None
-    rows = store.usage_report(a.by, since, until)
-    _print(rows, a.json, [a.by, "requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens"])
+    prices = PriceTable.load(a.prices) if a.prices else None
+    rows = store.usage_report(a.by, since, until, prices)
+    _print(rows, a.json, [a.by, "requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens",
+                          *(["spend"] if prices else [])])
     return 0
 
 
@@ -176,7 +227,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                         gateway_id=a.gateway_id or f"{socket.gethostname()}:{a.port}",
                         heartbeat_s=a.heartbeat, metrics_key=a.metrics_key,
                         max_request_body_bytes=parse_size(a.max_request_body_bytes),
-                        warmup=a.warmup, log_level="debug" if a.verbose else "info")
+                        warmup=a.warmup, log_level="debug" if a.verbose else "info",
+                        prices=PriceTable.load(a.prices))
     store = _open(a)
     secret = load_secret(a.secret_file)
     if cfg.redis_url:
@@ -211,6 +263,9 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=8080)
     _store_args(gw)
+    gw.add_argument("--prices", default=None,
+                    help="a JSON price table: {model: {input, cached_input, output}} per million tokens, for "
+                         "budgets in money and spend reports ('*' prices every other model)")
     gw.add_argument("--redis-url", default=os.environ.get("HOTPREFIX_REDIS_URL"),
                     help="share rate-limit counters between gateway processes in Redis, e.g. redis://localhost:6379/0 "
                          "(default: in this process)")
@@ -266,6 +321,11 @@ def _add_tenants_parser(sub: argparse._SubParsersAction) -> None:
                        help="share the prompt's KV across tenants (what follows it stays private)")
         if action == "set-prompt":
             c.add_argument("--no-prompt", action="store_true", help="no forced system prompt")
+        else:
+            _budget_args(c)
+    b = ts.add_parser("set-budget", help="replace a tenant's budget (no flag: no cap)")
+    b.add_argument("name")
+    _budget_args(b)
     ap = ts.add_parser("add-prompt", help="add a pool prompt, or a new version of one")
     ap.add_argument("name")
     ap.add_argument("--system-prompt", default=None)
@@ -289,7 +349,11 @@ def _add_keys_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--rpm", type=int, default=None, help="requests per minute")
     c.add_argument("--tpm", type=int, default=None, help="tokens (prompt + output) per minute")
     c.add_argument("--max-concurrent", type=int, default=None, help="requests in flight at once")
+    _budget_args(c, models=True)
     c.add_argument("--json", action="store_true")
+    c = ks.add_parser("set-budget", help="replace a key's budget and models (no flag: no cap, any model)")
+    c.add_argument("key_id")
+    _budget_args(c, models=True)
     c = ks.add_parser("list", help="keys (never their secret part)")
     c.add_argument("--tenant", default=None)
     c.add_argument("--json", action="store_true")
@@ -306,7 +370,8 @@ def _add_keys_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_usage_parser(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("usage", help="gateway usage per tenant, key or day")
-    u.add_argument("--by", default="tenant", choices=("tenant", "key", "day"))
+    u.add_argument("--by", default="tenant", choices=("tenant", "key", "day", "model"))
+    u.add_argument("--prices", default=None, help="a price table (JSON, per million tokens): adds each row's spend")
     u.add_argument("--since", default=None, help="ISO date or time (UTC)")
     u.add_argument("--until", default=None, help="ISO date or time (UTC), exclusive")
     u.add_argument("--json", action="store_true")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hotprefix.config import KEEP_ALIVE_S, ConfigError
+from hotprefix.gateway.budgets import PriceTable
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class GatewayConfig:
     heartbeat_s: how often running requests renew their leases and checkpoint usage.
     metrics_key: bearer key of /metrics (default: the admin key; neither: /metrics is off).
     max_request_body_bytes: a larger request body gets 413.
+    prices: per model, the price per million tokens (budgets in money, and spend reports).
     """
 
     backends: tuple[str, ...]
@@ -47,6 +49,7 @@ class GatewayConfig:
     metrics_key: str | None = None
     max_request_body_bytes: int = 4 << 20
     warmup: bool = True
+    prices: PriceTable = field(default_factory=PriceTable)
     log_level: str = "info"
 
     @property

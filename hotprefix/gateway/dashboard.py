@@ -3,8 +3,9 @@ the admin key) and GET /admin/dashboard (its JSON, behind the admin key).
 
 Per tenant and per key over a window: requests, tokens, cached share, 429s and errors,
 from the usage rows (the same rows /admin/usage reports); the same per time bucket for
-the charts; the backends with their health and the tenants whose prefixes they are home
-to (rendezvous routing: a tenant's prompt always ranks the backends the same way).
+the charts; each budget's spend in its current period; the backends with their health
+and the tenants whose prefixes they are home to (rendezvous routing: a tenant's prompt
+always ranks the backends the same way).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse
 
+from hotprefix.gateway.budgets import Ledger, Scope
 from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.routing import route_key
 from hotprefix.gateway.store import Store, UsageStatus, utcnow
@@ -59,7 +61,8 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
     for r in rows["series"]:
         _add(series[(r["tenant"], r["bucket"])], r)
     homes: dict[str, list[str]] = defaultdict(list)
-    tenants = []
+    tenants: list[dict[str, Any]] = []
+    scopes: list[Scope] = []
     for t in store.list_tenants():
         prompt = store.tenant_prompt(t)
         ranked = monitor.router.ranking(route_key(prompt.text if prompt else None, bool(prompt and prompt.public),
@@ -67,12 +70,15 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
         home = ranked[0].url if ranked else None
         if home:
             homes[home].append(t.name)
-        keys = [{"id": k.id, "name": k.name, "hint": k.hint, "active": k.active(now),
+        keys = [{"id": k.id, "name": k.name, "hint": k.hint, "active": k.active(now), "scope": f"key:{k.id}",
                  **_with_share(per_key.get((t.name, k.id), _tally()))} for k in store.list_keys(t.name)]
-        tenants.append({"name": t.name, "prompt": t.prompt_name, "home_backend": home,
+        scopes += [Scope(f"key:{k.id}", k.budget) for k in store.list_keys(t.name)] + [Scope(f"tenant:{t.name}",
+                                                                                            t.budget)]
+        tenants.append({"name": t.name, "prompt": t.prompt_name, "home_backend": home, "scope": f"tenant:{t.name}",
                         **_with_share(per_tenant.get(t.name, _tally())), "keys": keys})
     return {
         "time": now.isoformat() + "Z", "minutes": minutes, "bucket_s": bucket_s, "tenants": tenants,
+        "scopes": scopes,
         "series": [{"tenant": tenant, "t": b, **_with_share(v)} for (tenant, b), v in sorted(series.items(),
                                                                                           key=lambda kv: kv[0][1])],
         "backends": [{"url": b.url, "healthy": b.healthy, "kind": b.kind.value, "model": b.model,
@@ -85,7 +91,7 @@ def page() -> str:
     return resources.files("hotprefix.gateway").joinpath("static/dashboard.html").read_text()
 
 
-def dashboard_routes(store: Store, monitor: BackendMonitor) -> tuple[APIRouter, APIRouter]:
+def dashboard_routes(store: Store, monitor: BackendMonitor, ledger: Ledger) -> tuple[APIRouter, APIRouter]:
     """(the open router with /dashboard, the admin router's /dashboard: mounted under /admin)."""
     open_api, admin_api = APIRouter(), APIRouter()
     html = page()
@@ -99,6 +105,11 @@ def dashboard_routes(store: Store, monitor: BackendMonitor) -> tuple[APIRouter, 
                    bucket_s: int = Query(60, ge=10, le=86400)) -> dict[str, Any]:
         if minutes * 60 / bucket_s > 10_000:
             bucket_s = int(minutes * 60 / 10_000) + 1  # at most 10,000 buckets per tenant
-        return await asyncio.to_thread(activity, store, monitor, minutes, bucket_s)
+        out = await asyncio.to_thread(activity, store, monitor, minutes, bucket_s)
+        spent = await ledger.spent(out.pop("scopes"))  # each budget's current period, as admission counts it
+        for t in out["tenants"]:
+            for row in (t, *t["keys"]):
+                row["budget"] = spent.get(row.pop("scope"))
+        return out
 
     return open_api, admin_api

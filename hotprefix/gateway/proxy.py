@@ -42,6 +42,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from hotprefix.gateway import keys as K
+from hotprefix.gateway.budgets import Price, Scope
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.ratelimit import Limits, Refusal
 from hotprefix.gateway.routing import Backend, Router, route_key
@@ -67,7 +68,8 @@ REFUSALS = {Refusal.TOO_LARGE: "this request needs at least {least} tokens, more
                                "minute",
             Refusal.REQUESTS: "rate limit of {rpm} requests per minute reached",
             Refusal.TOKENS: "rate limit of {tpm} tokens per minute reached",
-            Refusal.CONCURRENCY: "limit of {max_concurrent} concurrent requests reached"}
+            Refusal.CONCURRENCY: "limit of {max_concurrent} concurrent requests reached",
+            Refusal.BUDGET: "the budget of {detail} is spent for this period"}
 
 
 class GatewayError(Exception):
@@ -173,7 +175,8 @@ class Proxy:
         tenant = self.store.tenant(rec.tenant)
         limits = Limits(rec.rpm or self.cfg.default_rpm, rec.tpm or self.cfg.default_tpm,
                         rec.max_concurrent or self.cfg.default_max_concurrent)
-        return Caller(rec, tenant, self.store.tenant_prompt(tenant), limits)
+        scopes = (Scope(f"key:{rec.id}", rec.budget), Scope(f"tenant:{tenant.name}", tenant.budget))
+        return Caller(rec, tenant, self.store.tenant_prompt(tenant), limits, scopes)
 
     async def authenticate(self, request: Request) -> Caller:
         """The caller of `request`. Raises GatewayError(401) for a missing, unknown,
@@ -260,6 +263,21 @@ class Proxy:
 
     # --- one request --------------------------------------------------------------------------------
 
+    async def _check_model(self, caller: Caller, model: str | None, row: dict[str, Any], t0: float) -> Price | None:
+        """The model's price. Raises GatewayError: 403 for a model the key may not use, 400
+        for a model without a price when a budget of the caller is in money."""
+        allowed = caller.key.models
+        if allowed is not None and model not in allowed:
+            await self.acct.record_refused(caller, row, UsageStatus.INVALID, 403, t0)
+            raise GatewayError(403, f"this key may not use model {model!r}; it may use: {', '.join(allowed)}",
+                               "PermissionDeniedError", "model")
+        price = self.cfg.prices.get(model)
+        if price is None and any(s.budget.money is not None for s in caller.scopes):
+            await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
+            raise GatewayError(400, f"model {model!r} has no price in the gateway's price table (--prices), and "
+                               "this key's or tenant's budget is in money", "BadRequestError", "model")
+        return price
+
     async def handle(self, request: Request, endpoint: str) -> Response:
         """Serve one /v1/chat/completions or /v1/completions request. Raises GatewayError."""
         t0 = time.monotonic()
@@ -278,12 +296,14 @@ class Proxy:
             await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
             raise GatewayError(400, str(e), "BadRequestError", e.param) from None
         row |= {"stream": req.stream, "model": req.model[:256] if req.model else None}
+        price = await self._check_model(caller, req.model, row, t0)
         system = caller.prompt.text if caller.prompt else None
         body = backend_body(endpoint, req, system, 0)
         seqs, estimate = num_sequences(req), await self._prompt_tokens(endpoint, body, caller)
         cap = min(req.wanted_max_tokens() or self.cfg.default_max_tokens, self.router.max_model_len() or 2**31)
         try:
-            decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0)
+            decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0,
+                                                     estimate, price)
         except UsageStoreUnavailable as e:
             raise GatewayError(503, f"{e}; try again later", "ServiceUnavailableError",
                                headers={"Retry-After": "1"}) from None
@@ -291,7 +311,9 @@ class Proxy:
             retry = max(1, math.ceil(decision.retry_after))
             lim = caller.limits
             what = REFUSALS[decision.reason].format(least=estimate + seqs, tpm=lim.tpm, rpm=lim.rpm,
-                                                    max_concurrent=lim.max_concurrent)
+                                                    max_concurrent=lim.max_concurrent, detail=decision.detail)
+            if decision.reason is Refusal.BUDGET and not decision.retry_after:  # a budget that never resets
+                raise GatewayError(429, f"{what}; it does not reset", "RateLimitError", headers=decision.headers)
             raise GatewayError(429, f"{what}; retry after {retry}s", "RateLimitError",
                                headers={**decision.headers, "Retry-After": str(retry)})
         body["max_tokens"] = max(1, (decision.granted - estimate) // seqs)

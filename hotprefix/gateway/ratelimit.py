@@ -43,6 +43,7 @@ class Refusal(str, Enum):
     TOKENS = "tokens"
     CONCURRENCY = "concurrency"
     TOO_LARGE = "too_large"
+    BUDGET = "budget"  # a key's or tenant's budget (gateway/budgets.py) is spent
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Decision:
     retry_after: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
     granted: int = 0  # tokens reserved, between `least` and `want`
+    detail: str = ""  # which budget refused (Refusal.BUDGET)
 
 
 class Limiter(Protocol):

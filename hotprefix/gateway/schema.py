@@ -4,6 +4,7 @@ create exactly these; a test compares the two."""
 from __future__ import annotations
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Column,
     DateTime,
@@ -40,6 +41,10 @@ tenants = Table(
     Column("name", String(128), nullable=False, unique=True),
     Column("prompt_name", String(128), nullable=True),  # uses the latest version of this pool prompt
     Column("created_at", DateTime, nullable=False),
+    # 0003: budgets (gateway/budgets.py)
+    Column("max_budget_tokens", BigInteger, nullable=True),
+    Column("max_budget", Float, nullable=True),
+    Column("budget_duration", String(16), nullable=True),
 )
 
 # Keys are stored only as HMAC-SHA256(server secret, key); `hint` is the last 4
@@ -58,6 +63,11 @@ api_keys = Table(
     Column("rpm", Integer, nullable=True),
     Column("tpm", Integer, nullable=True),
     Column("max_concurrent", Integer, nullable=True),
+    # 0003: budgets, and the models the key may use (a JSON list; null: any)
+    Column("max_budget_tokens", BigInteger, nullable=True),
+    Column("max_budget", Float, nullable=True),
+    Column("budget_duration", String(16), nullable=True),
+    Column("models", Text, nullable=True),
 )
 
 usage = Table(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hmac
+import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -19,6 +20,8 @@ from sqlalchemy.exc import IntegrityError
 
 from hotprefix.config import ConfigError
 from hotprefix.gateway import keys as K
+from hotprefix.gateway.budgets import Budget, PriceTable
+from hotprefix.gateway.budgets import parse_duration as parse_budget_duration
 from hotprefix.gateway.schema import api_keys, metadata, system_prompts, tenants, usage
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -57,6 +60,13 @@ class Tenant:
     id: int
     name: str
     prompt_name: str | None
+    max_budget_tokens: int | None = None
+    max_budget: float | None = None
+    budget_duration: str | None = None
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.max_budget_tokens, self.max_budget, parse_budget_duration(self.budget_duration))
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,14 @@ class KeyRecord:
     rpm: int | None
     tpm: int | None
     max_concurrent: int | None
+    max_budget_tokens: int | None = None
+    max_budget: float | None = None
+    budget_duration: str | None = None
+    models: tuple[str, ...] | None = None  # the models it may use (None: any)
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.max_budget_tokens, self.max_budget, parse_budget_duration(self.budget_duration))
 
     def active(self, at: dt.datetime) -> bool:
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > at)
@@ -85,7 +103,8 @@ class KeyRecord:
         return d
 
 
-USAGE_GROUPS = ("key", "tenant", "day")
+USAGE_GROUPS = ("key", "tenant", "day", "model")
+MAX_MODELS = 100  # models one key may be limited to
 MAX_GRACE_S = 365 * 86400.0  # a rotated key's grace period: at most a year
 
 
@@ -101,6 +120,14 @@ class UsageStatus(str, Enum):
     RATE_LIMITED = "rate_limited"
     INVALID = "invalid"  # refused by the gateway before any backend
     INTERRUPTED = "interrupted"  # its gateway died; closed by a gateway that saw it orphaned
+
+
+def check_budget(tokens: int | None, money: float | None, duration: str | None) -> Budget:
+    """The budget these values make. Raises StoreError (an HTTP 400) for a bad one."""
+    try:
+        return Budget(tokens, money, parse_budget_duration(duration))
+    except ConfigError as e:
+        raise StoreError(str(e)) from None
 
 
 class Store:
@@ -191,11 +218,10 @@ class Store:
             self.prompt(prompt_name)
         try:
             with self.engine.begin() as c:
-                tid = c.execute(tenants.insert().values(name=name, prompt_name=prompt_name,
-                                                        created_at=utcnow())).inserted_primary_key[0]
+                c.execute(tenants.insert().values(name=name, prompt_name=prompt_name, created_at=utcnow()))
         except IntegrityError:
             raise StoreError(f"tenant {name!r} exists") from None
-        return Tenant(tid, name, prompt_name)
+        return self.tenant(name)
 
     def set_tenant_prompt(self, name: str, prompt_name: str | None) -> Tenant:
         """Point tenant `name` at pool prompt `prompt_name` (None: no forced prompt)."""
@@ -212,12 +238,33 @@ class Store:
             row = c.execute(sa.select(tenants).where(tenants.c.name == name)).first()
         if row is None:
             raise NotFound(f"no tenant {name!r}")
-        return Tenant(row.id, row.name, row.prompt_name)
+        return self._tenant(row)
+
+    @staticmethod
+    def _tenant(r) -> Tenant:
+        return Tenant(r.id, r.name, r.prompt_name, r.max_budget_tokens, r.max_budget, r.budget_duration)
 
     def list_tenants(self) -> list[Tenant]:
         with self.engine.connect() as c:
-            return [Tenant(r.id, r.name, r.prompt_name)
-                    for r in c.execute(sa.select(tenants).order_by(tenants.c.name))]
+            return [self._tenant(r) for r in c.execute(sa.select(tenants).order_by(tenants.c.name))]
+
+    def set_budget(self, *, tenant: str | None = None, key_id: str | None = None, tokens: int | None = None,
+                   money: float | None = None, duration: str | None = None,
+                   models: list[str] | None = None) -> None:
+        """Replace the budget of a tenant or a key (None: no cap), and a key's models (None:
+        any). Raises StoreError for a bad value (nothing changes) or NotFound."""
+        check_budget(tokens, money, duration)
+        values: dict[str, Any] = {"max_budget_tokens": tokens, "max_budget": money, "budget_duration": duration}
+        if key_id is not None:
+            if models is not None and (len(models) > MAX_MODELS or not all(
+                    isinstance(m, str) and 0 < len(m) <= 256 for m in models)):
+                raise StoreError(f"models: at most {MAX_MODELS} names of 1-256 characters")
+            values["models"] = None if models is None else json.dumps(list(models))
+        table, cond = ((api_keys, api_keys.c.id == key_id) if key_id is not None
+                       else (tenants, tenants.c.name == tenant))
+        with self.engine.begin() as c:
+            if not c.execute(table.update().where(cond).values(**values)).rowcount:
+                raise NotFound(f"no {'key' if key_id is not None else 'tenant'} {key_id or tenant!r}")
 
     def tenant_prompt(self, tenant: Tenant) -> Prompt | None:
         """The newest version of the tenant's pool prompt, or None."""
@@ -253,7 +300,8 @@ class Store:
     @staticmethod
     def _record(r) -> KeyRecord:
         return KeyRecord(r.id, r.tenant, r.tenant_id, r.name, r.hint, r.created_at, r.expires_at, r.revoked_at,
-                         r.rotated_from, r.rpm, r.tpm, r.max_concurrent)
+                         r.rotated_from, r.rpm, r.tpm, r.max_concurrent, r.max_budget_tokens, r.max_budget,
+                         r.budget_duration, None if r.models is None else tuple(json.loads(r.models)))
 
     def key(self, key_id: str) -> KeyRecord:
         with self.engine.connect() as c:
@@ -304,6 +352,9 @@ class Store:
         with self.engine.begin() as c:
             key, kid = self._insert_key(c, secret, old.tenant, old.name, old.expires_at, old.rpm, old.tpm,
                                         old.max_concurrent, old.id)
+            c.execute(api_keys.update().where(api_keys.c.id == kid).values(
+                max_budget_tokens=old.max_budget_tokens, max_budget=old.max_budget,
+                budget_duration=old.budget_duration, models=None if old.models is None else json.dumps(old.models)))
             c.execute(api_keys.update().where(api_keys.c.id == key_id).values(**change))
         return key, self.key(kid)
 
@@ -367,12 +418,13 @@ class Store:
             return [dict(m) for m in c.execute(q).mappings()]
 
     def usage_report(self, group_by: str = "tenant", since: dt.datetime | None = None,
-                     until: dt.datetime | None = None) -> list[dict[str, Any]]:
-        """Requests and token sums grouped by key, tenant or day (UTC), oldest window
-        first. Raises StoreError for an unknown grouping."""
+                     until: dt.datetime | None = None, prices: PriceTable | None = None) -> list[dict[str, Any]]:
+        """Requests and token sums grouped by key, tenant, day (UTC) or model, oldest window
+        first; with a price table, each group's `spend` (None when a model in it has no
+        price). Raises StoreError for an unknown grouping."""
         if group_by not in USAGE_GROUPS:
             raise StoreError(f"group by one of {', '.join(USAGE_GROUPS)}, not {group_by!r}")
-        col = {"key": usage.c.key_id, "tenant": usage.c.tenant,
+        col = {"key": usage.c.key_id, "tenant": usage.c.tenant, "model": usage.c.model,
                "day": sa.func.date(usage.c.created_at)}[group_by].label(group_by)
         q = sa.select(col, sa.func.count().label("requests"),
                       sa.func.sum(sa.case((usage.c.status == UsageStatus.OK.value, 1), else_=0)).label("ok"),
@@ -386,11 +438,32 @@ class Store:
             q = q.where(usage.c.created_at < until)
         with self.engine.connect() as c:
             rows = [dict(m) for m in c.execute(q).mappings()]
+        spend = self._spend(col, since, until, prices) if prices is not None else {}
         for r in rows:
+            if prices is not None:
+                r["spend"] = spend.get(r[group_by])
             r[group_by] = str(r[group_by])
             for k in ("requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens"):
                 r[k] = int(r[k])
         return rows
+
+    def _spend(self, col, since: dt.datetime | None, until: dt.datetime | None,
+               prices: PriceTable) -> dict[Any, float | None]:
+        """Per group: what its usage cost at `prices` (None if a model of it has no price)."""
+        q = sa.select(col, usage.c.model, *(sa.func.coalesce(sa.func.sum(c), 0) for c in (
+            usage.c.prompt_tokens, usage.c.cached_tokens, usage.c.completion_tokens))).group_by(col, usage.c.model)
+        if since is not None:
+            q = q.where(usage.c.created_at >= since)
+        if until is not None:
+            q = q.where(usage.c.created_at < until)
+        out: dict[Any, float | None] = {}
+        with self.engine.connect() as c:
+            for group, model, prompt, cached, completion in c.execute(q):
+                price = prices.get(model)
+                cost = None if price is None else price.cost_micros(int(prompt), int(cached), int(completion)) / 1e6
+                out[group] = None if cost is None or (group in out and out[group] is None) else \
+                    out.get(group, 0.0) + cost
+        return out
 
     def usage_activity(self, since: dt.datetime, bucket_s: int) -> dict[str, list[dict[str, Any]]]:
         """Usage rows created since `since`: `totals` per (tenant, key, status) and `series` per

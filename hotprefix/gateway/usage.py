@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotprefix.gateway.ratelimit import Decision, Limiter, Limits
+from hotprefix.gateway.budgets import Ledger, MemoryLedger, Price, Reservation, Scope
+from hotprefix.gateway.ratelimit import Decision, Limiter, Limits, Refusal
 from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, UsageStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,14 @@ class UsageStoreUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Caller:
-    """The authenticated key, its tenant, the tenant's prompt and the limits that apply."""
+    """The authenticated key, its tenant, the tenant's prompt, the limits and the budgets
+    (the key's and the tenant's) that apply."""
 
     key: KeyRecord
     tenant: Tenant
     prompt: Prompt | None
     limits: Limits
+    scopes: tuple[Scope, ...] = ()
 
 
 @dataclass
@@ -74,6 +77,15 @@ class Outcome:
             if isinstance(c, dict) and c.get("finish_reason"):
                 self.finish_reason = str(c["finish_reason"])[:32]
                 return
+
+    def cost(self, price: Price | None, budget: Reservation | None) -> int:
+        """Micro-units to charge against a money budget: the reported usage at `price`, else
+        the whole reservation once a backend had the request."""
+        if price is None or budget is None:
+            return 0
+        if self.prompt_tokens is None and self.completion_tokens is None:
+            return budget.micros if self.backend is not None else 0
+        return price.cost_micros(self.prompt_tokens or 0, self.cached_tokens or 0, self.completion_tokens or 0)
 
     def used(self, reserved: int) -> int:
         """Tokens to charge against the key's tokens-per-minute limit: what the backend
@@ -108,6 +120,8 @@ class InFlight:
     caller: Caller
     reserved: int
     t0: float
+    budget: Reservation | None = None
+    price: Price | None = None
     outcome: Outcome = field(default_factory=Outcome)
     _ending: asyncio.Task | None = None
 
@@ -126,9 +140,10 @@ class Accounting:
     """Admission, the in-flight registry and its heartbeat. Lives on the event loop."""
 
     def __init__(self, store: Store, limiter: Limiter, counters: Any, gateway_id: str, heartbeat_s: float = 5.0,
-                 orphan_after_s: float = 60.0) -> None:
+                 orphan_after_s: float = 60.0, ledger: Ledger | None = None) -> None:
         self.store = store
         self.limiter = limiter
+        self.ledger = ledger or MemoryLedger()
         self.counters = counters
         self.gateway_id = gateway_id
         self.heartbeat_s = heartbeat_s
@@ -144,14 +159,20 @@ class Accounting:
         return task
 
     async def admit(self, caller: Caller, request_id: str, row: dict[str, Any], want: int, least: int,
-                    t0: float) -> tuple[Decision, InFlight | None]:
-        """Ask the limiter; if admitted, write the `started` row. If that fails, the
-        reservation is returned and UsageStoreUnavailable raised: nothing runs unaccounted."""
-        decision = await self.limiter.acquire(caller.key.id, caller.limits, want, least, request_id)
+                    t0: float, prompt: int = 0, price: Price | None = None) -> tuple[Decision, InFlight | None]:
+        """Reserve in the budgets, then ask the limiter (for no more than the budgets
+        granted); if admitted, write the `started` row. If that fails, the reservations
+        are returned and UsageStoreUnavailable raised: nothing runs unaccounted."""
+        budget = await self.ledger.reserve(list(caller.scopes), want, least, prompt, price)
+        if not budget.admitted:
+            await self.record_refused(caller, row, UsageStatus.RATE_LIMITED, 429, t0)
+            return Decision(False, Refusal.BUDGET, budget.resets_in or 0.0, detail=budget.refused_by or ""), None
+        decision = await self.limiter.acquire(caller.key.id, caller.limits, budget.granted, least, request_id)
         if not decision.admitted:
+            await self.ledger.settle(budget.reservation, 0, 0)
             await self.record_refused(caller, row, UsageStatus.RATE_LIMITED, 429, t0)
             return decision, None
-        flight = InFlight(self._start_end, request_id, caller, decision.granted, t0)
+        flight = InFlight(self._start_end, request_id, caller, decision.granted, t0, budget.reservation, price)
         try:
             await asyncio.to_thread(self.store.start_usage, row | {
                 "request_id": request_id, "gateway_id": self.gateway_id, "reserved_tokens": decision.granted})
@@ -159,6 +180,7 @@ class Accounting:
             log.exception("could not write the usage row of request %s: refusing it", request_id)
             try:
                 await self.limiter.settle(caller.key.id, caller.limits, decision.granted, 0, request_id)
+                await self.ledger.settle(budget.reservation, 0, 0)
             except Exception:  # its lease then ends by itself after lease_s
                 log.exception("could not return the reservation of refused request %s", request_id)
             raise UsageStoreUnavailable(f"the usage store is unavailable ({type(e).__name__})") from None
@@ -182,6 +204,11 @@ class Accounting:
             await self.limiter.settle(k.key.id, k.limits, f.reserved, o.used(f.reserved), f.request_id)
         except Exception:  # the lease then ends by itself after lease_s
             log.exception("could not settle request %s with the limiter", f.request_id)
+        try:
+            if f.budget is not None:
+                await self.ledger.settle(f.budget, o.used(f.budget.tokens), o.cost(f.price, f.budget))
+        except Exception:  # the reservation then stays counted: the budget errs on the safe side
+            log.exception("could not settle request %s with the budgets", f.request_id)
         try:
             await asyncio.to_thread(self.store.finish_usage, f.request_id, o.columns(time.monotonic() - f.t0))
         except Exception:  # the row stays `started` and is closed as interrupted later

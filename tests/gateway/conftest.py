@@ -99,8 +99,9 @@ def start_gateway(backends: list[str], store: Store, **kw) -> Live:
     kw.setdefault("health_interval", 0.2)
     kw.setdefault("admin_key", ADMIN)
     limiter = kw.pop("limiter", None) or MemoryLimiter()
+    ledger = kw.pop("ledger", None)
     cfg = GatewayConfig(backends=tuple(backends), **kw)
-    app = build_gateway_app(cfg, store, SECRET, limiter)
+    app = build_gateway_app(cfg, store, SECRET, limiter, ledger)
     url, server, thread = serve_in_thread(app)
     return Live(url, server, thread, app)
 

@@ -27,6 +27,7 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
     k1, r1 = store.create_key(SECRET, "acme", "web")
     k2, r2 = store.create_key(SECRET, "acme", "batch", rpm=1)
     k3, r3 = store.create_key(SECRET, "beta", "app")
+    store.set_budget(tenant="acme", tokens=100_000, duration="1d")
     with gateway_over_fake(store) as (fake, gw):
         codes = [chat(gw, k1).status_code for _ in range(3)] + [chat(gw, k2).status_code for _ in range(2)]
         codes += [chat(gw, k3).status_code]
@@ -41,7 +42,8 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
         with Browser() as b:
             b.goto(gw.url + "/dashboard")
             b.wait_for("document.readyState === 'complete' && !!document.getElementById('key')")
-            b.evaluate(f"sessionStorage.setItem('hotprefix-admin-key', {ADMIN!r}); location.reload(); 1")
+            b.evaluate(f"sessionStorage.setItem('hotprefix-admin-key', {ADMIN!r}); 1")
+            b.send("Page.reload")
             b.wait_for("document.readyState === 'complete' && Number(document.body.dataset.loaded || 0) >= 1")
             shown = b.evaluate(
                 "({tenants: Object.fromEntries([...document.querySelectorAll('#tenants tr')].map(r => "
@@ -69,11 +71,16 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
         assert (k["requests"], k["prompt_tokens"], k["completion_tokens"]) == \
             (usage[kid]["requests"], usage[kid]["prompt_tokens"], usage[kid]["completion_tokens"])
     assert sum(p["requests"] for p in data["series"]) == 7
+    acme_used = sum(r["prompt_tokens"] + r["completion_tokens"] for r in store.usage_rows()
+                    if r["tenant"] == "acme" and r["status"] == "ok")
+    assert acme["budget"]["tokens_spent"] == acme_used and acme["budget"]["max_budget_tokens"] == 100_000
+    assert beta["budget"] is None and keys[r1.id]["budget"] is None
     (backend,) = data["backends"]
     assert backend["healthy"] and backend["url"] == fake.url and set(backend["home_of"]) == {"acme", "beta"}
     # the page shows the same: tenant rows, key rows, working tenant -> keys links, the backend up
     assert shown["tenants"]["acme"][2:6] == ["5", "4", "1", "0"]
     assert shown["tenants"]["beta"][2:6] == ["2", "1", "0", "1"]
+    assert shown["tenants"]["acme"][9] == f"{acme_used:,} / 100,000 tokens" and shown["tenants"]["beta"][9] == "none"
     assert shown["keys"][r2.id][3:7] == ["2", "1", "1", "0"]
     assert sorted(shown["links"]) == [["#keys-acme", True], ["#keys-beta", True]]
     assert shown["backends"][0][:2] == [fake.url, "up"]

@@ -230,6 +230,6 @@ def test_admin_api(setup):
     assert last(fake)["body"]["messages"][0]["content"] == "Delta prompt v2."
     usage = httpx.get(gw.url + "/admin/usage?group_by=key", headers=h).json()
     assert usage["data"] == store.usage_report("key")
-    assert httpx.get(gw.url + "/admin/usage?group_by=model", headers=h).status_code == 400
+    assert httpx.get(gw.url + "/admin/usage?group_by=region", headers=h).status_code == 400
     backends = httpx.get(gw.url + "/admin/backends", headers=h).json()["data"]
     assert backends[0]["url"] == fake.url and backends[0]["healthy"] and backends[0]["kind"] == "openai"

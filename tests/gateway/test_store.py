@@ -9,13 +9,14 @@ import pytest
 import sqlalchemy as sa
 
 from hotprefix.gateway import keys as K
+from hotprefix.gateway.budgets import PriceTable
 from hotprefix.gateway.store import MIGRATIONS, Store, StoreError, UsageStatus, utcnow
 from tests.gateway.conftest import SECRET
 
 
 def test_migrations_create_exactly_the_schema_and_are_idempotent(store):
-    assert store.migrate() == "0002"
-    assert store.migrate() == "0002"
+    assert store.migrate() == "0003"
+    assert store.migrate() == "0003"
     assert store.schema_diff() == []
     names = set(sa.inspect(store.engine).get_table_names())
     assert {"tenants", "system_prompts", "api_keys", "usage", "alembic_version"} <= names
@@ -104,7 +105,16 @@ def test_usage_report_groups(store):
     assert store.usage_report("key", until=dt.datetime(2026, 11, 21)) == [
         {"key": "k1", "requests": 1, "ok": 1, "prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 5}]
     with pytest.raises(StoreError):
-        store.usage_report("model")
+        store.usage_report("region")
+    # by model, and priced: acme's rows are model m1 (priced), beta's have none (no price: spend None)
+    with store.engine.begin() as c:
+        c.exec_driver_sql("UPDATE usage SET model = 'm1' WHERE tenant = 'acme'")
+    prices = PriceTable.from_dict({"m1": {"input": 1.0, "cached_input": 0.5, "output": 2.0}})
+    by_model = {r["model"]: (r["requests"], r["spend"]) for r in store.usage_report("model", prices=prices)}
+    assert by_model["m1"] == (2, pytest.approx(((30 - 20) * 1.0 + 20 * 0.5 + 12 * 2.0) / 1e6))
+    assert by_model["None"] == (2, None)
+    spend = {r["tenant"]: r["spend"] for r in store.usage_report("tenant", prices=prices)}
+    assert spend == {"acme": pytest.approx(44e-6), "beta": None}
 
 
 def test_a_usage_row_is_started_at_admission_and_ended_once(store):
@@ -127,7 +137,7 @@ def test_a_usage_row_is_started_at_admission_and_ended_once(store):
     assert {s.value for s in UsageStatus} >= {r["status"] for r in rows.values()}
 
 
-def test_migration_0002_upgrades_a_database_with_rows(tmp_path):
+def test_migrations_0002_and_0003_upgrade_a_database_with_rows(tmp_path):
     from alembic import command
     from alembic.config import Config
 
@@ -140,6 +150,11 @@ def test_migration_0002_upgrades_a_database_with_rows(tmp_path):
         command.upgrade(cfg, "0001")
     st.record_usage({"key_id": "k", "tenant": "t", "endpoint": "chat", "stream": False, "status": "ok",
                      "http_status": 200, "latency_s": 0.1})
-    assert st.migrate() == "0002" and st.schema_diff() == []
+    with st.engine.begin() as conn:  # a tenant as 0001 had them (0003 adds its budget columns)
+        conn.exec_driver_sql("INSERT INTO tenants (name, prompt_name, created_at) VALUES ('t', NULL, "
+                             "'2026-01-01 00:00:00')")
+    assert st.migrate() == "0003" and st.schema_diff() == []
     (row,) = st.usage_rows()
     assert row["status"] == "ok" and row["request_id"] is None
+    t = st.tenant("t")
+    assert (t.max_budget_tokens, t.max_budget, t.budget_duration) == (None, None, None) and not t.budget.active
