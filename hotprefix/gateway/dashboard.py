@@ -58,8 +58,10 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
         _add(per_key[(r["tenant"], r["key_id"])], r)
         _add(per_tenant[r["tenant"]], r)
     series: dict[tuple[str, int], dict[str, int]] = defaultdict(_tally)
+    key_series: dict[tuple[str, int], dict[str, int]] = defaultdict(_tally)
     for r in rows["series"]:
         _add(series[(r["tenant"], r["bucket"])], r)
+        _add(key_series[(r["key_id"], r["bucket"])], r)
     homes: dict[str, list[str]] = defaultdict(list)
     tenants: list[dict[str, Any]] = []
     scopes: list[Scope] = []
@@ -81,6 +83,8 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
         "scopes": scopes,
         "series": [{"tenant": tenant, "t": b, **_with_share(v)} for (tenant, b), v in sorted(series.items(),
                                                                                           key=lambda kv: kv[0][1])],
+        "key_series": [{"key": k, "t": b, **_with_share(v)} for (k, b), v in sorted(key_series.items(),
+                                                                                 key=lambda kv: kv[0][1])],
         "backends": [{"url": b.url, "healthy": b.healthy, "kind": b.kind.value, "model": b.model,
                       "inflight": b.inflight, "last_error": b.last_error, "home_of": sorted(homes.get(b.url, []))}
                      for b in monitor.router.backends],

@@ -467,7 +467,7 @@ class Store:
 
     def usage_activity(self, since: dt.datetime, bucket_s: int) -> dict[str, list[dict[str, Any]]]:
         """Usage rows created since `since`: `totals` per (tenant, key, status) and `series` per
-        (tenant, status, time bucket of bucket_s seconds; `bucket` is its start, UNIX seconds),
+        (tenant, key, status, time bucket of bucket_s seconds; `bucket` is its start, UNIX seconds),
         each with requests and token sums (the gateway's dashboard)."""
         epoch = sa.cast(sa.extract("epoch", usage.c.created_at), sa.BigInteger)
         bucket = ((epoch // bucket_s) * bucket_s).label("bucket")
@@ -478,7 +478,7 @@ class Store:
         out: dict[str, list[dict[str, Any]]] = {}
         with self.engine.connect() as c:
             for name, cols in (("totals", [usage.c.tenant, usage.c.key_id, usage.c.status]),
-                               ("series", [usage.c.tenant, usage.c.status, bucket])):
+                               ("series", [usage.c.tenant, usage.c.key_id, usage.c.status, bucket])):
                 q = sa.select(*cols, *sums).where(usage.c.created_at >= since).group_by(*cols).order_by(*cols)
                 out[name] = [{k: int(v) if k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens",
                                                  "bucket") else v for k, v in m.items()}

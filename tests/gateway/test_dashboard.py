@@ -50,6 +50,7 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
                 "[r.dataset.tenant, [...r.children].map(c => c.textContent)])), "
                 "keys: Object.fromEntries([...document.querySelectorAll('tr[data-key]')].map(r => "
                 "[r.dataset.key, [...r.children].map(c => c.textContent)])), "
+                "sparks: [...document.querySelectorAll('tr[data-key] svg')].map(s => Number(s.dataset.points)), "
                 "links: [...document.querySelectorAll('#tenants a')].map(a => [a.getAttribute('href'), "
                 "!!document.getElementById(decodeURIComponent(a.getAttribute('href').slice(1)))]), "
                 "backends: [...document.querySelectorAll('#backends tr')].map(r => [...r.children]"
@@ -71,6 +72,10 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
         assert (k["requests"], k["prompt_tokens"], k["completion_tokens"]) == \
             (usage[kid]["requests"], usage[kid]["prompt_tokens"], usage[kid]["completion_tokens"])
     assert sum(p["requests"] for p in data["series"]) == 7
+    per_key = {}
+    for p in data["key_series"]:
+        per_key[p["key"]] = per_key.get(p["key"], 0) + p["requests"]
+    assert per_key == {r1.id: 3, r2.id: 2, r3.id: 2}
     acme_used = sum(r["prompt_tokens"] + r["completion_tokens"] for r in store.usage_rows()
                     if r["tenant"] == "acme" and r["status"] == "ok")
     assert acme["budget"]["tokens_spent"] == acme_used and acme["budget"]["max_budget_tokens"] == 100_000
@@ -82,6 +87,7 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
     assert shown["tenants"]["beta"][2:6] == ["2", "1", "0", "1"]
     assert shown["tenants"]["acme"][9] == f"{acme_used:,} / 100,000 tokens" and shown["tenants"]["beta"][9] == "none"
     assert shown["keys"][r2.id][3:7] == ["2", "1", "1", "0"]
+    assert len(shown["sparks"]) == 3 and all(n >= 1 for n in shown["sparks"])  # each key's requests over time
     assert sorted(shown["links"]) == [["#keys-acme", True], ["#keys-beta", True]]
     assert shown["backends"][0][:2] == [fake.url, "up"]
 
