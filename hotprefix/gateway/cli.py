@@ -88,7 +88,8 @@ def cmd_tenants(a: argparse.Namespace) -> int:
         return 0
     if a.action == "set-budget":
         store.set_budget(tenant=a.name, tokens=a.max_budget_tokens, money=a.max_budget, duration=a.budget_duration)
-        print(f"tenant {a.name}: {_budget_text(store.tenant(a.name).budget)}")
+        t = store.tenant(a.name)
+        print(f"tenant {a.name}: {_budget_text(t.budget, t.budget_duration)}")
         return 0
     if a.action == "add-prompt":
         text = _prompt_text(a)
@@ -128,12 +129,12 @@ def _models(a: argparse.Namespace) -> list[str] | None:
     return None if a.models is None else [m.strip() for m in a.models.split(",") if m.strip()]
 
 
-def _budget_text(b: Budget) -> str:
+def _budget_text(b: Budget, duration: str | None) -> str:
     caps = [f"{b.tokens} tokens" if b.tokens is not None else "", f"{b.money:g} in money" if b.money else ""]
     caps = [c for c in caps if c]
     if not caps:
         return "no budget"
-    return " and ".join(caps) + (f" per {b.duration_s} s" if b.duration_s else " (never resets)")
+    return " and ".join(caps) + (f" per {duration}" if duration else " (never resets)")
 
 
 def _budget_args(c: argparse.ArgumentParser, models: bool = False) -> None:
@@ -155,15 +156,18 @@ def cmd_keys(a: argparse.Namespace) -> int:
     if a.action == "list":
         now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
         rows = [k.public() | {"key": f"sk-hp-...{k.hint}", "active": k.active(now)}
+                | ({} if a.json or k.models is None else {"models": ",".join(k.models)})
                 for k in store.list_keys(a.tenant)]
         _print(rows, a.json, ["id", "tenant", "name", "key", "active", "rpm", "tpm", "max_concurrent",
-                              "expires_at", "revoked_at"])
+                              "max_budget_tokens", "max_budget", "budget_duration", "models", "expires_at",
+                              "revoked_at"])
         return 0
     if a.action == "set-budget":
         store.set_budget(key_id=a.key_id, tokens=a.max_budget_tokens, money=a.max_budget, duration=a.budget_duration,
                          models=_models(a))
         rec = store.key(a.key_id)
-        print(f"key {rec.id}: {_budget_text(rec.budget)}; models: {', '.join(rec.models) if rec.models else 'any'}")
+        print(f"key {rec.id}: {_budget_text(rec.budget, rec.budget_duration)}; models: "
+              f"{', '.join(rec.models) if rec.models else 'any'}")
         return 0
     if a.action == "revoke":
         rec = store.revoke_key(a.key_id)

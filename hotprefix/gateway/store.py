@@ -100,6 +100,7 @@ class KeyRecord:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         for k in ("created_at", "expires_at", "revoked_at"):
             d[k] = d[k].isoformat() + "Z" if d[k] else None
+        d["models"] = None if self.models is None else list(self.models)
         return d
 
 
