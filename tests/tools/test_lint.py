@@ -277,3 +277,23 @@ def test_a_damaged_log_row_is_named_not_a_traceback(row, tmp_path):
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(ConfigError, match=r"log.jsonl:1: a request-log row whose `prefix` or times are malformed"):
         read_requests(path)
+
+
+def test_cli_cache_size_from_memory_and_host_tier(tmp_path, tiny_llama):
+    """--kv-cache-memory becomes blocks as serve sizes its pool (the model's KV bytes per
+    block); --host-blocks adds the host tier; --unbounded overrides both."""
+    from hotprefix.tools.size import load_shape
+
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in crafted()))
+    per_block = load_shape(str(tiny_llama[0]))[1].kv.bytes_per_block("float32", 4)
+    args = [str(log), "--model", str(tiny_llama[0]), "--block-size", "4", "--json"]
+    r = lint_cli(*args, "--kv-cache-memory", str(40 * per_block), "--host-blocks", "16")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["cache_blocks"], rep["host_blocks"]) == (40, 16)
+    assert rep["cache"].startswith("40 blocks of 4 tokens (160 tokens) + host tier 16 blocks")
+    unb = json.loads(lint_cli(*args, "--num-blocks", "40", "--unbounded").stdout)
+    assert unb["cache_blocks"] is None and unb["hit_rate_as_sent"] == rep["hit_rate_unbounded"]
+    bad = lint_cli(*args, "--num-blocks", "0")
+    assert bad.returncode == 2 and "at least one block" in bad.stderr
