@@ -46,6 +46,12 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
 
 
+def max_cached_blocks(num_tokens: int, block_size: int) -> int:
+    """The most leading full blocks of a sequence that may come from the prefix cache:
+    its last token is always computed (its logits give the next token)."""
+    return max(0, num_tokens - 1) // block_size
+
+
 def num_blocks_in_budget(budget_bytes: int, shape: KVShape, dtype: str, block_size: int) -> int:
     """How many whole blocks fit in budget_bytes (0 if the budget is negative)."""
     if budget_bytes <= 0:

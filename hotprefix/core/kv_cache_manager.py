@@ -23,7 +23,7 @@ from hotprefix.core.hashing import BlockHash, BlockHasher
 from hotprefix.core.kv_tiers import HostEntry, KVTiers
 from hotprefix.core.request import Request
 from hotprefix.errors import PinError
-from hotprefix.sizing import blocks_for_tokens
+from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
 
 
 @dataclass
@@ -93,7 +93,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         self.update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max_cached_blocks(request.num_tokens, self.block_size)
         hits: list[Block] = []
         for h in request.block_hashes[:max_blocks]:
             b = self.pool.lookup(h)
@@ -107,7 +107,7 @@ class KVCacheManager:
         KVTiers.extend), within the same cap; ([], False) without tiers."""
         if self.tiers is None:
             return [], False
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max_cached_blocks(request.num_tokens, self.block_size)
         return self.tiers.extend(request.block_hashes[num_device_hits:max_blocks])
 
     def step_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, BlockHash]]]:

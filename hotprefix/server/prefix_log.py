@@ -26,6 +26,7 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.engine.outputs import RequestOutput
+from hotprefix.sizing import max_cached_blocks
 
 DIGEST_BYTES = 8
 
@@ -112,7 +113,7 @@ class PrefixGroups:
         shared = 0
         while shared < len(digests) and digests[shared] in self._seen:
             shared += 1
-        cap = (prompt_tokens - 1) // self.block_size
+        cap = max_cached_blocks(prompt_tokens, self.block_size)
         g.requests += 1
         g.last_use, g.blocks = time.time(), prompt_tokens // self.block_size
         if g.text is None and text is not None:

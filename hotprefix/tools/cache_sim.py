@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from hotprefix.core.block_pool import BlockPool
 from hotprefix.core.kv_tiers import HostTier, SlotState, Source
-from hotprefix.sizing import blocks_for_tokens
+from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _unbounded(reqs: Sequence[SimRequest], block_size: int) -> Replay:
     seen: set[bytes] = set()
     out = Replay()
     for r in reqs:
-        cap = min((r.prompt_tokens - 1) // block_size, len(r.hashes))
+        cap = min(max_cached_blocks(r.prompt_tokens, block_size), len(r.hashes))
         n = 0
         while n < len(r.hashes) and r.hashes[n] in seen:
             n += 1
@@ -120,7 +120,7 @@ class _Pool:
         return out
 
     def _one(self, r: SimRequest) -> int | None:
-        cap = min((r.prompt_tokens - 1) // self.bs, len(r.hashes))
+        cap = min(max_cached_blocks(r.prompt_tokens, self.bs), len(r.hashes))
         hits = []
         for h in r.hashes[:cap]:
             b = self.pool.lookup(h)

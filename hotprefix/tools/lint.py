@@ -27,6 +27,7 @@ from typing import Any
 from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHasher
 from hotprefix.engine.tokenizer import PromptEncoder
+from hotprefix.sizing import max_cached_blocks
 from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
 from hotprefix.tools.jsonl import iter_objects
 from hotprefix.tools.volatile import Placement, Volatile, find_volatile, move, spans_of
@@ -144,8 +145,7 @@ class Linter:
         return replay([r.sim for r in reqs], self.block_size, size or self.size)
 
     def rate(self, reqs: list[LintRequest], size: CacheSize | None = None) -> float:
-        total = sum(r.tokens for r in reqs)
-        return self.run(reqs, size).total_hits / total if total else 0.0
+        return _share(self.run(reqs, size).total_hits, sum(r.tokens for r in reqs))
 
     def culprits(self, reqs: list[LintRequest]) -> list[Finding]:
         """For every prompt whose break falls inside a volatile span: that span (in the
@@ -184,9 +184,8 @@ class Linter:
                 where[v.kind].append(v.start)
             near = {k: statistics.median(p) for k, p in where.items()}
             spans = [by_req.get(i) or _near(r.text or "", near) for i, r in enumerate(reqs)]
-            best = max(([self._moved(r, v, where) for r, v in zip(reqs, spans)] for where in Placement),
-                       key=self.rate)
-            new_rate = self.rate(best)
+            candidates = [[self._moved(r, v, place) for r, v in zip(reqs, spans)] for place in Placement]
+            new_rate, best = max(((self.rate(c), c) for c in candidates), key=lambda rc: rc[0])
             if new_rate <= rate:
                 break
             reqs, rate = best, new_rate
@@ -206,33 +205,30 @@ class Linter:
 
     def report(self, reqs: list[LintRequest]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The findings (see render) and the fixed request bodies (empty without text)."""
-        sim = self.run(reqs)
+        sim, unbounded = self.run(reqs), self.run(reqs, CacheSize())
         total = sum(r.tokens for r in reqs)
         fixed, helped = self.fix(reqs)
         found = [f for f in self.culprits(reqs) if f.span.kind in helped]
-        measured = [r.measured for r in reqs]
+        measured = None if any(r.measured is None for r in reqs) else sum(r.measured or 0 for r in reqs)
         textual = all(r.ids is not None for r in reqs)
+        lcps = token_lcps([r.ids or [] for r in reqs]) if textual else []
+        waste = sum(min(lcp, r.tokens - 1) - h for r, lcp, h in zip(reqs, lcps, unbounded.hits))
         out = {
             "requests": len(reqs), "prompt_tokens": total, "block_size": self.block_size,
             "cache": self.size.describe(self.block_size), "cache_blocks": self.size.device_blocks,
             "host_blocks": self.size.host_blocks,
-            "hit_rate_measured": (sum(measured) / total if total else 0.0) if None not in measured else None,
-            "hit_rate_as_sent": sim.total_hits / total if total else 0.0,
-            "hit_rate_unbounded": self.rate(reqs, CacheSize()),
+            "hit_rate_measured": None if measured is None else _share(measured, total),
+            "hit_rate_as_sent": _share(sim.total_hits, total),
+            "hit_rate_unbounded": _share(unbounded.total_hits, total),
             "hit_rate_if_fixed": self.rate(fixed) if textual else None,
             "hit_rate_if_fixed_unbounded": self.rate(fixed, CacheSize()) if textual else None,
             "requests_too_big": sim.too_big,
             "text": textual,
-            "alignment_waste_tokens": 0, "alignment_waste_rate": 0.0,
+            "alignment_waste_tokens": waste, "alignment_waste_rate": _share(waste, total),
             "volatile_before_break": self._findings(reqs, found),
-            "breaks": self._breaks(reqs, sim) if textual else [],
-            "groups": self._groups(reqs, sim),
+            "breaks": self._breaks(reqs, lcps),
+            "groups": self._groups(reqs, sim, measured is not None),
         }
-        if textual:
-            lcps = token_lcps([r.ids or [] for r in reqs])
-            unb = self.run(reqs, CacheSize())
-            waste = sum(min(lcp, r.tokens - 1) - h for r, lcp, h in zip(reqs, lcps, unb.hits))
-            out["alignment_waste_tokens"], out["alignment_waste_rate"] = waste, waste / total if total else 0.0
         return out, [r.body for r in fixed if r.body is not None] if textual else []
 
     def _findings(self, reqs: list[LintRequest], found: list[Finding]) -> list[dict[str, Any]]:
@@ -247,17 +243,18 @@ class Linter:
                                       "char_pos": v.start, "context": text[max(0, v.start - 40):v.end + 40]})
         return [{**k, "median_break_token": statistics.median(k.pop("breaks"))} for k in kinds.values()]
 
-    def _breaks(self, reqs: list[LintRequest], sim: Replay) -> list[dict[str, Any]]:
-        lcps = token_lcps([r.ids or [] for r in reqs])
+    def _breaks(self, reqs: list[LintRequest], lcps: list[int]) -> list[dict[str, Any]]:
+        """Where prompts stop matching every earlier one (lcps: token_lcps of their ids; none without text)."""
         rows = [{"request": i, "break_token": lcp, "prompt_tokens": r.tokens,
                  "context": self.encoder.decode((r.ids or [])[max(0, lcp - 8):lcp]) + " ⟂ "
                  + self.encoder.decode((r.ids or [])[lcp:lcp + 8])}
                 for i, (r, lcp) in enumerate(zip(reqs, lcps)) if i and lcp < r.tokens - 1]
         return sorted(rows, key=lambda b: b["break_token"])[:20]
 
-    def _groups(self, reqs: list[LintRequest], sim: Replay, top: int = 10) -> list[dict[str, Any]]:
+    def _groups(self, reqs: list[LintRequest], sim: Replay, measured: bool, top: int = 10) -> list[dict[str, Any]]:
         """The sharing structure: requests grouped by their first block, with where they
-        broke off from every earlier request (block granularity) and their hit rates."""
+        broke off from every earlier request (block granularity, the rule of the server's
+        /prefix_groups) and their hit rates (measured: whether the server's are known)."""
         groups: dict[str | None, dict[str, Any]] = {}
         for r, hit, shared in zip(reqs, sim.hits, sim.shared_blocks):
             g = groups.setdefault(r.group, {"group": r.group, "requests": 0, "prompt_tokens": 0, "predicted": 0,
@@ -266,16 +263,20 @@ class Linter:
             g["prompt_tokens"] += r.tokens
             g["predicted"] += hit
             g["measured"] += r.measured or 0
-            if g["requests"] > 1 and shared * self.block_size < r.tokens - 1:
+            if g["requests"] > 1 and shared < max_cached_blocks(r.tokens, self.block_size):
                 g["breaks"][shared * self.block_size] += 1
         out = []
         for g in sorted(groups.values(), key=lambda g: -g["prompt_tokens"])[:top]:
             n = g["prompt_tokens"] or 1
             out.append({"group": g["group"], "requests": g["requests"], "prompt_tokens": g["prompt_tokens"],
                         "hit_rate_predicted": g["predicted"] / n,
-                        "hit_rate_measured": g["measured"] / n if None not in [r.measured for r in reqs] else None,
+                        "hit_rate_measured": g["measured"] / n if measured else None,
                         "breaks": [{"token": t, "requests": c} for t, c in g["breaks"].most_common(5)]})
         return out
+
+
+def _share(part: int, total: int) -> float:
+    return part / total if total else 0.0
 
 
 def _near(text: str, positions: dict[str, float], slack: int = 64) -> Volatile | None:
