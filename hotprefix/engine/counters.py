@@ -75,11 +75,11 @@ class EngineCounters:
 @dataclass(frozen=True)
 class PinSummary:
     """The pool's pins and cache now (LLMEngine.pin_summary, on the engine thread):
-    pinned blocks, the most allowed, the pool's size, cached blocks, and each pinned
-    prefix as (its first block's hash, its length in blocks)."""
+    pinned blocks, the most allowed, the pool's size, cached blocks, and the first
+    block's hash of each pinned prefix."""
 
     pinned_blocks: int
     max_pinned_blocks: int
     num_blocks: int
     cached_blocks: int
-    prefixes: tuple[tuple[bytes, int], ...]
+    first_blocks: tuple[bytes, ...]

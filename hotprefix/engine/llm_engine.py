@@ -343,7 +343,7 @@ class LLMEngine:
         """The pins and the cache now (reads the pool: call on the engine thread)."""
         kv = self.kv
         return PinSummary(kv.num_pinned_blocks, kv.max_pinned_blocks, kv.num_blocks, kv.pool.num_cached_blocks,
-                          tuple((bytes(b[0].block_hash or b""), len(b)) for b in kv.pins.values() if b))
+                          tuple(bytes(b[0].block_hash or b"") for b in kv.pins.values() if b))
 
     def pin(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
         """Pin the cached full blocks of a prompt. Returns blocks newly pinned.

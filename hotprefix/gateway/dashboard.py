@@ -72,10 +72,10 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
         home = ranked[0].url if ranked else None
         if home:
             homes[home].append(t.name)
+        records = store.list_keys(t.name)
         keys = [{"id": k.id, "name": k.name, "hint": k.hint, "active": k.active(now), "scope": f"key:{k.id}",
-                 **_with_share(per_key.get((t.name, k.id), _tally()))} for k in store.list_keys(t.name)]
-        scopes += [Scope(f"key:{k.id}", k.budget) for k in store.list_keys(t.name)] + [Scope(f"tenant:{t.name}",
-                                                                                            t.budget)]
+                 **_with_share(per_key.get((t.name, k.id), _tally()))} for k in records]
+        scopes += [Scope(f"key:{k.id}", k.budget) for k in records] + [Scope(f"tenant:{t.name}", t.budget)]
         tenants.append({"name": t.name, "prompt": t.prompt_name, "home_backend": home, "scope": f"tenant:{t.name}",
                         **_with_share(per_tenant.get(t.name, _tally())), "keys": keys})
     return {

@@ -123,6 +123,15 @@ class UsageStatus(str, Enum):
     INTERRUPTED = "interrupted"  # its gateway died; closed by a gateway that saw it orphaned
 
 
+def _in_window(q, since: dt.datetime | None, until: dt.datetime | None):
+    """q restricted to usage rows created in [since, until) (either end open when None)."""
+    if since is not None:
+        q = q.where(usage.c.created_at >= since)
+    if until is not None:
+        q = q.where(usage.c.created_at < until)
+    return q
+
+
 def check_budget(tokens: int | None, money: float | None, duration: str | None) -> Budget:
     """The budget these values make. Raises StoreError (an HTTP 400) for a bad one."""
     try:
@@ -433,10 +442,7 @@ class Store:
                       sa.func.coalesce(sa.func.sum(usage.c.cached_tokens), 0).label("cached_tokens"),
                       sa.func.coalesce(sa.func.sum(usage.c.completion_tokens), 0).label("completion_tokens"),
                       ).group_by(col).order_by(col)
-        if since is not None:
-            q = q.where(usage.c.created_at >= since)
-        if until is not None:
-            q = q.where(usage.c.created_at < until)
+        q = _in_window(q, since, until)
         with self.engine.connect() as c:
             rows = [dict(m) for m in c.execute(q).mappings()]
         spend = self._spend(col, since, until, prices) if prices is not None else {}
@@ -453,10 +459,7 @@ class Store:
         """Per group: what its usage cost at `prices` (None if a model of it has no price)."""
         q = sa.select(col, usage.c.model, *(sa.func.coalesce(sa.func.sum(c), 0) for c in (
             usage.c.prompt_tokens, usage.c.cached_tokens, usage.c.completion_tokens))).group_by(col, usage.c.model)
-        if since is not None:
-            q = q.where(usage.c.created_at >= since)
-        if until is not None:
-            q = q.where(usage.c.created_at < until)
+        q = _in_window(q, since, until)
         out: dict[Any, float | None] = {}
         with self.engine.connect() as c:
             for group, model, prompt, cached, completion in c.execute(q):

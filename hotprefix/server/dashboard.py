@@ -12,7 +12,6 @@ marked; their text only when the operator logs prompts (--request-log-prompts).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,24 +23,7 @@ from fastapi.responses import HTMLResponse
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.prefix_log import PrefixRecorder
-
-SOURCES = ("device", "host", "disk")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """The cumulative counters and the gauges at one moment (unix time `t`, monotonic `mono`)."""
-
-    t: float
-    mono: float
-    queries: int
-    hits: int
-    by_source: dict[str, int]
-    prefill: int
-    decode: int
-    running: int
-    waiting: int
-    kv_usage: float
+from hotprefix.server.stats_log import Sample, rates
 
 
 @dataclass
@@ -59,10 +41,7 @@ class Dashboard:
     def sample(self, keep: bool = True) -> Sample:
         """Take one sample and return it; a kept one stays while it is inside the window (only
         the sampler keeps them, so a client polling /dashboard/data cannot grow the series)."""
-        c, live = self.engine.counters, self.engine.live
-        s = Sample(time.time(), time.monotonic(), c.prefix_cache_queries, c.prefix_cache_hits,
-                   dict(c.cached_tokens_by_source), c.prefill_tokens, c.decode_tokens, live.running, live.waiting,
-                   live.kv_usage)
+        s = Sample.take(self.engine)
         if keep:
             self.samples.append(s)
             while len(self.samples) > 2 and self.samples[1].mono < s.mono - self.window:
@@ -90,10 +69,10 @@ class Dashboard:
         live = self.engine.live
         return {
             "time": now.t, "model": self.metrics.model_name, "limits": self.limits,
-            "window": {"seconds": now.mono - base.mono, **_rates(base, now),
+            "window": {"seconds": now.mono - base.mono, **rates(base, now),
                        "ttft_p50": ttft50, "ttft_p95": ttft95, "ttft_count": n_ttft,
                        "itl_p50": itl50, "itl_p95": itl95, "itl_count": n_itl},
-            "series": [{"t": b.t, **_rates(a, b), "running": b.running, "waiting": b.waiting, "kv_usage": b.kv_usage}
+            "series": [{"t": b.t, **rates(a, b), "running": b.running, "waiting": b.waiting, "kv_usage": b.kv_usage}
                        for a, b in zip(pts, pts[1:])],
             "now": {"running": live.running, "waiting": live.waiting, "swapped": live.swapped,
                     "preemptions": live.preemptions, "kv_usage": live.kv_usage,
@@ -102,34 +81,27 @@ class Dashboard:
                     "pinned_share": pins.pinned_blocks / pins.num_blocks,
                     "tiers": _tiers(live.tiers)},
             "totals": self._totals(now),
-            "top_prefixes": self._top(pins.prefixes),
+            "top_prefixes": self._top(pins.first_blocks),
         }
 
     def _totals(self, now: Sample) -> dict[str, Any]:
         """The counters as /metrics exports them (the page's numbers can be checked against it)."""
+        m = self.metrics
         return {"prefix_cache_queries": now.queries, "prefix_cache_hits": now.hits,
-                "prompt_tokens_cached_by_source": now.by_source, **self.metrics.totals}
+                "prompt_tokens_cached_by_source": now.by_source,
+                "prompt_tokens": m.total(m.prompt_tokens), "generation_tokens": m.total(m.generation_tokens),
+                "prompt_tokens_cached": m.total(m.cached_tokens)}
 
-    def _top(self, pinned: tuple[tuple[bytes, int], ...], top: int = 10) -> list[dict[str, Any]]:
+    def _top(self, pinned: tuple[bytes, ...], top: int = 10) -> list[dict[str, Any]]:
         if self.prefix is None:
             return []
-        pinned_groups = {self.prefix.key.digest(h) for h, _ in pinned}
+        pinned_groups = {self.prefix.key.digest(h) for h in pinned}
         groups = sorted((g for g in self.prefix.groups.snapshot(1000)["groups"] if g["blocks"]),
                         key=lambda g: -g["cached_tokens"])[:top]
         return [{"hash": g["group"], "tokens": g["blocks"] * self.prefix.groups.block_size,
                  "requests": g["requests"], "hit_tokens": g["cached_tokens"], "hit_rate": g["hit_rate"],
                  "last_use": g["last_use"], "pinned": g["group"] in pinned_groups,
                  **({"text": g["text"]} if "text" in g else {})} for g in groups]
-
-
-def _rates(a: Sample, b: Sample) -> dict[str, Any]:
-    """Token-weighted hit rate (and by source) and tokens/s between two samples."""
-    q = b.queries - a.queries
-    dt = max(b.mono - a.mono, 1e-9)
-    return {"queries": q, "hits": b.hits - a.hits, "hit_rate": (b.hits - a.hits) / q if q else None,
-            "hit_rate_by_source": {s: (b.by_source.get(s, 0) - a.by_source.get(s, 0)) / q if q else None
-                                   for s in SOURCES},
-            "prompt_tps": (b.prefill - a.prefill) / dt, "generation_tps": (b.decode - a.decode) / dt}
 
 
 def _tiers(t: Any) -> dict[str, Any]:

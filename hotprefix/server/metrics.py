@@ -139,7 +139,6 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine, model_name, cache_info, P))
         r, lbl = self.registry, ["model_name"]
         self.recent_ttft, self.recent_itl = Recent(), Recent()  # raw, for the dashboard's percentiles
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prompt_tokens_cached": 0}  # as the counters
         self.prompt_tokens = Counter(P + N.PROMPT_TOKENS, "Prompt tokens processed.", lbl, registry=r)
         self.generation_tokens = Counter(P + N.GENERATION_TOKENS, "Generated tokens.", lbl, registry=r)
         self.cached_tokens = Counter(P + N.CACHED_PROMPT_TOKENS, "Prompt tokens served from the prefix cache.",
@@ -172,6 +171,12 @@ class ServerMetrics:
                                   "reason: invalid, body_too_large, unauthorized, queue_full, engine_not_running.",
                                   ["model_name", "reason"], registry=r)
 
+    def total(self, counter: Counter) -> int:
+        """One of this object's counters, as /metrics exports it (read from the counter itself)."""
+        (family,) = counter.collect()
+        return int(next((s.value for s in family.samples if s.name.endswith("_total")
+                         and s.labels.get("model_name") == self.model_name), 0))
+
     def rejected(self, reason: str) -> None:
         """Count one refused request (see REJECTION_REASONS)."""
         self.rejections.labels(self.model_name, reason).inc()
@@ -190,9 +195,6 @@ class ServerMetrics:
         """Record a finished (or aborted, with finish_reason 'abort') request."""
         m = self.model_name
         completion = sum(len(o.token_ids) for o in out.outputs)
-        self.totals["prompt_tokens"] += len(out.prompt_token_ids)
-        self.totals["generation_tokens"] += completion
-        self.totals["prompt_tokens_cached"] += out.num_cached_tokens
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(m).inc(completion)
         self.cached_tokens.labels(m).inc(out.num_cached_tokens)
