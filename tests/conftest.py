@@ -9,6 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's kernels run in its interpreter where there is no GPU; it must be set before
+# anything imports triton (it decorates its own library then), so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Caching keys and values saves compute. "

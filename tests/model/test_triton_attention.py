@@ -1,0 +1,215 @@
+"""The Triton paged-attention kernels against a dense torch reference, run by Triton's
+interpreter on CPU tensors (no GPU needed) and compiled where CUDA is present.
+
+Each case lays sequences' K/V out in a shuffled pool (shared prefix blocks between
+sequences, partial last blocks, contexts ending on block boundaries), writes the
+step's new tokens with the kernel, and compares the kernel's attention with softmax
+attention computed in float64 over each sequence's dense K/V as stored (fp8: the
+stored, dequantised values, so the comparison measures the kernel, not fp8 rounding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hotprefix.model import triton_attention
+from hotprefix.model.kv_cache import LayerKV
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Case:
+    ctx: list[int]  # each sequence's context after the step
+    q_len: list[int]  # its new tokens
+    h: int = 4
+    kvh: int = 4
+    d: int = 64
+    block_size: int = 16
+    shared_blocks: int = 0  # leading blocks sequences 0 and 1 share (prefix caching)
+    kv_dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32
+    window: int = 0
+    splits: int = 1
+
+
+def build(case: Case, seed: int = 0):
+    """(q [T, H, D], k_new, v_new [T, KVH, D], layer with the cached part written,
+    slot_mapping [T], meta, dense K, V per sequence as stored [ctx, KVH, D] float64)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, b = case.block_size, len(case.ctx)
+    need = [-(-c // bs) for c in case.ctx]
+    n_blocks = sum(need) + 3
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables: list[list[int]] = []
+    for i, n in enumerate(need):
+        if i == 1 and case.shared_blocks:
+            row = tables[0][:case.shared_blocks]
+        else:
+            row = []
+        while len(row) < n:
+            row.append(perm.pop())
+        tables.append(row)
+    scales = (0.5, 2.0) if case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else (1.0, 1.0)
+    layer = LayerKV(0, torch.zeros(case.kvh, n_blocks * bs, case.d, dtype=case.kv_dtype),
+                    torch.zeros(case.kvh, n_blocks * bs, case.d, dtype=case.kv_dtype), *scales)
+    dense_k, dense_v = [], []
+    for i, c in enumerate(case.ctx):
+        k = torch.randn(c, case.kvh, case.d, generator=g)
+        v = torch.randn(c, case.kvh, case.d, generator=g)
+        if i == 1 and case.shared_blocks:  # the shared blocks hold sequence 0's tokens
+            n = case.shared_blocks * bs
+            k[:n], v[:n] = dense_k[0][:n], dense_v[0][:n]
+        dense_k.append(k)
+        dense_v.append(v)
+    slots = [torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(c)]) for i, c in enumerate(case.ctx)]
+    for i, c in enumerate(case.ctx):  # the cached part, written by the torch path
+        cached = c - case.q_len[i]
+        layer.write(slots[i][:cached], dense_k[i][:cached], dense_v[i][:cached])
+    new_slots = torch.cat([slots[i][c - case.q_len[i]:] for i, c in enumerate(case.ctx)])
+    k_new = torch.cat([dense_k[i][c - case.q_len[i]:] for i, c in enumerate(case.ctx)])
+    v_new = torch.cat([dense_v[i][c - case.q_len[i]:] for i, c in enumerate(case.ctx)])
+    q = torch.randn(sum(case.q_len), case.h, case.d, generator=g)
+    width = max(need) + 1
+    bt = torch.zeros(b, width, dtype=torch.int32)
+    for i, row in enumerate(tables):
+        bt[i, :len(row)] = torch.tensor(row)
+    qsl = torch.tensor([0] + torch.tensor(case.q_len).cumsum(0).tolist(), dtype=torch.int32)
+    meta = triton_attention.TritonMeta(bt, torch.tensor(case.ctx, dtype=torch.int32), qsl, max(case.q_len),
+                                       case.block_size, case.splits, case.window)
+    stored = []  # what the pool holds for each sequence, as the reference reads it
+    for i, c in enumerate(case.ctx):
+        ref = LayerKV(0, torch.zeros(case.kvh, c, case.d, dtype=case.kv_dtype),
+                      torch.zeros(case.kvh, c, case.d, dtype=case.kv_dtype), *scales)
+        ref.write(torch.arange(c), dense_k[i], dense_v[i])
+        k, v = ref.read(torch.arange(c), torch.float64)
+        stored.append((k.transpose(0, 1), v.transpose(0, 1)))  # [ctx, KVH, D]
+    return q.to(case.dtype), k_new.to(case.dtype), v_new.to(case.dtype), layer, new_slots, meta, stored
+
+
+def reference(case: Case, q: torch.Tensor, stored, scale: float) -> torch.Tensor:
+    """Dense softmax attention in float64: query i of a chunk at position ctx - q_len + i
+    sees keys 0..position (within the window). Returns [T, H, D]."""
+    out, row = [], 0
+    g = case.h // case.kvh
+    for i, c in enumerate(case.ctx):
+        n = case.q_len[i]
+        k, v = stored[i]
+        qs = q[row:row + n].double()  # [n, H, D]
+        kx = k.repeat_interleave(g, 1)  # [ctx, H, D]
+        vx = v.repeat_interleave(g, 1)
+        s = torch.einsum("nhd,chd->hnc", qs, kx) * scale  # [H, n, ctx]
+        qpos = torch.arange(c - n, c)[:, None]
+        kpos = torch.arange(c)[None, :]
+        seen = kpos <= qpos
+        if case.window:
+            seen &= qpos - kpos < case.window
+        s = s.masked_fill(~seen, float("-inf"))
+        out.append(torch.einsum("hnc,chd->nhd", torch.softmax(s, -1), vx))
+        row += n
+    return torch.cat(out)
+
+
+def run(case: Case, tol: float) -> None:
+    q, k_new, v_new, layer, slots, meta, stored = build(case)
+    expect_k, expect_v = layer.k.clone(), layer.v.clone()
+    torch_layer = LayerKV(0, expect_k, expect_v, layer.k_scale, layer.v_scale)
+    torch_layer.write(slots, k_new, v_new)  # what the torch path stores
+    dev = torch.device(DEVICE)
+    layer = LayerKV(0, layer.k.to(dev), layer.v.to(dev), layer.k_scale, layer.v_scale)
+    meta = triton_attention.TritonMeta(meta.block_tables.to(dev), meta.seq_lens.to(dev),
+                                       meta.query_start_loc.to(dev), meta.max_query_len, meta.block_size,
+                                       meta.num_splits, meta.sliding_window)
+    scale = case.d ** -0.5
+    out = triton_attention.paged_attention(q.to(dev), k_new.to(dev), v_new.to(dev), layer, slots.to(dev), meta,
+                                           scale).cpu()
+    # the write: byte-identical with the torch path's
+    assert torch.equal(layer.k.cpu().view(torch.uint8), expect_k.view(torch.uint8))
+    assert torch.equal(layer.v.cpu().view(torch.uint8), expect_v.view(torch.uint8))
+    ref = reference(case, q, stored, scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, err
+
+
+F32 = 2e-5
+
+PREFILL = {
+    # a cold prefill, contexts ending mid-block and on a boundary
+    "cold": Case(ctx=[37, 32, 5], q_len=[37, 32, 5]),
+    # chunks after a cached prefix (the prefix read from the pool), one decode among them
+    "cached-prefix": Case(ctx=[70, 48, 33], q_len=[20, 16, 1], kvh=2, h=8),
+    # two sequences share their first three blocks
+    "shared-blocks": Case(ctx=[60, 57], q_len=[12, 9], shared_blocks=3),
+    # GQA 8, head size 128, a chunk longer than one query tile
+    "gqa8-d128": Case(ctx=[90], q_len=[80], h=8, kvh=1, d=128),
+    "window": Case(ctx=[75, 40], q_len=[30, 40], window=24),
+    "block-size-5": Case(ctx=[23, 11], q_len=[9, 11], block_size=5),
+    "fp8-e4m3": Case(ctx=[45, 30], q_len=[13, 30], kv_dtype=torch.float8_e4m3fn, h=8, kvh=2),
+    "fp8-e5m2": Case(ctx=[45], q_len=[13], kv_dtype=torch.float8_e5m2),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL))
+def test_prefill(name):
+    run(PREFILL[name], F32)
+
+
+DECODE = {
+    "gqa1": Case(ctx=[17, 32, 1, 48], q_len=[1] * 4),
+    "gqa4-split": Case(ctx=[130, 64, 3], q_len=[1] * 3, h=8, kvh=2, splits=4),
+    "gqa8-d128-split": Case(ctx=[200, 33], q_len=[1, 1], h=8, kvh=1, d=128, splits=3),
+    "shared-blocks": Case(ctx=[50, 66], q_len=[1, 1], shared_blocks=3, splits=2),
+    "more-splits-than-blocks": Case(ctx=[5, 20], q_len=[1, 1], splits=8),
+    "window": Case(ctx=[100, 30], q_len=[1, 1], window=40, splits=3),
+    "fp8-e4m3": Case(ctx=[77, 16], q_len=[1, 1], kv_dtype=torch.float8_e4m3fn, h=8, kvh=2, splits=2),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE))
+def test_decode(name):
+    run(DECODE[name], F32)
+
+
+def test_half_precision_queries():
+    """fp16 queries and cache: within fp16's rounding of the inputs and output."""
+    run(Case(ctx=[40, 19], q_len=[8, 1], kv_dtype=torch.float16, dtype=torch.float16, h=4, kvh=2), 5e-3)
+
+
+def test_padding_rows_write_nothing_and_read_nothing():
+    """CUDA-graph padding: slot -1 leaves the pool as it was, a sequence of length 0
+    gives 0, and the real rows are unchanged by the padding beside them."""
+    case = Case(ctx=[20, 9], q_len=[1, 1], splits=2)
+    q, k_new, v_new, layer, slots, meta, _ = build(case)
+    scale = case.d ** -0.5
+    plain = LayerKV(0, layer.k.clone(), layer.v.clone())
+    want = triton_attention.paged_attention(q, k_new, v_new, plain, slots, meta, scale)
+    pad = 3
+    qp = torch.cat([q, torch.randn(pad, case.h, case.d)])
+    kp = torch.cat([k_new, torch.randn(pad, case.kvh, case.d)])
+    vp = torch.cat([v_new, torch.randn(pad, case.kvh, case.d)])
+    sp = torch.cat([slots, torch.full((pad,), -1)])
+    bt = torch.cat([meta.block_tables, torch.zeros(pad, meta.block_tables.shape[1], dtype=torch.int32)])
+    padded = triton_attention.TritonMeta(bt, torch.cat([meta.seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+                                         torch.arange(len(case.ctx) + pad + 1, dtype=torch.int32), 1,
+                                         case.block_size, 2)
+    before = layer.k.clone(), layer.v.clone()
+    got = triton_attention.paged_attention(qp, kp, vp, layer, sp, padded, scale)
+    assert torch.equal(got[:2], want)
+    assert torch.equal(got[2:], torch.zeros(pad, case.h, case.d))
+    assert torch.equal(layer.k, plain.k) and torch.equal(layer.v, plain.v)  # only the real slots changed
+    assert not torch.equal(layer.k, before[0])
+
+
+def test_decode_splits():
+    assert triton_attention.decode_splits(1) == 1
+    assert triton_attention.decode_splits(256) == 1
+    assert triton_attention.decode_splits(257) == 2
+    assert triton_attention.decode_splits(100_000) == triton_attention.MAX_DECODE_SPLITS
+
+
+@pytest.mark.skipif(triton_attention.INTERPRETED, reason="numpy has no bfloat16: Triton's interpreter "
+                    "rounds it unlike torch and its bf16 tl.dot returns garbage (compiled kernels only)")
+def test_bfloat16_queries_and_cache():
+    run(Case(ctx=[40, 19], q_len=[8, 1], kv_dtype=torch.bfloat16, dtype=torch.bfloat16, h=4, kvh=2), 3e-2)
