@@ -8,8 +8,20 @@ import logging
 import os
 import sys
 
-from hotprefix.config import KEEP_ALIVE_S, KV_CACHE_DTYPES, MODEL_DTYPES, QUANTIZED_MATMUL, ConfigError, parse_size
+from hotprefix.config import (
+    ATTENTION_BACKENDS,
+    KEEP_ALIVE_S,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    MODEL_DTYPES,
+    QUANTIZED_MATMUL,
+    ConfigError,
+    parse_size,
+)
+from hotprefix.model.presets import PRESETS
 from hotprefix.vllm_flags import DTYPE_ALIASES, add_foreign_args, check_foreign, expand_config, human_int
+
+PRESET_NAMES = tuple(PRESETS)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "int8 = int8 activations (llama.cpp's method, fastest), float32 = exact float32 "
                         "activations (also widens Q2_K/Q3_K to float32); auto = int8 where the CPU has AVX2 "
                         "or AVX-512 VNNI")
+    _add_gpu_path_args(g)
     g.add_argument("--max-model-len", type=human_int, default=None,
                    help="longest prompt + output in tokens, e.g. 4096, 4k (4,000) or 4K (4,096) (default: the "
                         "model's context length)")
@@ -68,6 +81,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"),
                    help="when KV runs out: free a request and recompute it later, or swap its KV to host memory")
     _add_grammar_args(p)
+
+
+def _add_gpu_path_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights of the model's shape, no weight files (a config.json folder, a GGUF's "
+                        "header, or a named shape: " + ", ".join(PRESET_NAMES) + ")")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="how attention reads the paged KV: triton (kernels, CUDA), torch (gather + SDPA), cpu (C "
+                        "kernels); auto = triton on CUDA when installed, cpu on the CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly instead of replaying CUDA graphs (triton backend on CUDA)")
+    g.add_argument("--cuda-graph-sizes", nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs: 1 2 4 8, 1,2,4,8 or [1, 2, 4] (default: 1, 2, "
+                        "4 and every multiple of 8 up to --max-num-seqs)")
 
 
 def _add_tier_args(g: argparse._ArgumentGroup) -> None:
@@ -111,7 +138,9 @@ def engine_config_from_args(a: argparse.Namespace):
     return EngineConfig(
         ModelConfig(model=model, tokenizer=a.tokenizer, dtype=DTYPE_ALIASES.get(a.dtype, a.dtype), device=a.device,
                     max_model_len=a.max_model_len, revision=a.revision, download_dir=a.download_dir, seed=a.seed,
-                    quantized_matmul=a.quantized_matmul, generation_config=a.generation_config),
+                    quantized_matmul=a.quantized_matmul, generation_config=a.generation_config,
+                    load_format=a.load_format, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+                    cuda_graph_sizes=_graph_sizes(a.cuda_graph_sizes)),
         CacheConfig(block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
                     kv_cache_memory=None if a.kv_cache_memory is None else parse_size(a.kv_cache_memory),
                     gpu_memory_utilization=a.gpu_memory_utilization, num_blocks_override=a.num_blocks,
@@ -130,6 +159,15 @@ def engine_config_from_args(a: argparse.Namespace):
                          max_grammar_repeat=a.max_grammar_repeat,
                          max_grammar_compile_seconds=a.max_grammar_compile_seconds),
     )
+
+
+def _graph_sizes(values: list[str] | None) -> tuple[int, ...]:
+    """--cuda-graph-sizes as batch sizes (space-, comma-separated or a JSON list). Raises ConfigError."""
+    text = " ".join(values or ()).replace(",", " ").strip().removeprefix("[").removesuffix("]")
+    try:
+        return tuple(int(x) for x in text.split())
+    except ValueError:
+        raise ConfigError(f"--cuda-graph-sizes must be batch sizes such as 1 2 4 8, got {text!r}") from None
 
 
 def _list(text: str | None) -> tuple[str, ...]:

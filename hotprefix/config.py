@@ -47,7 +47,32 @@ class QuantizedMatmul(str, Enum):
     FLOAT32 = "float32"
 
 
+class LoadFormat(str, Enum):
+    """Where the weights come from: the model's files, or random values of its shape
+    (vLLM's "dummy": a config.json folder, a GGUF's header or a named shape such as
+    llama-3.1-8b; for measuring speed without weights to carry)."""
+
+    AUTO = "auto"
+    DUMMY = "dummy"
+
+
+class AttentionBackend(str, Enum):
+    """How attention reads the paged KV, chosen once when the runner is built:
+    torch: gather each sequence's K/V from the block table, then SDPA (the reference);
+    cpu: the C kernels on a float32 CPU pool (decode batch, cascades, fused decode),
+    torch's where they do not apply; triton: the Triton kernels (model/triton_attention.py)
+    read the pool in place, compiled on CUDA, interpreted on the CPU (tests only: slow);
+    auto: triton on CUDA where it is installed, else torch there; cpu on the CPU."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    CPU = "cpu"
+    TRITON = "triton"
+
+
 SCHEDULING_POLICIES = tuple(m.value for m in SchedulingPolicy)
+LOAD_FORMATS = tuple(m.value for m in LoadFormat)
+ATTENTION_BACKENDS = tuple(m.value for m in AttentionBackend)
 QUANTIZED_MATMUL = tuple(m.value for m in QuantizedMatmul)
 
 
@@ -108,6 +133,11 @@ class ModelConfig:
     min_p, repetition_penalty, max_new_tokens); "vllm", none (the API's defaults);
     or a folder holding a generation_config.json.
     download_dir: where a hub model is downloaded (default: huggingface_hub's cache).
+    load_format: LoadFormat (dummy: random weights of the model's shape).
+    attention_backend: AttentionBackend.
+    enforce_eager: never replay CUDA graphs (decode steps run eagerly, as prefill always does).
+    cuda_graph_sizes: the decode batch sizes captured as CUDA graphs (a step pads up to the
+    next one); empty: 1, 2, 4, 8, then every multiple of 8 up to --max-num-seqs (vLLM's).
     """
 
     model: str | None = None
@@ -120,10 +150,20 @@ class ModelConfig:
     seed: int = 0
     quantized_matmul: QuantizedMatmul = QuantizedMatmul.AUTO
     generation_config: str = "auto"
+    load_format: LoadFormat = LoadFormat.AUTO
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantized_matmul",
                            as_mode(QuantizedMatmul, "--quantized-matmul", self.quantized_matmul))
+        object.__setattr__(self, "load_format", as_mode(LoadFormat, "--load-format", self.load_format))
+        object.__setattr__(self, "attention_backend",
+                           as_mode(AttentionBackend, "--attention-backend", self.attention_backend))
+        object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+        if any(not isinstance(n, int) or n < 1 or n > 4096 for n in self.cuda_graph_sizes):
+            raise ConfigError(f"--cuda-graph-sizes must be batch sizes in 1..4096, got {list(self.cuda_graph_sizes)}")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

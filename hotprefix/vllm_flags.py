@@ -45,7 +45,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     ForeignFlag(("--enable-log-requests",), _NO_PROMPT_LOGS),
     ForeignFlag(("--trust-remote-code",), "hotprefix runs no code from a model repository: it implements the "
                                           "architectures it loads (Llama-family) itself"),
-    ForeignFlag(("--enforce-eager",), "hotprefix captures no CUDA graphs: every step already runs eagerly"),
     ForeignFlag(("-O", "--compilation-config"), "hotprefix does not use torch.compile (its CPU kernels are "
                                                 "compiled C, built once)", takes_value=True),
     ForeignFlag(("--calculate-kv-scales",), "fp8 KV is stored with a fixed scale here (--kv-cache-dtype fp8); "

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hotprefix.config import DiskWritePolicy, EngineConfig
+from hotprefix.config import DiskWritePolicy, EngineConfig, LoadFormat
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.kv_tiers import KVTiers
 from hotprefix.core.outputs import EngineCoreOutput
@@ -26,7 +26,7 @@ from hotprefix.engine.outputs import CompletionOutput, RequestOutput  # (their h
 from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.grammar import compiler_for
-from hotprefix.model.loader import LoadedModel, generation_defaults, load_model
+from hotprefix.model.loader import LoadedModel, generation_defaults, load_dummy, load_model
 from hotprefix.model.runner import ModelRunner, return_freed_memory
 from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
 from hotprefix.sizing import blocks_for_tokens
@@ -95,7 +95,10 @@ class LLMEngine:
         config = config or EngineConfig()
         mc = config.model
         t0 = time.monotonic()
-        loaded = loaded or load_model(mc.model, mc.revision, mc.tokenizer, mc.download_dir)
+        if loaded is None:
+            dummy = mc.load_format is LoadFormat.DUMMY
+            loaded = load_dummy(mc.model, mc.tokenizer) if dummy else load_model(mc.model, mc.revision, mc.tokenizer,
+                                                                                  mc.download_dir)
         self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
         self.config = replace(config, scheduler=config.scheduler.resolved(self.max_model_len))
         self.model_name = loaded.name

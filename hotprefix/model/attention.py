@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from hotprefix.model.kv_cache import LayerKV
+
+if TYPE_CHECKING:  # importing it imports triton
+    from hotprefix.model.triton_attention import TritonMeta
 
 
 @dataclass
@@ -93,12 +96,15 @@ class DecodeBatch:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step, shared by every layer."""
+    """Built once per step, shared by every layer. The torch and cpu backends attend per
+    SeqAttn (seqs, decode batch, cascades); the triton backend reads `triton` alone (its
+    seqs are empty)."""
 
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes (-1: nowhere, Triton padding)
     seqs: list[SeqAttn]
     cascades: list[Cascade] = field(default_factory=list)
     decode: DecodeBatch | None = None
+    triton: TritonMeta | None = None
 
 
 def build_decode_batch(seqs: list[SeqAttn], min_size: int = 2, kernel: ctypes.CDLL | None = None
@@ -150,6 +156,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
 
     q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D].
     """
+    if meta.triton is not None:  # the triton backend (the runner imported the module when it chose it)
+        from hotprefix.model import triton_attention
+
+        return triton_attention.paged_attention(q, k, v, kv, meta.slot_mapping, meta.triton, scale)
     kv.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     done: set[int] = set()

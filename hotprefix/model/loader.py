@@ -41,6 +41,7 @@ class LoadedModel:
     packed: dict[str, Any] = field(default_factory=dict)  # HF name -> qlinear.PackedWeight (GGUF blocks)
     deferred: dict[str, DeferredRows] = field(default_factory=dict)  # blocks the kernels do not multiply
     gguf: GGUFFile | None = None  # the mapped file the blocks are views of
+    dummy: bool = False  # --load-format dummy: no weights; the runner makes random ones (model/dummy.py)
 
     def model_weights(self, blocks_only: bool) -> dict[str, torch.Tensor]:
         """HF name -> tensor for LlamaForCausalLM.from_weights (a new dict; self is
@@ -129,6 +130,38 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
         tok = load_tokenizer(tokenizer or str(path))
         return LoadedModel(arch, weights, tok, str(path), path.name)
     raise ModelLoadError(f"model path is neither a file nor a folder: {path}")
+
+
+def load_dummy(model: str | None, tokenizer: str | None = None) -> LoadedModel:
+    """--load-format dummy: the shape of a named one (model/presets.py), of a HF folder's
+    config.json or of a GGUF file's header, without weights (LoadedModel.dummy). The
+    tokenizer: --tokenizer, else the folder's or the GGUF's, else the bundled default
+    model's (ids past its vocabulary detokenize to nothing). Raises ModelLoadError."""
+    from hotprefix.model.presets import PRESETS
+
+    name = (model or "").lower()
+    if name in PRESETS:
+        arch, source, tok_from = arch_from_hf_config(PRESETS[name]), name, None
+    else:
+        path = resolve_model(model)
+        if path.is_file():
+            arch, _ = read_gguf_arch(path)
+            tok_from = path
+        else:
+            arch = arch_from_hf_config(_read_config(path))
+            has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+            tok_from = path if has_tok else None
+        source, name = str(path), path.stem if path.is_file() else path.name
+    if tokenizer:
+        tok = load_tokenizer(tokenizer)
+    elif tok_from is None:
+        log.info("--load-format dummy: %s has no tokenizer; using the default model's", source)
+        tok = gguf_tokenizer(default_model_path())
+    else:
+        tok = gguf_tokenizer(tok_from) if tok_from.is_file() else load_tokenizer(str(tok_from))
+    log.info("--load-format dummy: random weights of %s's shape (%d layers, hidden %d, vocabulary %d)", name,
+             arch.num_layers, arch.hidden_size, arch.vocab_size)
+    return LoadedModel(arch, {}, tok, source, name, dummy=True)
 
 
 # generation_config.json field -> SamplingParams field (the ones vLLM takes as defaults)

@@ -5,13 +5,22 @@ Owns the torch side: device, weights, KV tensors, per-request generators.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hotprefix.config import CacheConfig, ConfigError, ModelConfig, PreemptionMode, QuantizedMatmul, SchedulerConfig
+from hotprefix.config import (
+    AttentionBackend,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    PreemptionMode,
+    QuantizedMatmul,
+    SchedulerConfig,
+)
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.grammar import GrammarCompiler
 from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_batch, build_seq_attn
@@ -40,6 +49,21 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but no CUDA device is available")
     return torch.device(name)
+
+
+def resolve_backend(choice: AttentionBackend, device: torch.device) -> AttentionBackend:
+    """The attention backend for this device, AUTO resolved (see AttentionBackend).
+    Raises ConfigError for a choice that cannot run here."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if choice is AttentionBackend.AUTO:
+        if device.type == "cuda":
+            return AttentionBackend.TRITON if has_triton else AttentionBackend.TORCH
+        return AttentionBackend.CPU
+    if choice is AttentionBackend.CPU and device.type != "cpu":
+        raise ConfigError("--attention-backend cpu runs on the CPU only; use triton or torch with --device cuda")
+    if choice is AttentionBackend.TRITON and not has_triton:
+        raise ConfigError("--attention-backend triton: the triton package is not installed (pip install triton)")
+    return choice
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
@@ -120,10 +144,16 @@ def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig
 
 
 def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, packed: dict,
-                 int8: bool) -> LlamaForCausalLM:
+                 int8: bool, seed: int = 0) -> LlamaForCausalLM:
     """The model, its products on `packed` blocks; in int8 mode their regrouped forms come
-    from weight_cache (mapped from disk after the first start). Raises ModelLoadError for
-    weights int8 mode cannot serve from blocks (LoadedModel.model_weights)."""
+    from weight_cache (mapped from disk after the first start); random weights made on
+    the device for a dummy load. Raises ModelLoadError for weights int8 mode cannot serve
+    from blocks (LoadedModel.model_weights)."""
+    if loaded.dummy:
+        from hotprefix.model.dummy import dummy_weights
+
+        return LlamaForCausalLM.from_weights(loaded.arch, dummy_weights(loaded.arch, dtype, device, seed), dtype,
+                                             device)
     weights = loaded.model_weights(blocks_only=int8)
     regroup = None
     if int8:
@@ -150,7 +180,7 @@ class ModelRunner:
         packed = loaded.packed if blocks else {}
         self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if blocks else None
         int8 = self.quantized_matmul is QuantizedMatmul.INT8
-        self.model = _build_model(loaded, self.device, self.dtype, packed, int8)
+        self.model = _build_model(loaded, self.device, self.dtype, packed, int8, model_cfg.seed)
         if int8:
             log.info("int8 mode: the blocks serve %.0f MB of float32 weights, never held",
                      self.model.release_served_weights() / 1e6)
@@ -168,11 +198,16 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         self.plan = plan_kv_pool(loaded, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
         self.block_size = cache_cfg.block_size
-        # decode attention straight from a float32 pool, and the KV writes into it (csrc/attention.c, csrc/ops.c)
-        self._attention_kernel = library() if (self.device.type == "cpu" and kv_dtype == torch.float32) else None
+        self.backend = resolve_backend(model_cfg.attention_backend, self.device)
+        # cpu backend: decode attention straight from a float32 pool, and the KV writes into it
+        # (csrc/attention.c, csrc/ops.c)
+        cpu_kernels = self.backend is AttentionBackend.CPU and kv_dtype == torch.float32
+        self._attention_kernel = library() if cpu_kernels else None
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,
                                 kernel=self._attention_kernel)
+        self.max_model_len = model_cfg.max_model_len or self.arch.max_position_embeddings
+        self.graphs = self._decode_graphs(model_cfg, sched_cfg)
         # int8 mode: steps of decodes only run every layer in one call (model/fused_decode.py)
         self.fused = FusedDecode(self.model, self.kv_cache, self._attention_kernel) \
             if self.quantized_matmul is QuantizedMatmul.INT8 and \
@@ -194,6 +229,27 @@ class ModelRunner:
         self._gathered: dict[tuple[int, ...], dict] = {}  # cascade prefix blocks -> gathered K/V, last step only
         slot_bytes = self.arch.num_layers * 2 * self.arch.num_kv_heads * self.arch.head_dim * self.dtype.itemsize
         self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
+
+    def _decode_graphs(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig):
+        """The triton backend's CUDA graphs of decode steps (model/cuda_graphs.py), or None:
+        another backend, the CPU, or --enforce-eager."""
+        if self.backend is not AttentionBackend.TRITON:
+            return None
+        from hotprefix.model import triton_attention
+
+        if self.device.type != "cuda":
+            log.warning("--attention-backend triton on the CPU runs Triton's interpreter: correct, and very slow "
+                        "(for tests)")
+            return None
+        if model_cfg.enforce_eager:
+            log.info("--enforce-eager: decode steps run eagerly (no CUDA graphs)")
+            return None
+        from hotprefix.model.cuda_graphs import DecodeGraphs, default_sizes
+
+        sizes = model_cfg.cuda_graph_sizes or default_sizes(sched_cfg.max_num_seqs)
+        return DecodeGraphs(self.model, self.kv_cache, sizes, -(-self.max_model_len // self.block_size),
+                            triton_attention.decode_splits(self.max_model_len), self.arch.sliding_window or 0,
+                            self.device)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4) -> None:
@@ -220,6 +276,7 @@ class ModelRunner:
         slots: list[int] = []
         seqs = []
         bs = self.block_size
+        per_seq = self.backend is not AttentionBackend.TRITON  # (triton reads block tables instead)
         for r in sched.requests:
             n = len(r.token_ids)
             if n == 0:  # the scheduler never does this; native kernels crash on it
@@ -229,11 +286,14 @@ class ModelRunner:
             rng = range(r.start_pos, r.start_pos + n)
             pos.extend(rng)
             slots.extend(r.block_ids[p // bs] * bs + p % bs for p in rng)
-            seqs.append(build_seq_attn(q_start, n, r.start_pos + n, r.block_ids, bs,
-                                       self.arch.sliding_window, self.device))
+            if per_seq:
+                seqs.append(build_seq_attn(q_start, n, r.start_pos + n, r.block_ids, bs,
+                                           self.arch.sliding_window, self.device))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
-        batched = dev.type == "cpu" and self.dtype == torch.float32 and paths.decode_batch
+        if not per_seq:
+            meta.triton = self._triton_meta(sched)
+        batched = self.backend is AttentionBackend.CPU and self.dtype == torch.float32 and paths.decode_batch
         if batched and paths.cascade:  # cascades are attended within the decode batch
             self._plan_cascades(sched, meta)
         else:
@@ -243,6 +303,24 @@ class ModelRunner:
             meta.decode = build_decode_batch(meta.seqs, 1 if kernel else 2, kernel)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
+
+    def _triton_meta(self, sched: SchedulerOutput):
+        """The step's TritonMeta: each sequence's block table (padded with block 0 to the
+        widest), context length after the step, and query rows."""
+        from hotprefix.model.triton_attention import TritonMeta, decode_splits
+
+        bs, dev = self.block_size, self.device
+        lens = [r.start_pos + len(r.token_ids) for r in sched.requests]
+        width = max(-(-n // bs) for n in lens)
+        table = [r.block_ids[:-(-n // bs)] + [0] * (width - -(-n // bs)) for r, n in zip(sched.requests, lens)]
+        starts = [0]
+        for r in sched.requests:
+            starts.append(starts[-1] + len(r.token_ids))
+        max_q = max(len(r.token_ids) for r in sched.requests)
+        return TritonMeta(torch.tensor(table, dtype=torch.int32, device=dev),
+                          torch.tensor(lens, dtype=torch.int32, device=dev),
+                          torch.tensor(starts, dtype=torch.int32, device=dev), max_q, bs,
+                          decode_splits(max(lens)) if max_q == 1 else 1, self.arch.sliding_window or 0)
 
     def _plan_cascades(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
         """Group decoding sequences by the blocks they share from the start (prefix
@@ -283,6 +361,8 @@ class ModelRunner:
         self.num_computed_tokens_total += input_ids.numel()
         if paths.fused_decode and self.fused is not None and self.fused.serves(meta, input_ids.numel()):
             return self.fused.forward(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.serves(meta, input_ids.numel()):
+            return self.graphs.forward(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()

@@ -13,29 +13,9 @@ from pathlib import Path
 
 from hotprefix.config import ConfigError, parse_size
 from hotprefix.model.arch import ModelLoadError, arch_from_hf_config
+from hotprefix.model.presets import PRESETS
 from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, size_report
 
-# Published configs (the fields that matter for sizing).
-LLAMA, MISTRAL, QWEN2, QWEN3 = (["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen2ForCausalLM"],
-                                ["Qwen3ForCausalLM"])
-PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": dict(architectures=LLAMA, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                         max_position_embeddings=131072),
-    "llama-3.1-70b": dict(architectures=LLAMA, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                          hidden_size=8192, intermediate_size=28672, vocab_size=128256,
-                          max_position_embeddings=131072),
-    "mistral-7b": dict(architectures=MISTRAL, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       hidden_size=4096, intermediate_size=14336, vocab_size=32768, max_position_embeddings=32768),
-    "qwen2.5-7b": dict(architectures=QWEN2, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       hidden_size=3584, intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768),
-    "qwen3-32b": dict(architectures=QWEN3, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
-                      head_dim=128, hidden_size=5120, intermediate_size=25600, vocab_size=151936,
-                      max_position_embeddings=40960),
-    "smollm2-135m": dict(architectures=LLAMA, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         hidden_size=576, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
-                         tie_word_embeddings=True),
-}
 DTYPES = ("float32", "float16", "bfloat16", "fp8")  # serve's --kv-cache-dtype names
 SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # older spellings, still accepted
 

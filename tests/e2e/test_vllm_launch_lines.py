@@ -32,6 +32,7 @@ def test_the_whole_list_parses_and_each_flag_lands_or_is_named():
     a = parse(LINE)
     cfg = engine_config_from_args(a)
     assert cfg.model.max_model_len == 4000 and cfg.model.dtype == "float16" and cfg.model.download_dir == "/tmp/hf"
+    assert cfg.model.enforce_eager
     assert (a.max_logprobs, a.return_tokens_as_token_ids, a.disable_fastapi_docs, a.tool_call_parser) == \
         (5, True, True, "llama3_json")
     lines = check_foreign(a)
@@ -51,6 +52,18 @@ def test_values_that_would_change_results_are_refused_with_why(args, why, capsys
     with pytest.raises(ConfigError, match=why):
         check_foreign(parse(args))
     assert main(["serve", *args]) == 2 and why in capsys.readouterr().err
+
+
+def test_gpu_path_flags_land_in_the_config():
+    cfg = engine_config_from_args(parse(["--load-format", "dummy", "--attention-backend", "triton",
+                                         "--cuda-graph-sizes", "1", "2", "8"]))
+    assert (cfg.model.load_format.value, cfg.model.attention_backend.value, cfg.model.cuda_graph_sizes,
+            cfg.model.enforce_eager) == ("dummy", "triton", (1, 2, 8), False)
+    for spelled in (["1,2,8"], ["[1, 2, 8]"]):
+        assert engine_config_from_args(parse(["--cuda-graph-sizes", *spelled])).model.cuda_graph_sizes == (1, 2, 8)
+    for bad in (["x"], ["0"], ["5000"]):
+        with pytest.raises(ConfigError, match="--cuda-graph-sizes"):
+            engine_config_from_args(parse(["--cuda-graph-sizes", *bad]))
 
 
 @pytest.mark.parametrize("text,value", [("4096", 4096), ("4k", 4000), ("4K", 4096), ("25.6k", 25600),

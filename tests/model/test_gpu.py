@@ -1,5 +1,6 @@
-"""The CUDA path (run on a lent GPU machine; skipped without CUDA): paged attention,
-mixed batches, fp8 KV, swap through pinned host memory, and agreement with the CPU."""
+"""The CUDA path (run on a lent GPU machine; skipped without CUDA): paged attention
+(torch and triton backends), CUDA-graph replay, mixed batches, fp8 KV, swap through
+pinned host memory, and agreement with the CPU."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def model_dir(tmp_path_factory):
     return d, build_tiny_model(d, "qwen3", seed=4)
 
 
-def test_cuda_fp32_logits_match_transformers(model_dir):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_fp32_logits_match_transformers(model_dir, backend):
     d, hf = model_dir
-    runner = ModelRunner(load_model(str(d)), ModelConfig(device="cuda", dtype="float32"),
+    runner = ModelRunner(load_model(str(d)), ModelConfig(device="cuda", dtype="float32", attention_backend=backend),
                          CacheConfig(block_size=4, num_blocks_override=32), SchedulerConfig())
     assert runner.kv_cache.layers[0].k.is_cuda
     ids = list(range(3, 40))
@@ -90,3 +92,28 @@ def test_cuda_pool_sized_from_gpu_memory_utilization(model_dir):
     total = torch.cuda.mem_get_info()[1]
     plan = llm.engine.runner.plan
     assert 0 < plan.num_blocks * plan.bytes_per_block <= 0.05 * total
+
+
+def test_cuda_graph_replay_equals_eager(model_dir):
+    """Decode steps replayed from CUDA graphs (batch sizes padded up to 1, 2, 4, 8) give
+    the eager steps' tokens, for batches of every size up to 8 and past it (eager)."""
+    d, _ = model_dir
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30, 9, 12, 3, 22, 8, 15, 4)]
+    kw = dict(device="cuda", dtype="float32", block_size=4, num_blocks_override=256, max_num_seqs=10,
+              attention_backend="triton")
+    graphed = LLM(model=str(d), cuda_graph_sizes=(1, 2, 4, 8), **kw)
+    assert sorted(graphed.engine.runner.graphs.graphs) == [1, 2, 4, 8]
+    eager = LLM(model=str(d), enforce_eager=True, **kw)
+    assert eager.engine.runner.graphs is None
+    for n in (1, 3, 8, 10):
+        a = [o.outputs[0].token_ids for o in graphed.generate(prompts[:n], GREEDY)]
+        b = [o.outputs[0].token_ids for o in eager.generate(prompts[:n], GREEDY)]
+        assert a == b
+
+
+def test_cuda_dummy_weights_in_bfloat16(model_dir):
+    d, _ = model_dir
+    llm = LLM(model=str(d), load_format="dummy", device="cuda", num_blocks_override=64)
+    w = llm.engine.runner.model.model.layers[0].mlp.up_proj.weight
+    assert w.is_cuda and w.dtype == torch.bfloat16
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 12

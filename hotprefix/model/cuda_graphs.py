@@ -1,0 +1,106 @@
+"""Decode steps replayed from CUDA graphs (the triton backend on CUDA; --enforce-eager: off).
+
+A decode-only step (one token per sequence) of B sequences runs the graph captured at
+the smallest size >= B, as vLLM does: the graph's inputs are static buffers, the step's
+rows are copied into their leading B rows and the rest is padding that writes no KV
+(slot -1) and reads none (length 0, output 0). Prefill and mixed steps, and decode steps
+past the largest size or a longer block table than captured, run eagerly.
+
+All graphs share the buffers of the largest size and one memory pool (captured largest
+first). With capture=False (no CUDA) forward runs the same padded batch eagerly, which is
+how the padding is proven on the CPU (Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from hotprefix.model.attention import AttentionMetadata
+from hotprefix.model.kv_cache import KVCache
+from hotprefix.model.llama import LlamaForCausalLM
+from hotprefix.model.triton_attention import TritonMeta
+
+log = logging.getLogger(__name__)
+
+
+def default_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """vLLM's default capture sizes: 1, 2, 4, then every multiple of 8, up to max_num_seqs
+    (which is captured too)."""
+    sizes = {n for n in (1, 2, 4) if n <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
+    return tuple(sorted(sizes))
+
+
+class DecodeGraphs:
+    """forward(input_ids [B], positions [B], meta) -> hidden [B, E] for a decode step
+    that serves() accepts. Mutates the KV pool exactly as the eager step would."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sizes: tuple[int, ...], max_blocks: int,
+                 num_splits: int, sliding_window: int, device: torch.device, capture: bool = True) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = tuple(sorted(set(sizes)))
+        self.max_blocks = max_blocks
+        self.num_splits = num_splits
+        self.sliding_window = sliding_window
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        t = TritonMeta(self.block_tables[:size], self.seq_lens[:size], self.query_start_loc[:size + 1], 1,
+                       self.kv_cache.block_size, self.num_splits, self.sliding_window)
+        return AttentionMetadata(self.slot_mapping[:size], [], triton=t)
+
+    def _run(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Capture every size, largest first, into one memory pool. The buffers hold
+        padding only (slot -1, length 0): capturing writes and reads no KV."""
+        t0 = time.monotonic()
+        pool = None
+        for size in reversed(self.sizes):
+            self._run(size)  # compiles the kernels for this shape and settles the allocator
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.outputs[size] = self._run(size)
+            pool = g.pool()
+            self.graphs[size] = g
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs of decode steps at %d batch sizes (1..%d) in %.1fs", len(self.sizes),
+                 self.sizes[-1], time.monotonic() - t0)
+
+    def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A decode-only triton step that fits a captured size and the block table's width."""
+        t = meta.triton
+        return (t is not None and t.max_query_len == 1 and num_tokens <= self.sizes[-1]
+                and t.block_tables.shape[1] <= self.max_blocks and t.sliding_window == self.sliding_window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b = input_ids.numel()
+        size = next(s for s in self.sizes if s >= b)
+        t = meta.triton
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
+        self.slot_mapping[b:size].fill_(-1)
+        self.seq_lens[:b].copy_(t.seq_lens)
+        self.seq_lens[b:size].zero_()
+        self.block_tables[:b, :t.block_tables.shape[1]].copy_(t.block_tables)  # (columns past a row's length:
+        if size in self.graphs:  # never read)
+            self.graphs[size].replay()
+            return self.outputs[size][:b]
+        return self._run(size)[:b]
