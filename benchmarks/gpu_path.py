@@ -1,0 +1,228 @@
+"""The GPU path's figures, in one run on a lent device (issue 26): the device's bf16
+matmul peak and memory bandwidth as measured, then on random weights of a real shape
+(--load-format dummy): prefill tokens/s against that peak, single-sequence decode
+ms/token against the weight-read bound, decode throughput at several batch sizes, the
+`tenants` workload offline with prefix caching on and off, and transformers' own
+continuous batching (`generate_batch`) on the same shape and requests.
+
+    python benchmarks/gpu_path.py --out gpu.jsonl                       # on the device
+    python benchmarks/gpu_path.py --device cpu --model tests-folder --quick  # smoke test
+
+One JSON object per line on stdout (and in --out): {"what": ..., figures...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.model.arch import HF_ARCHITECTURES
+from hotprefix.model.loader import load_dummy
+from hotprefix.model.presets import PRESETS
+from hotprefix.tools.bench import build
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, repeat: int = 3) -> float:
+    """The best of `repeat` wall times of fn (after one warm-up call), synchronised."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_peak(device: str, dtype: torch.dtype, n: int) -> dict:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = timed(lambda: a @ b, device, repeat=5)
+    return {"what": "matmul_peak", "dtype": str(dtype), "n": n, "tflops": round(2 * n**3 / t / 1e12, 2)}
+
+
+def bandwidth(device: str, nbytes: int) -> dict:
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    t = timed(lambda: y.copy_(x), device, repeat=5)
+    return {"what": "memory_bandwidth", "bytes": nbytes, "gb_s": round(2 * nbytes / t / 1e9, 1)}  # read + write
+
+
+def make_llm(args: argparse.Namespace, prefix_caching: bool = True, **kw) -> LLM:
+    return LLM(args.model, load_format="dummy", device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, enable_prefix_caching=prefix_caching,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.batched_tokens, **kw)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab, 30000), (n, length), generator=g).tolist()
+
+
+def run_generate(llm: LLM, batch: list[list[int]], max_tokens: int, device: str) -> float:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()
+    _sync(device)
+    t0 = time.perf_counter()
+    llm.generate(batch, sp)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def model_figures(args: argparse.Namespace, peak_tflops: float, gb_s: float) -> list[dict]:
+    llm = make_llm(args, prefix_caching=False)
+    runner = llm.engine.runner
+    params = sum(p.numel() for p in runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    vocab = runner.arch.vocab_size
+    out = [{"what": "model", "shape": args.model, "params": params, "weight_gb": round(weight_bytes / 1e9, 2),
+            "backend": runner.backend.value, "cuda_graphs": runner.graphs is not None,
+            "kv_blocks": runner.plan.num_blocks}]
+    # prefill: a batch of long prompts, one output token each (the step budget is filled)
+    n, length = args.prefill_batch, args.prefill_len
+    batch = prompts(n, length, vocab, 1)
+    run_generate(llm, batch[:1], 1, args.device)  # warm-up
+    t = min(run_generate(llm, batch, 1, args.device) for _ in range(2))
+    tok_s = n * length / t
+    flops = 2 * params * n * length  # the matmuls (attention's share is left out: a lower bound)
+    out.append({"what": "prefill", "prompts": n, "tokens_each": length, "tok_s": round(tok_s),
+                "tflops": round(flops / t / 1e12, 1), "share_of_peak": round(flops / t / 1e12 / peak_tflops, 3)})
+    # single-sequence decode: (time of 1 + D tokens - time of 1 token) / D
+    d = args.decode_tokens
+    one = prompts(1, 128, vocab, 2)
+    t1 = min(run_generate(llm, one, 1, args.device) for _ in range(2))
+    td = min(run_generate(llm, one, d + 1, args.device) for _ in range(2))
+    ms = (td - t1) / d * 1e3
+    bound_ms = weight_bytes / (gb_s * 1e9) * 1e3
+    out.append({"what": "decode_single", "ms_per_token": round(ms, 3), "weight_read_bound_ms": round(bound_ms, 3),
+                "share_of_bound": round(bound_ms / ms, 3)})
+    for b in args.decode_batches:  # decode throughput at batch b
+        batch = prompts(b, 128, vocab, 3)
+        t = run_generate(llm, batch, d, args.device)
+        out.append({"what": "decode_batch", "batch": b, "output_tok_s": round(b * d / t)})
+    del llm
+    gc.collect()
+    return out
+
+
+def tenants(args: argparse.Namespace) -> list[dict]:
+    """The `tenants` workload's texts offline through LLM.generate, prefix caching on and off."""
+    jobs, _, _ = build("tenants", 0, args.scale)
+    texts = [j.prompt for j in jobs]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = []
+    for caching in (True, False):
+        llm = make_llm(args, prefix_caching=caching)
+        llm.generate(texts[:2], sp)  # warm-up
+        llm.reset_prefix_cache()
+        _sync(args.device)
+        t0 = time.perf_counter()
+        res = llm.generate(texts, sp)
+        _sync(args.device)
+        t = time.perf_counter() - t0
+        prompt = sum(len(r.prompt_token_ids) for r in res)
+        cached = sum(r.num_cached_tokens or 0 for r in res)
+        out.append({"what": "tenants_offline", "prefix_caching": caching, "requests": len(texts),
+                    "wall_s": round(t, 2), "output_tok_s": round(32 * len(texts) / t),
+                    "hit_rate": round(cached / prompt, 3)})
+        del llm
+        gc.collect()
+    return out
+
+
+def transformers_peer(args: argparse.Namespace) -> dict:
+    """transformers' continuous batching (paged attention) on the same shape (random
+    weights) and the tenants requests' token ids."""
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        if args.model in PRESETS:
+            raw = dict(PRESETS[args.model])
+            cfg = AutoConfig.for_model(HF_ARCHITECTURES[raw.pop("architectures")[0]], **raw)
+        else:
+            cfg = AutoConfig.from_pretrained(args.model)
+        dtype = getattr(torch, args.dtype if args.dtype != "auto" else "bfloat16")
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="paged|sdpa")
+        model.eval()
+        tok = load_dummy(args.model).tokenizer
+        jobs, _, _ = build("tenants", 0, args.scale)
+        ids = [tok.encode(j.prompt) for j in jobs]
+        gen = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=-1, num_blocks=2048, block_size=16,
+                               max_batch_tokens=args.batched_tokens)
+        model.generate_batch(inputs=ids[:2], generation_config=gen)  # warm-up
+        _sync(args.device)
+        t0 = time.perf_counter()
+        model.generate_batch(inputs=ids, generation_config=gen)
+        _sync(args.device)
+        t = time.perf_counter() - t0
+        return {"what": "transformers_generate_batch", "version": transformers.__version__, "requests": len(ids),
+                "wall_s": round(t, 2), "output_tok_s": round(32 * len(ids) / t)}
+    except Exception as e:  # the peer's API moves between versions: report, do not stop the run
+        return {"what": "transformers_generate_batch", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="a named shape or a config.json folder")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--batched-tokens", type=int, default=8192)
+    p.add_argument("--prefill-batch", type=int, default=8)
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--scale", type=float, default=1.0, help="the tenants workload's scale")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke test of the script)")
+    p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.quick:
+        args.max_model_len, args.max_num_seqs, args.batched_tokens = 512, 8, 512
+        args.prefill_batch, args.prefill_len, args.decode_tokens, args.decode_batches = 2, 64, 8, [1, 4]
+        args.scale = 0.05
+    lines: list[dict] = []
+
+    def emit(d: dict) -> None:
+        lines.append(d)
+        print(json.dumps(d), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(d) + "\n")
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    emit({"what": "run", "device": dev, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          "torch": torch.__version__})
+    mm_dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    peak = matmul_peak(args.device, mm_dtype, 8192 if not args.quick else 512)
+    emit(peak)
+    bw = bandwidth(args.device, (4 << 30) if not args.quick else (64 << 20))
+    emit(bw)
+    for d in model_figures(args, peak["tflops"], bw["gb_s"]):
+        emit(d)
+    for d in tenants(args):
+        emit(d)
+    if not args.skip_peer:
+        emit(transformers_peer(args))
+
+
+if __name__ == "__main__":
+    main()
