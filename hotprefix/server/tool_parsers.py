@@ -292,11 +292,36 @@ def _call_schema(tools: list[dict[str, Any]], only: str | None, args_key: str) -
         fn = t["function"]
         if only is not None and fn["name"] != only:
             continue
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                         args_key: fn.get("parameters") or {"type": "object"}},
+        params = _required_strings_filled(fn.get("parameters") or {"type": "object"})
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
                         "required": ["name", args_key], "additionalProperties": False})
     return {"anyOf": options, "x-guidance": COMPACT_JSON} if len(options) > 1 else {**options[0],
                                                                                    "x-guidance": COMPACT_JSON}
+
+
+SCHEMA_WALK_DEPTH = 64  # nesting followed by _required_strings_filled (request schemas are capped at 32)
+
+
+def _required_strings_filled(schema: Any, depth: int = 0) -> Any:
+    """A copy of a parameters schema in which every required property that is a plain
+    string (no minLength of its own) has minLength 1: a forced call must fill the
+    arguments its function requires, never with "" (a model that has nothing to say
+    otherwise writes an empty value, which the schema alone allows). The rest is as given."""
+    if depth > SCHEMA_WALK_DEPTH:
+        return schema
+    if isinstance(schema, list):
+        return [_required_strings_filled(x, depth + 1) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _required_strings_filled(v, depth + 1) for k, v in schema.items()}
+    props, required = out.get("properties"), schema.get("required")
+    if isinstance(props, dict) and isinstance(required, list):
+        for name in required:
+            p = props.get(name) if isinstance(name, str) else None
+            if isinstance(p, dict) and p.get("type") == "string" and "minLength" not in p and "enum" not in p \
+                    and "const" not in p:
+                props[name] = {**p, "minLength": 1}
+    return out
 
 
 def _sequence_grammar(schema: dict[str, Any], sep: str, open_: str, close: str, parallel: bool) -> str:

@@ -193,7 +193,7 @@ def _call_args(call) -> dict:
 
 
 def test_required_tool_calls_match_the_schema(client):
-    for seed in range(4):
+    for seed in range(6):
         r = chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed)
         choice = choice0 = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice0
@@ -201,6 +201,9 @@ def test_required_tool_calls_match_the_schema(client):
         for call in choice.message.tool_calls:
             fn = {t["function"]["name"]: t["function"] for t in TOOLS}[call.function.name]
             jsonschema.validate(_call_args(call), fn["parameters"])
+            props = fn["parameters"]["properties"]
+            assert all(_call_args(call)[k] != "" for k in fn["parameters"]["required"]
+                       if props[k]["type"] == "string")  # a forced call fills what its function requires
             assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
         assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
 

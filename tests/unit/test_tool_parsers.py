@@ -155,3 +155,26 @@ def test_every_call_the_grammar_accepts_parses_back(accepts):
     text = W_CALL + "\n" + C_CALL
     assert accepts(call_grammar([WEATHER, CLOCK], None, True), text)
     assert P.parse(text) == (None, [W, C])
+
+
+def test_a_forced_call_fills_its_required_strings(accepts):
+    """{"city": ""} satisfies the schema but is no call: required strings need a character
+    (in every format's grammar); optional ones, enums and a schema's own minLength are kept."""
+    from hotprefix.server.tool_parsers import PARSERS
+
+    g = call_grammar([WEATHER], None, False)
+    assert accepts(g, W_CALL)
+    assert not accepts(g, '<tool_call>\n{"name": "get_weather", "arguments": {"city": ""}}\n</tool_call>')
+    for name in ("llama3_json", "mistral"):
+        wrapped = PARSERS[name].grammar([WEATHER], None, False)
+        assert '"minLength": 1' in wrapped
+    opt = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "minLength": 0},
+                                         "c": {"type": "object", "properties": {"d": {"type": "string"}},
+                                               "required": ["d"]}},
+        "required": ["b", "c"]}}}
+    g = call_grammar([opt], None, False)
+    call = '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>'.format
+    assert accepts(g, call('{"a": "", "b": "", "c": {"d": "x"}}'))  # a optional, b's own minLength 0
+    assert not accepts(g, call('{"b": "", "c": {"d": ""}}'))  # nested required d
+    assert opt["function"]["parameters"]["properties"]["c"]["properties"]["d"] == {"type": "string"}  # not mutated
