@@ -193,7 +193,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for line in check_foreign(a):  # (raises ConfigError for a value that would change results)
         logging.getLogger("hotprefix.server").info(line)
     t0 = time.monotonic()
-    logging.getLogger("hotprefix.server").info("starting: importing torch, transformers and the server")
+    logging.getLogger("hotprefix.server").info("starting: importing torch and the server")
     from hotprefix.server.launcher import serve
 
     logging.getLogger("hotprefix.server").info("imported in %.1fs", time.monotonic() - t0)

@@ -92,9 +92,10 @@ class GrammarCompiler:
         """llguidance's LLTokenizer of the model (made once, under a lock)."""
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                import llguidance
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+                self._tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf), n_vocab=self.vocab_size,
+                                                         eos_token=getattr(self._hf, "eos_token_id", None))
             return self._tokenizer
 
     def compile(self, so: StructuredOutput) -> StructuredOutput:
@@ -138,15 +139,22 @@ def compiler_for(hf_tokenizer: Any, vocab_size: int, eos: set[int], sc: Structur
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if sc.max_grammar_compile_seconds <= 0 or backend is None:
         return GrammarCompiler(hf_tokenizer, vocab_size, limits)
-    from copy import copy
-
     from hotprefix.grammar_sandbox import CompileSandbox, SandboxConfig
 
-    b = copy(backend)  # as llguidance.hf does: its JSON without padding or truncation
+    sandbox = CompileSandbox(SandboxConfig(tokenizer_json(hf_tokenizer), vocab_size, tuple(sorted(eos)),
+                                           sc.max_grammar_compile_seconds))
+    return GrammarCompiler(hf_tokenizer, vocab_size, limits, sandbox)
+
+
+def tokenizer_json(tokenizer: Any) -> str:
+    """A fast tokenizer's Rust model as JSON, without padding or truncation (what
+    llguidance reads; as llguidance.hf makes it, without importing transformers)."""
+    from copy import copy
+
+    b = copy(tokenizer.backend_tokenizer)
     b.no_padding()
     b.no_truncation()
-    sandbox = CompileSandbox(SandboxConfig(b.to_str(), vocab_size, tuple(sorted(eos)), sc.max_grammar_compile_seconds))
-    return GrammarCompiler(hf_tokenizer, vocab_size, limits, sandbox)
+    return b.to_str()
 
 
 def build(kind: StructuredKind, spec: str, tokenizer: Any, vocab_size: int, grammar: str | None = None) -> _Compiled:

@@ -222,6 +222,16 @@ def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(name_or_path: str) -> Any:
+    """A local folder's fast tokenizer read without transformers (engine/fast_tokenizer.py),
+    else transformers' AutoTokenizer (a hub id, a slow tokenizer). Raises ModelLoadError."""
+    from hotprefix.engine.fast_tokenizer import FastTokenizer
+
+    try:
+        fast = FastTokenizer.from_folder(name_or_path) if Path(name_or_path).is_dir() else None
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     try:
@@ -242,14 +252,17 @@ def gguf_tokenizer(path: Path) -> Any:
     Converting it takes seconds, so the result is saved under
     $HOTPREFIX_CACHE (default ~/.cache/hotprefix) and reused while the file is unchanged.
     """
-    from transformers import AutoTokenizer
+    from hotprefix.engine.fast_tokenizer import FastTokenizer
 
     cache = _tokenizer_cache_dir(path)
-    if (cache / "tokenizer.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cache))
-        except Exception:  # a corrupt cache entry: convert again below
-            log.warning("ignoring unreadable tokenizer cache %s", cache)
+    try:
+        fast = FastTokenizer.from_folder(cache)
+        if fast is not None:
+            return fast
+    except ValueError:  # a corrupt cache entry: convert again below
+        log.warning("ignoring unreadable tokenizer cache %s", cache)
+    from transformers import AutoTokenizer
+
     log.info("converting %s's tokenizer to a fast tokenizer (once; cached in %s) ...", path.name, cache)
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -258,6 +271,7 @@ def gguf_tokenizer(path: Path) -> Any:
                              f"{str(e).splitlines()[0]}") from None
     try:
         tok.save_pretrained(str(cache))
-    except OSError as e:
+        return FastTokenizer.from_folder(cache) or tok  # the same class as every later start
+    except (OSError, ValueError) as e:
         log.warning("cannot cache the GGUF tokenizer in %s: %s", cache, e)
     return tok

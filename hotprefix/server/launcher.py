@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import uvicorn
 
 from hotprefix.config import EngineConfig, ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
+from hotprefix.engine.fast_tokenizer import preload_renderer
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.server.app import build_app
 
 log = logging.getLogger(__name__)
+
+
+def _preload_renderer() -> None:
+    """transformers' chat template renderer, imported once the server is up rather than at
+    the first chat request (a chat request arriving meanwhile waits for it)."""
+    t0 = time.monotonic()
+    try:
+        preload_renderer()
+    except Exception as e:  # (an import that fails here fails again, with its error, at the first chat request)
+        log.warning("chat template renderer not imported ahead: %s", e)
+        return
+    log.info("chat template renderer (transformers) imported in %.1fs, after the start", time.monotonic() - t0)
 
 
 def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
@@ -26,6 +40,7 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
         async_engine.check_chat_template(cfg.chat_template)
     app = build_app(async_engine, cfg)
     log.info("ready to serve after %.1fs", time.monotonic() - t0)
+    threading.Thread(target=_preload_renderer, name="hotprefix-renderer-import", daemon=True).start()
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
                             timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False,
                             root_path=cfg.root_path, ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,

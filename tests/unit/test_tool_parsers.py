@@ -111,11 +111,12 @@ NO_PARAMS = {"type": "function", "function": {"name": "ping"}}
 @pytest.fixture(scope="module")
 def accepts():
     import llguidance
-    import llguidance.hf
 
+    from hotprefix.grammar import tokenizer_json
     from hotprefix.model.loader import default_model_path, gguf_tokenizer
 
-    tok = llguidance.hf.from_tokenizer(gguf_tokenizer(default_model_path()))
+    hf = gguf_tokenizer(default_model_path())
+    tok = llguidance.LLTokenizer(tokenizer_json(hf), eos_token=hf.eos_token_id)  # as GrammarCompiler makes it
 
     def check(grammar: str, text: str) -> bool:
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
