@@ -99,7 +99,7 @@ class FastTokenizer:
             backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
             config = _read_json(folder / "tokenizer_config.json")
             specials = _read_json(folder / "special_tokens_map.json")
-        except (OSError, ValueError, Exception) as e:  # tokenizers raises its own Exception type
+        except Exception as e:  # OSError, JSON errors, and the tokenizers library's own Exception
             raise ValueError(f"cannot read the tokenizer in {folder}: {e}") from None
         return cls(backend, config, specials, _chat_template(folder, config), str(folder))
 

@@ -5,7 +5,6 @@ Owns the torch side: device, weights, KV tensors, per-request generators.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from hotprefix.config import (
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.grammar import GrammarCompiler
 from hotprefix.model.attention import AttentionMetadata, Cascade, build_decode_batch, build_seq_attn
+from hotprefix.model.backends import decode_graphs, resolve_backend, triton_meta
 from hotprefix.model.fused_decode import FusedDecode, fusable
 from hotprefix.model.kv_cache import KVCache, kv_dtype_name, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
@@ -49,21 +49,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but no CUDA device is available")
     return torch.device(name)
-
-
-def resolve_backend(choice: AttentionBackend, device: torch.device) -> AttentionBackend:
-    """The attention backend for this device, AUTO resolved (see AttentionBackend).
-    Raises ConfigError for a choice that cannot run here."""
-    has_triton = importlib.util.find_spec("triton") is not None
-    if choice is AttentionBackend.AUTO:
-        if device.type == "cuda":
-            return AttentionBackend.TRITON if has_triton else AttentionBackend.TORCH
-        return AttentionBackend.CPU
-    if choice is AttentionBackend.CPU and device.type != "cpu":
-        raise ConfigError("--attention-backend cpu runs on the CPU only; use triton or torch with --device cuda")
-    if choice is AttentionBackend.TRITON and not has_triton:
-        raise ConfigError("--attention-backend triton: the triton package is not installed (pip install triton)")
-    return choice
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
@@ -207,7 +192,7 @@ class ModelRunner:
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,
                                 kernel=self._attention_kernel)
         self.max_model_len = model_cfg.max_model_len or self.arch.max_position_embeddings
-        self.graphs = self._decode_graphs(model_cfg, sched_cfg)
+        self.graphs = decode_graphs(self.backend, self.model, self.kv_cache, model_cfg, sched_cfg, self.max_model_len)
         # int8 mode: steps of decodes only run every layer in one call (model/fused_decode.py)
         self.fused = FusedDecode(self.model, self.kv_cache, self._attention_kernel) \
             if self.quantized_matmul is QuantizedMatmul.INT8 and \
@@ -229,27 +214,6 @@ class ModelRunner:
         self._gathered: dict[tuple[int, ...], dict] = {}  # cascade prefix blocks -> gathered K/V, last step only
         slot_bytes = self.arch.num_layers * 2 * self.arch.num_kv_heads * self.arch.head_dim * self.dtype.itemsize
         self._gather_budget = (256 << 20) // slot_bytes  # prefix tokens whose K/V may be kept between steps
-
-    def _decode_graphs(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig):
-        """The triton backend's CUDA graphs of decode steps (model/cuda_graphs.py), or None:
-        another backend, the CPU, or --enforce-eager."""
-        if self.backend is not AttentionBackend.TRITON:
-            return None
-        from hotprefix.model import triton_attention
-
-        if self.device.type != "cuda":
-            log.warning("--attention-backend triton on the CPU runs Triton's interpreter: correct, and very slow "
-                        "(for tests)")
-            return None
-        if model_cfg.enforce_eager:
-            log.info("--enforce-eager: decode steps run eagerly (no CUDA graphs)")
-            return None
-        from hotprefix.model.cuda_graphs import DecodeGraphs, default_sizes
-
-        sizes = model_cfg.cuda_graph_sizes or default_sizes(sched_cfg.max_num_seqs)
-        return DecodeGraphs(self.model, self.kv_cache, sizes, -(-self.max_model_len // self.block_size),
-                            triton_attention.decode_splits(self.max_model_len), self.arch.sliding_window or 0,
-                            self.device)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4) -> None:
@@ -292,7 +256,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
         if not per_seq:
-            meta.triton = self._triton_meta(sched)
+            meta.triton = triton_meta(sched, self.block_size, self.arch.sliding_window, self.device)
         batched = self.backend is AttentionBackend.CPU and self.dtype == torch.float32 and paths.decode_batch
         if batched and paths.cascade:  # cascades are attended within the decode batch
             self._plan_cascades(sched, meta)
@@ -303,24 +267,6 @@ class ModelRunner:
             meta.decode = build_decode_batch(meta.seqs, 1 if kernel else 2, kernel)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
-
-    def _triton_meta(self, sched: SchedulerOutput):
-        """The step's TritonMeta: each sequence's block table (padded with block 0 to the
-        widest), context length after the step, and query rows."""
-        from hotprefix.model.triton_attention import TritonMeta, decode_splits
-
-        bs, dev = self.block_size, self.device
-        lens = [r.start_pos + len(r.token_ids) for r in sched.requests]
-        width = max(-(-n // bs) for n in lens)
-        table = [r.block_ids[:-(-n // bs)] + [0] * (width - -(-n // bs)) for r, n in zip(sched.requests, lens)]
-        starts = [0]
-        for r in sched.requests:
-            starts.append(starts[-1] + len(r.token_ids))
-        max_q = max(len(r.token_ids) for r in sched.requests)
-        return TritonMeta(torch.tensor(table, dtype=torch.int32, device=dev),
-                          torch.tensor(lens, dtype=torch.int32, device=dev),
-                          torch.tensor(starts, dtype=torch.int32, device=dev), max_q, bs,
-                          decode_splits(max(lens)) if max_q == 1 else 1, self.arch.sliding_window or 0)
 
     def _plan_cascades(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
         """Group decoding sequences by the blocks they share from the start (prefix

@@ -13,10 +13,11 @@ import torch
 from hotprefix import LLM, SamplingParams
 from hotprefix.config import AttentionBackend, CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+from hotprefix.model.backends import resolve_backend
 from hotprefix.model.cuda_graphs import DecodeGraphs, default_sizes
 from hotprefix.model.dummy import dummy_weights
 from hotprefix.model.loader import load_dummy, load_model
-from hotprefix.model.runner import ALL_PATHS, ModelRunner, resolve_backend
+from hotprefix.model.runner import ALL_PATHS, ModelRunner
 from tests.conftest import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
