@@ -166,6 +166,43 @@ def test_a_burst_never_spends_past_the_key_or_tenant_budget(store, mode, request
         fake.stop()
 
 
+def test_a_client_that_vanishes_mid_stream_is_charged_what_it_received(store):
+    """The stream's reservation (prompt + max_tokens) is settled to the usage the gateway
+    saw before the client went away: the budgets hold exactly the usage row's tokens and
+    cost, and the rest of the budget is free again."""
+    key, rec = store.create_key(SECRET, "acme")
+    store.set_budget(key_id=rec.id, tokens=1000, duration="1d")
+    store.set_budget(tenant="acme", money=5.0, duration="30d")
+    fake = start_fake()
+    gw = start_gateway([fake.url], store, warmup=False, prices=PRICES)
+    try:
+        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=30, headers={
+                "Authorization": f"Bearer {key}"}, json={"model": "fake-model", "stream": True, "max_tokens": 400,
+                                                          "messages": [{"role": "user", "content": "HOLD:3 go"}]}) as r:
+            got = []
+            for line in r.iter_lines():
+                got += [line] if line.startswith("data: ") else []
+                if len(got) == 3:
+                    break
+        wait_until(lambda: [x["status"] for x in store.usage_rows(rec.id)] == ["client_aborted"], what="the row")
+        (row,) = store.usage_rows(rec.id)
+        assert row["completion_tokens"] == 3
+        spent = {b["scope"]: b for b in httpx.get(gw.url + "/admin/budgets", headers=ADMIN_H).json()["data"]}
+        assert spent[f"key:{rec.id}"]["tokens_spent"] == row["prompt_tokens"] + 3  # not the 400 reserved
+        cost = PRICES.get("fake-model").cost_micros(row["prompt_tokens"], row["cached_tokens"], 3)
+        assert spent["tenant:acme"]["spend"] == pytest.approx(cost / 1e6)
+        # what was reserved for the abandoned stream is free again: a request for the rest is granted whole
+        left = 1000 - spent[f"key:{rec.id}"]["tokens_spent"]
+        ok = httpx.post(gw.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                        json={"model": "fake-model", "prompt": "x", "max_tokens": left - 200})
+        assert ok.status_code == 200, ok.text
+        assert fake.app.state.records[-1]["body"]["max_tokens"] == left - 200  # (200: room for the prompt bound)
+    finally:
+        gw.stop()
+        fake.stop()
+
+
 def test_money_budgets_models_and_spend_reports(store, tmp_path):
     key, rec = store.create_key(SECRET, "acme")
     fake = start_fake()
