@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken as RustAddedToken
 from tokenizers import Tokenizer
 
 SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -65,6 +66,24 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | dict[str, str]
     return template if isinstance(template, (str, dict)) else None
 
 
+def _add_listed_tokens(backend: Tokenizer, listed: Any) -> None:
+    """Add the tokens tokenizer_config.json lists (added_tokens_decoder) that tokenizer.json
+    lacks, in id order, as transformers does when it loads the folder. Mutates backend
+    (before the FastTokenizer is shared)."""
+    if not isinstance(listed, dict):
+        return
+    have = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for _, t in sorted(listed.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
+        if not isinstance(t, dict) or not isinstance(t.get("content"), str) or t["content"] in have:
+            continue
+        special = bool(t.get("special", False))
+        token = RustAddedToken(t["content"], single_word=bool(t.get("single_word", False)),
+                               lstrip=bool(t.get("lstrip", False)), rstrip=bool(t.get("rstrip", False)),
+                               normalized=bool(t.get("normalized", not special)), special=special)
+        (backend.add_special_tokens if special else backend.add_tokens)([token])
+        have.add(t["content"])
+
+
 def preload_renderer() -> None:
     """Import transformers' chat template renderer now (about 0.7 s, once per process)."""
     with _renderer_lock:
@@ -77,6 +96,7 @@ class FastTokenizer:
 
     def __init__(self, backend: Tokenizer, config: dict[str, Any], specials: dict[str, Any],
                  chat_template: str | dict[str, str] | None, name_or_path: str = "") -> None:
+        _add_listed_tokens(backend, config.get("added_tokens_decoder"))
         self.backend_tokenizer = backend
         self.name_or_path = name_or_path
         self.chat_template = chat_template

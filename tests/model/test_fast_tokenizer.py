@@ -25,6 +25,7 @@ TOOL_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
     "{{ bos_token if false else '' }}{% if eos_token %}{% endif %}")
 TEXTS = ["Hello world", "", " ", "  two  spaces ", "<|im_start|>user\nhi<|im_end|>", "a<|im_end|>b<|endoftext|>",
+         "a <|tool|> b plainword c",
          "東京😀 café naïve", "def f(x):\n\treturn x * 2\n", "<|im_start", "x" * 300]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
@@ -39,7 +40,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module", params=["default-model", "tiny", "named-templates"])
+@pytest.fixture(scope="module", params=["default-model", "tiny", "named-templates", "listed-tokens"])
 def pair(request, tmp_path_factory):
     """(ours, transformers') on the same folder."""
     if request.param == "default-model":
@@ -55,6 +56,13 @@ def pair(request, tmp_path_factory):
             cfg = json.loads((folder / "tokenizer_config.json").read_text())
             cfg["chat_template"] = [{"name": "default", "template": hf.chat_template},
                                     {"name": "tool_use", "template": TOOL_TEMPLATE}]
+            (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        if request.param == "listed-tokens":  # tokens the config lists and tokenizer.json lacks
+            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+            n = len(hf)
+            cfg["added_tokens_decoder"] = {
+                str(n): {"content": "<|tool|>", "special": True, "normalized": False},
+                str(n + 1): {"content": "plainword", "special": False, "normalized": True}}
             (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     ours = FastTokenizer.from_folder(folder)
     assert ours is not None
