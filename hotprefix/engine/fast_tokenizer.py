@@ -1,4 +1,5 @@
-"""A Hugging Face fast tokenizer read from its files without importing transformers.
+"""A Hugging Face fast tokenizer read from its files without importing transformers
+(a generic one: tokenizer.json and no class of its own, as the GGUF conversions are saved).
 
 Importing transformers and resolving AutoTokenizer took 1.2 s of a 4 s start on the
 default model. A fast tokenizer's folder holds everything needed: tokenizer.json (the
@@ -28,6 +29,9 @@ from typing import Any
 from tokenizers import AddedToken as RustAddedToken
 from tokenizers import Tokenizer
 
+# tokenizer_config.json's tokenizer_class values whose transformers class is the tokenizers
+# model and nothing more (the GGUF conversions are saved so); other classes are left to it
+GENERIC_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _renderer_lock = threading.Lock()
 
@@ -116,8 +120,10 @@ class FastTokenizer:
         if not (folder / "tokenizer.json").is_file():
             return None
         try:
-            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
             config = _read_json(folder / "tokenizer_config.json")
+            if config.get("tokenizer_class") not in GENERIC_CLASSES:
+                return None  # a class with code of its own (LlamaTokenizerFast...): transformers runs it
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
             specials = _read_json(folder / "special_tokens_map.json")
         except Exception as e:  # OSError, JSON errors, and the tokenizers library's own Exception
             raise ValueError(f"cannot read the tokenizer in {folder}: {e}") from None

@@ -40,7 +40,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module", params=["default-model", "tiny", "named-templates", "listed-tokens"])
+@pytest.fixture(scope="module", params=["default-model", "tiny", "named-templates", "listed-tokens", "bos-eos"])
 def pair(request, tmp_path_factory):
     """(ours, transformers') on the same folder."""
     if request.param == "default-model":
@@ -64,6 +64,10 @@ def pair(request, tmp_path_factory):
                 str(n): {"content": "<|tool|>", "special": True, "normalized": False},
                 str(n + 1): {"content": "plainword", "special": False, "normalized": True}}
             (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        if request.param == "bos-eos":  # flags the generic class does not act on (its subclasses do)
+            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+            (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True,
+                                                                      "add_eos_token": True}))
     ours = FastTokenizer.from_folder(folder)
     assert ours is not None
     return ours, AutoTokenizer.from_pretrained(str(folder))
@@ -142,6 +146,11 @@ def test_one_tokenizer_serves_every_thread(pair):
 
 def test_a_folder_without_tokenizer_json_is_left_to_transformers(tmp_path):
     assert FastTokenizer.from_folder(tmp_path) is None
+    build_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "LlamaTokenizerFast"}))
+    assert FastTokenizer.from_folder(tmp_path) is None  # a class with code of its own, too
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read the tokenizer"):
         FastTokenizer.from_folder(tmp_path)
