@@ -40,7 +40,6 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
         async_engine.check_chat_template(cfg.chat_template)
     app = build_app(async_engine, cfg)
     log.info("ready to serve after %.1fs", time.monotonic() - t0)
-    threading.Thread(target=_preload_renderer, name="hotprefix-renderer-import", daemon=True).start()
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.uvicorn_log_level,
                             timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False,
                             root_path=cfg.root_path, ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
@@ -51,4 +50,7 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
 def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM: then stop accepting, let running requests
     finish for up to cfg.shutdown_timeout seconds, and exit."""
-    make_server(engine_cfg, cfg).run()
+    server = make_server(engine_cfg, cfg)
+    server.config.load()  # uvicorn's own imports (run() does not load it again), then the renderer's beside it
+    threading.Thread(target=_preload_renderer, name="hotprefix-renderer-import", daemon=True).start()
+    server.run()
