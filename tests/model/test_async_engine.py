@@ -135,9 +135,11 @@ def test_a_sampling_error_fails_its_request_alone(tiny_llama):
         eng = make_engine(tiny_llama[0])
         eng.start()
         (good,) = await eng.submit("good", [[20, 21, 22]], sp)
-        (bad,) = await eng.submit("bad", [[5, 6]], SamplingParams(max_tokens=4, min_tokens=2))
+        # (however many tokens "bad" made before the poison lands, its next row still has min_tokens
+        # to go, so the bad stop id is used at once: no race with the engine thread)
+        (bad,) = await eng.submit("bad", [[5, 6]], SamplingParams(max_tokens=250, ignore_eos=True))
         state = await eng.call(lambda e: e._states[bad.request_id])
-        poisoned = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(10**6,))
+        poisoned = SamplingParams(max_tokens=250, min_tokens=249, stop_token_ids=(10**6,))
         await eng.call(lambda e: setattr(state.children[0].request, "sampling_params", poisoned))
         bad_outs = [o async for o in bad]
         good_outs = [o async for o in good]
