@@ -171,6 +171,10 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
 
+    def context_length(self, model_context: int) -> int:
+        """The longest prompt + output served: --max-model-len, else the model's own context."""
+        return self.max_model_len or model_context
+
 
 DISK_STAGING_BYTES = 512 << 20
 

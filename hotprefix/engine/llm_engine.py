@@ -99,7 +99,7 @@ class LLMEngine:
             dummy = mc.load_format is LoadFormat.DUMMY
             loaded = load_dummy(mc.model, mc.tokenizer) if dummy else load_model(mc.model, mc.revision, mc.tokenizer,
                                                                                   mc.download_dir)
-        self.max_model_len = mc.max_model_len or loaded.arch.max_position_embeddings
+        self.max_model_len = mc.context_length(loaded.arch.max_position_embeddings)
         self.config = replace(config, scheduler=config.scheduler.resolved(self.max_model_len))
         self.model_name = loaded.name
         self.default_sampling = generation_defaults(loaded.source, mc.generation_config)

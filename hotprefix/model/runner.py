@@ -191,7 +191,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,
                                 kernel=self._attention_kernel)
-        self.max_model_len = model_cfg.max_model_len or self.arch.max_position_embeddings
+        self.max_model_len = model_cfg.context_length(self.arch.max_position_embeddings)
         self.graphs = decode_graphs(self.backend, self.model, self.kv_cache, model_cfg, sched_cfg, self.max_model_len)
         # int8 mode: steps of decodes only run every layer in one call (model/fused_decode.py)
         self.fused = FusedDecode(self.model, self.kv_cache, self._attention_kernel) \
