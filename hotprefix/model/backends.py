@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from hotprefix.config import AttentionBackend, ConfigError, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import SchedulerOutput
 from hotprefix.model.kv_cache import KVCache
+from hotprefix.sizing import blocks_for_tokens
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +39,15 @@ def triton_meta(sched: SchedulerOutput, block_size: int, sliding_window: int | N
     block 0 to the widest), context length after the step, and query rows."""
     from hotprefix.model.triton_attention import TritonMeta, decode_splits
 
-    bs = block_size
     lens = [r.start_pos + len(r.token_ids) for r in sched.requests]
-    width = max(-(-n // bs) for n in lens)
-    table = [r.block_ids[:-(-n // bs)] + [0] * (width - -(-n // bs)) for r, n in zip(sched.requests, lens)]
-    starts = [0]
-    for r in sched.requests:
-        starts.append(starts[-1] + len(r.token_ids))
-    max_q = max(len(r.token_ids) for r in sched.requests)
+    blocks = [blocks_for_tokens(n, block_size) for n in lens]
+    width = max(blocks)
+    table = [r.block_ids[:n] + [0] * (width - n) for r, n in zip(sched.requests, blocks)]
+    q_lens = [len(r.token_ids) for r in sched.requests]
+    max_q = max(q_lens)
     return TritonMeta(torch.tensor(table, dtype=torch.int32, device=device),
                       torch.tensor(lens, dtype=torch.int32, device=device),
-                      torch.tensor(starts, dtype=torch.int32, device=device), max_q, bs,
+                      torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device), max_q, block_size,
                       decode_splits(max(lens)) if max_q == 1 else 1, sliding_window or 0)
 
 
@@ -72,5 +72,5 @@ def decode_graphs(backend: AttentionBackend, model: torch.nn.Module, kv_cache: K
 
     sizes = model_cfg.cuda_graph_sizes or default_sizes(sched_cfg.max_num_seqs)
     window = model.arch.sliding_window or 0
-    return DecodeGraphs(model, kv_cache, sizes, -(-max_model_len // kv_cache.block_size),
+    return DecodeGraphs(model, kv_cache, sizes, blocks_for_tokens(max_model_len, kv_cache.block_size),
                         triton_attention.decode_splits(max_model_len), window, device)
