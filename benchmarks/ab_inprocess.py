@@ -19,16 +19,17 @@ import warnings
 
 from hotprefix import LLM, SamplingParams
 from hotprefix.config import QuantizedMatmul
-from hotprefix.model.qlinear import resolve_matmul
+from hotprefix.model.attention import AttentionPaths
+from hotprefix.model.build import build_model
+from hotprefix.model.kernels.build import resolve_matmul
+from hotprefix.model.loader import load_model
+from hotprefix.model.steps.fused_decode import FusedDecode, unfusable
 
 warnings.filterwarnings("ignore")
 
 
 def main(kind: str, reps: int = 3) -> None:
-    # int8 mode releases the float32 weights; the block A/Bs need both, so they load in
-    # float32 mode and attach int8 blocks themselves
-    both = kind.startswith(("blocks-", "int8-"))
-    llm = LLM(kv_cache_memory=1 << 30, **({"quantized_matmul": "float32"} if both else {}))
+    llm = LLM(kv_cache_memory=1 << 30)
     eng = llm.engine
     rng = random.Random(0)
     vocab = eng.arch.vocab_size
@@ -45,21 +46,26 @@ def main(kind: str, reps: int = 3) -> None:
         prompts = lambda: [systems[i % len(systems)] + toks(30) for i in range(8)]  # noqa: E731
 
         def switch(on: bool) -> None:
-            eng.runner.enable_cascade = on
+            eng.runner.paths = AttentionPaths(cascade=on)
     elif kind.startswith(("blocks-", "int8-")):
         system = toks(1000)
         eng.add_request("warm", system + [5], SamplingParams(max_tokens=1))
         while eng.has_unfinished_requests():
             eng.step()
         prompts = lambda: [system + toks(30) for _ in range(int(kind.split("-")[1]))]  # noqa: E731
-        model, packed = eng.runner.model, eng.runner.packed
+        runner = eng.runner
         int8 = resolve_matmul("auto") is QuantizedMatmul.INT8  # what serve would run
+        # int8 vs float32 activations on the blocks; or the blocks (as configured) vs the float32 weights
+        forms = {True: (True, True), False: (True, False)} if kind.startswith("int8-") else \
+            {True: (True, int8), False: (False, False)}
+        variants = {}
+        for on, (blocks, as_int8) in forms.items():  # two models over the one pool, swapped between runs
+            model = build_model(load_model(None), runner.device, runner.dtype, blocks, as_int8, runner.backend)[0]
+            fused = unfusable(model, runner.kv_cache, runner.backend) is None
+            variants[on] = (model, [FusedDecode(model, runner.kv_cache, runner.backend)] if fused else [])
 
         def switch(on: bool) -> None:
-            if kind.startswith("int8-"):  # int8 vs float32 activations on the blocks
-                model.attach_blocks(packed, int8=on)
-            else:  # the blocks (as configured) vs the float32 weights
-                model.attach_blocks(packed if on else {}, int8=int8)
+            runner.model, runner.steps = variants[on]
     elif kind == "caching-unique":
         prompts = lambda: [toks(300) for _ in range(16)]  # noqa: E731
 

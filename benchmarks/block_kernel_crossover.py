@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from hotprefix.model.kernels.ops import qmatmul
 from hotprefix.model.loader import load_model
-from hotprefix.model.qlinear import qmatmul
 
 PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj"]

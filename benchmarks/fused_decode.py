@@ -17,8 +17,9 @@ import time
 import torch
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.model import qlinear
+from hotprefix.model.kernels import ops
 from hotprefix.model.runner import ModelRunner
+from hotprefix.model.steps.fused_decode import FusedDecode
 
 
 def decode_rate(llm: LLM, n_seqs: int, tokens: int) -> float:
@@ -50,10 +51,10 @@ def kernel_sum_ms(runner: ModelRunner) -> float:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
-    per_layer = (med(lambda: qlinear.qmatmul(x, layer.self_attn.qkv_packed))
-                 + med(lambda: qlinear.qmatmul(x, layer.self_attn.o_proj.packed))
-                 + med(lambda: qlinear.qmatmul(x, layer.mlp.gate_up_packed))
-                 + med(lambda: qlinear.qmatmul(wide, layer.mlp.down_proj.packed)))
+    per_layer = (med(lambda: ops.qmatmul(x, layer.self_attn.qkv_blocks))
+                 + med(lambda: ops.qmatmul(x, layer.self_attn.o_proj.blocks))
+                 + med(lambda: ops.qmatmul(x, layer.mlp.gate_up_blocks))
+                 + med(lambda: ops.qmatmul(wide, layer.mlp.down_proj.blocks)))
     return (per_layer * len(model.model.layers) + med(lambda: model.compute_logits(x), 50)) * 1e3
 
 
@@ -64,16 +65,16 @@ def main() -> None:
     a = ap.parse_args()
     llm = LLM(kv_cache_memory=512 << 20, quantized_matmul="int8")
     runner = llm.engine.runner
-    fused = runner.fused
-    assert fused is not None, "no fused path here (int8 mode needs the C library)"
+    steps = runner.steps
+    assert runner.strategy(FusedDecode) is not None, "no fused path here (int8 mode needs the C library)"
     results: dict[tuple[str, int], list[float]] = {}
     decode_rate(llm, 1, 8)  # warm-up
     for _ in range(a.rounds):
-        for name, path in (("layered", None), ("fused", fused)):
-            runner.fused = path
+        for name, path in (("layered", []), ("fused", steps)):
+            runner.steps = path
             for n in (1, 8):
                 results.setdefault((name, n), []).append(decode_rate(llm, n, a.tokens))
-    runner.fused = fused
+    runner.steps = steps
     for (name, n), rates in sorted(results.items()):
         print(f"{name:8s} {n} seq: median {statistics.median(rates):6.1f} tok/s  "
               f"(rounds: {', '.join(f'{r:.1f}' for r in rates)})")

@@ -27,6 +27,7 @@ from hotprefix import LLM, SamplingParams
 from hotprefix.model.arch import HF_ARCHITECTURES
 from hotprefix.model.loader import load_dummy
 from hotprefix.model.presets import PRESETS
+from hotprefix.model.steps.cuda_graphs import DecodeGraphs
 from hotprefix.tools.bench import build
 
 
@@ -90,7 +91,7 @@ def model_figures(args: argparse.Namespace, peak_tflops: float, gb_s: float) -> 
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     vocab = runner.arch.vocab_size
     out = [{"what": "model", "shape": args.model, "params": params, "weight_gb": round(weight_bytes / 1e9, 2),
-            "backend": runner.backend.value, "cuda_graphs": runner.graphs is not None,
+            "backend": runner.backend_kind.value, "cuda_graphs": runner.strategy(DecodeGraphs) is not None,
             "kv_blocks": runner.plan.num_blocks}]
     # prefill: a batch of long prompts, one output token each (the step budget is filled)
     n, length = args.prefill_batch, args.prefill_len

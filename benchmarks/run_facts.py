@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from hotprefix.model.qlinear import cpu_vector_flags
+from hotprefix.model.kernels.build import cpu_vector_flags
 
 
 def facts() -> dict[str, Any]:

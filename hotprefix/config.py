@@ -60,7 +60,7 @@ class AttentionBackend(str, Enum):
     """How attention reads the paged KV, chosen once when the runner is built:
     torch: gather each sequence's K/V from the block table, then SDPA (the reference);
     cpu: the C kernels on a float32 CPU pool (decode batch, cascades, fused decode),
-    torch's where they do not apply; triton: the Triton kernels (model/triton_attention.py)
+    torch's where they do not apply; triton: the Triton kernels (model/kernels/triton_attention.py)
     read the pool in place, compiled on CUDA, interpreted on the CPU (tests only: slow);
     auto: triton on CUDA where it is installed, else torch there; cpu on the CPU."""
 

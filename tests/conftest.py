@@ -83,6 +83,18 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
     return model
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which kernel paths this machine ran natively (the tests also build and compare the
+    simulated AVX-512, AVX2 and plain C builds wherever the CPU can host them): CI says it."""
+    from hotprefix.model.kernels.build import cpu_vector_flags, library, vector_paths
+
+    if library() is None:
+        terminalreporter.write_line("hotprefix kernels: no C library (torch only)")
+        return
+    terminalreporter.write_line(f"hotprefix kernels: CPU flags {' '.join(cpu_vector_flags()) or 'none'}; the "
+                                f"native build runs {', '.join(vector_paths())}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """The files derived from the tests' own models (regrouped int8 weights, converted

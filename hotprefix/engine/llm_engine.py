@@ -26,8 +26,9 @@ from hotprefix.engine.outputs import CompletionOutput, RequestOutput  # (their h
 from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.grammar import compiler_for
+from hotprefix.model.build import return_freed_memory
 from hotprefix.model.loader import LoadedModel, generation_defaults, load_dummy, load_model
-from hotprefix.model.runner import ModelRunner, return_freed_memory
+from hotprefix.model.runner import ModelRunner
 from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
 from hotprefix.sizing import blocks_for_tokens
 

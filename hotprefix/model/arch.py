@@ -5,17 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hotprefix.model.families import FAMILIES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, MODEL_TYPES
 from hotprefix.sizing import KVShape, ModelShape
 
-# HF `architectures` entry -> our family name.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-# GGUF `general.architecture` -> our family name.
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+__all__ = ["GGUF_ARCHITECTURES", "HF_ARCHITECTURES", "ModelArch", "ModelLoadError", "arch_from_hf_config"]
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -76,8 +69,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     archs = cfg.get("architectures") or []
     family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if family is None:
-        family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-            cfg.get("model_type", ""))
+        family = MODEL_TYPES.get(cfg.get("model_type", ""))
     if family is None:
         raise ModelLoadError(f"unsupported architecture {archs or cfg.get('model_type')!r} "
                              f"(supported: {', '.join(HF_ARCHITECTURES)})")
@@ -105,7 +97,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             rope_scaling=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=FAMILIES[family].qk_norm,
             sliding_window=window,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),

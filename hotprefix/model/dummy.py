@@ -6,21 +6,29 @@ from __future__ import annotations
 import torch
 
 from hotprefix.model.arch import ModelArch
-from hotprefix.model.llama import LlamaForCausalLM
+from hotprefix.model.families import model_class
+from hotprefix.model.layers import TorchOps
+from hotprefix.model.weight_set import WeightSet
+
+
+def weight_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight the family's model takes (its biases included),
+    found by building it on the meta device with a recording WeightSet."""
+    ws = WeightSet({}, torch.float32, torch.device("meta"), family=arch.family, record=True)
+    model_class(arch.family)(arch, ws, None, TorchOps())
+    return ws.shapes
 
 
 def dummy_weights(arch: ModelArch, dtype: torch.dtype, device: torch.device, seed: int = 0
                   ) -> dict[str, torch.Tensor]:
-    """HF-named weights for LlamaForCausalLM.from_weights, every tensor the architecture
-    has (q/k/v biases for qwen2): norms 1, biases 0, matrices uniform in
-    ±1/sqrt(fan_in) (torch's Linear init), embeddings standard normal; drawn from a
-    generator on `device` seeded with `seed`, so a seed gives the same weights on a device."""
-    with torch.device("meta"):
-        names = dict(LlamaForCausalLM(arch, bias=arch.family == "qwen2").named_parameters())
+    """HF-named weights for the family's model, every tensor the architecture has (q/k/v
+    biases for qwen2): norms 1, biases 0, matrices uniform in ±1/sqrt(fan_in) (torch's
+    Linear init), embeddings standard normal; drawn from a generator on `device` seeded
+    with `seed`, so a seed gives the same weights on a device."""
     g = torch.Generator(device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, p in names.items():
-        t = torch.empty(p.shape, dtype=dtype, device=device)
+    for name, shape in weight_shapes(arch).items():
+        t = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             t.fill_(1.0)
         elif name.endswith(".bias"):
@@ -28,7 +36,7 @@ def dummy_weights(arch: ModelArch, dtype: torch.dtype, device: torch.device, see
         elif "embed_tokens" in name:
             t.normal_(0.0, 1.0, generator=g)
         else:
-            bound = p.shape[1] ** -0.5
+            bound = shape[1] ** -0.5
             t.uniform_(-bound, bound, generator=g)
         out[name] = t
     return out

@@ -10,15 +10,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hotprefix.model.arch import GGUF_ARCHITECTURES, ModelArch, ModelLoadError
+from hotprefix.model.families import FAMILIES
 from hotprefix.model.gguf_file import ArrayField, GGUFFile, GGUFFormatError
 
 if TYPE_CHECKING:
     import torch
 
-    from hotprefix.model.qlinear import PackedWeight
+    from hotprefix.model.kernels.weights import PackedWeight
 
 # Tensor types we dequantize (gguf.quants implements each of these in numpy); of these, the
-# C kernels multiply from their blocks the ones in qlinear.QTYPES.
+# C kernels multiply from their blocks the ones in kernels.weights.QTYPES.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
                    "Q8_K", "Q2_K", "Q3_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -85,7 +86,7 @@ def read_gguf_arch(path: Path) -> tuple[ModelArch, GGUFFile]:
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
             max_position_embeddings=int(a("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in names, qk_norm=family == "qwen3",
+            tie_word_embeddings="output.weight" not in names, qk_norm=FAMILIES[family].qk_norm,
             sliding_window=None, torch_dtype="float32",
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),))
@@ -126,7 +127,7 @@ class DeferredRows:
 class GGUFWeights:
     """load_gguf_weights's result, in HF's names. `tensors`: float32 tensors, and meta
     tensors of the right shape for those held as blocks; `packed`: blocks the kernels
-    multiply (qlinear.PackedWeight, views of the mapped file unless un-permuted); `deferred`:
+    multiply (kernels.weights.PackedWeight, views of the mapped file unless un-permuted); `deferred`:
     blocks of other types."""
 
     tensors: dict[str, Any]
@@ -143,7 +144,7 @@ def _hf_name(t_name: str, arch: ModelArch, path: Path) -> tuple[str, int | None]
         if short not in _LAYER_NAMES:
             raise ModelLoadError(f"{path.name}: unexpected tensor {t_name}")
         permute = None
-        if arch.family in ("llama", "mistral"):  # llama.cpp permutes Q/K rows of llama-style models
+        if FAMILIES[arch.family].gguf_permutes_qk:  # llama.cpp permutes Q/K rows of llama-style models
             permute = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(short)
         return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}", permute
     base, _, kind = t_name.rpartition(".")
@@ -164,7 +165,7 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-    from hotprefix.model.qlinear import PackedWeight
+    from hotprefix.model.kernels.weights import PackedWeight
 
     out = GGUFWeights({}, {}, {})
     for t in reader.tensors:
@@ -204,7 +205,7 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
 
 
 def dequantize_rows(p: PackedWeight) -> torch.Tensor:
-    """A `qlinear.PackedWeight` of GGUF rows as float32 [N, K], dequantized by gguf
+    """A `kernels.weights.PackedWeight` of GGUF rows as float32 [N, K], dequantized by gguf
     (the values load_gguf_weights would have given)."""
     import torch
     from gguf import GGMLQuantizationType, dequantize

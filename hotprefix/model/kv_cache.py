@@ -10,7 +10,6 @@ exactly half the bytes of fp16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -45,19 +44,14 @@ class LayerKV:
     v: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
-    kernel: Any = None  # the C library (qlinear.library()) for float32 CPU writes, or None
 
     @property
     def is_fp8(self) -> bool:
         return self.k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ([T, kv_heads, head_dim]) at slots ([T])."""
-        if self.kernel is not None and k.dtype == v.dtype == self.k.dtype == torch.float32 and _rows_dense(k, v):
-            d = k.shape[2]
-            self.kernel.hp_kv_write(self.k.data_ptr(), self.v.data_ptr(), self.k.shape[1] * d, slots.data_ptr(),
-                                    k.shape[0], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[1], d)
-            return
+        """Store k, v ([T, kv_heads, head_dim]) at slots ([T]), in torch (the cpu backend
+        writes float32 pools in C)."""
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, T, head_dim]
         if self.is_fp8:  # CPU has no fp8 index_copy: move the bytes through uint8 views
             k8 = (k / self.k_scale).to(self.k.dtype).view(torch.uint8)
@@ -77,18 +71,12 @@ class LayerKV:
         return self.k.index_select(1, slots).to(dtype), self.v.index_select(1, slots).to(dtype)
 
 
-def _rows_dense(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """k and v [T, KVH, D] on the CPU, each row's KVH * D values contiguous (rows may be apart)."""
-    return all(t.device.type == "cpu" and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
-
-
 class KVCache:
-    """All layers' KV tensors for a pool of num_blocks blocks. `kernel`: the C
-    library for float32 writes on the CPU (None: torch's index_copy)."""
+    """All layers' KV tensors for a pool of num_blocks blocks."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 scales: tuple[float, float] = (1.0, 1.0), kernel: Any = None) -> None:
+                 scales: tuple[float, float] = (1.0, 1.0)) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -97,7 +85,7 @@ class KVCache:
             # Uninitialised: attention reads only slots written for that sequence, and
             # skipping the fill saves a pass over the whole pool at start-up.
             LayerKV(i, torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device),
-                    torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device), *scales, kernel=kernel)
+                    torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device), *scales)
             for i in range(num_layers)
         ]
 

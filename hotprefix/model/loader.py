@@ -36,18 +36,19 @@ class LoadedModel:
     tokenizer: Any
     source: str
     name: str
-    packed: dict[str, Any] = field(default_factory=dict)  # HF name -> qlinear.PackedWeight (GGUF blocks)
+    packed: dict[str, Any] = field(default_factory=dict)  # HF name -> kernels.weights.PackedWeight (GGUF blocks)
     deferred: dict[str, DeferredRows] = field(default_factory=dict)  # blocks the kernels do not multiply
     gguf: GGUFFile | None = None  # the mapped file the blocks are views of
     dummy: bool = False  # --load-format dummy: no weights; the runner makes random ones (model/dummy.py)
 
-    def model_weights(self, blocks_only: bool) -> dict[str, torch.Tensor]:
-        """HF name -> tensor for LlamaForCausalLM.from_weights (a new dict; self is
-        unchanged). A weight held only as GGUF blocks (a meta tensor) is dequantized to
-        float32 here, or, with blocks_only (int8 mode, which reads it as blocks alone),
-        stays meta. Raises ModelLoadError, with blocks_only, for blocks of a type the
-        kernels do not multiply: int8 mode never widens a block type to float32."""
-        if blocks_only and self.deferred:
+    def model_weights(self, blocks_only: bool, widen_deferred: bool = False) -> dict[str, torch.Tensor]:
+        """HF name -> tensor for building the model (a new dict; self is unchanged). A
+        weight held only as GGUF blocks (a meta tensor) is dequantized to float32 here, or,
+        with blocks_only (the C kernels read it as blocks alone), stays meta. Blocks of a
+        type the kernels do not multiply (Q2_K, Q3_K) are widened with widen_deferred
+        (float32 mode); else, with blocks_only, ModelLoadError: int8 mode never widens a
+        block type to float32."""
+        if blocks_only and self.deferred and not widen_deferred:
             name, d = next(iter(self.deferred.items()))
             raise ModelLoadError(
                 f"{Path(self.source).name}: {len(self.deferred)} tensors ({name} first) are {d.type_name}, which the "
@@ -55,8 +56,10 @@ class LoadedModel:
                 f"--quantized-matmul float32 widens them to float32 ({self.deferred_float_bytes() / 1e9:.1f} GB)")
         out = {}
         for n, w in self.weights.items():
-            if w.is_meta and not blocks_only:
-                w = self.deferred[n].dequantize() if n in self.deferred else dequantize_rows(self.packed[n])
+            if w.is_meta and n in self.deferred and (widen_deferred or not blocks_only):
+                w = self.deferred[n].dequantize()
+            elif w.is_meta and not blocks_only:
+                w = dequantize_rows(self.packed[n])
             out[n] = w
         return out
 

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from hotprefix.config import cache_root
-from hotprefix.model.qlinear import PackedWeight, source_digest
+from hotprefix.model.kernels.build import source_digest
+from hotprefix.model.kernels.weights import PackedWeight
 
 log = logging.getLogger(__name__)
 

@@ -163,7 +163,7 @@ def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(tiny_llama):
         runner = eng._engine.runner
         real = runner.forward
 
-        def broken(sched):
+        def broken(*args):
             runner.forward = real  # fail once
             raise RuntimeError("device error")
 

@@ -11,6 +11,7 @@ from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.model.loader import default_model_path, load_model
 from hotprefix.model.runner import AttentionPaths, ModelRunner
+from hotprefix.model.steps.fused_decode import FusedDecode
 from hotprefix.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
 from tests.gguf_util import write_gguf
@@ -22,7 +23,7 @@ LAYERED = AttentionPaths(fused_decode=False)
 def runner_for(path, block_size: int = 8, blocks: int = 64) -> ModelRunner:
     r = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
                     CacheConfig(block_size=block_size, num_blocks_override=blocks), SchedulerConfig())
-    assert r.fused is not None, "int8 mode with a C compiler always builds the fused path"
+    assert r.strategy(FusedDecode) is not None, "int8 mode with a C compiler always builds the fused path"
     return r
 
 
@@ -41,19 +42,8 @@ def pool(runner: ModelRunner) -> list[torch.Tensor]:
     return [t.clone().view(torch.int32) for layer in runner.kv_cache.layers for t in (layer.k, layer.v)]
 
 
-def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(p) || softmax(q)) per row of logits."""
-    lp, lq = p.log_softmax(-1), q.log_softmax(-1)
-    return (lp.exp() * (lp - lq)).sum(-1)
-
-
-def check_same_bits(runner: ModelRunner, step: SchedulerOutput, exact: bool = True) -> None:
-    """The step fused and layer by layer: the same pool and the same logits, bit for bit;
-    or (`exact` False) the same slots written, and logits with the same argmax and
-    next-token distributions as close as two roundings of the same sum are after int8
-    activations (a rounding that moves one value across a quantization step moves the
-    logits by up to ~0.5 and the distribution by KL ~0.005; omitting the shared prefix
-    gives KL 5-7)."""
+def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
+    """The step fused and layer by layer: the same pool and the same logits, bit for bit."""
     before = pool(runner)
     layered = runner.all_logits(step, LAYERED)
     after_layered = pool(runner)
@@ -61,15 +51,8 @@ def check_same_bits(runner: ModelRunner, step: SchedulerOutput, exact: bool = Tr
         live.view(torch.int32).copy_(saved)  # as it was: the fused run must write the step's keys and values
     fused = runner.all_logits(step)
     after_fused = pool(runner)
-    if exact:
-        assert fused.equal(layered), float((fused - layered).abs().max())
-        assert all(a.equal(b) for a, b in zip(after_fused, after_layered))
-    else:
-        assert fused.argmax(-1).equal(layered.argmax(-1))
-        assert kl(layered, fused).max() < 0.02, kl(layered, fused)
-        # layer 0's keys and values come before any attention; later ones carry its rounding
-        assert after_fused[0].equal(after_layered[0]) and after_fused[1].equal(after_layered[1])
-        assert all((f != b).equal(y != b) for f, y, b in zip(after_fused, after_layered, before))  # same slots
+    assert fused.equal(layered), float((fused - layered).abs().max())
+    assert all(a.equal(b) for a, b in zip(after_fused, after_layered))
     assert not all(a.equal(b) for a, b in zip(before, after_layered))  # the step did write keys and values
 
 
@@ -95,7 +78,7 @@ def test_qkv_biases_and_other_block_types_fused(tmp_path, qtype):
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, AutoTokenizer.from_pretrained(str(d)), qtype)
     runner = runner_for(path)
     assert runner.model.model.layers[0].self_attn.qkv_bias is not None
-    qkv_types = [p.type_name for p in runner.model.model.layers[0].self_attn.qkv_packed.parts]
+    qkv_types = [p.type_name for p in runner.model.model.layers[0].self_attn.qkv_blocks.parts]
     assert qkv_types == {"Q4_0": ["Q4_0"] * 3, "Q8_0": ["Q8_0"] * 3, "Q4_K_M": ["Q4_K", "Q4_K", "Q6_K"],
                          "Q5_K_M": ["Q5_K", "Q5_K", "Q6_K"]}[qtype]
     prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate((5, 21, 12))]
@@ -104,9 +87,11 @@ def test_qkv_biases_and_other_block_types_fused(tmp_path, qtype):
     check_same_bits(runner, decode_step(prompts, tables))
 
 
-def test_cascade_steps_fused_agree_with_the_layered_path():
+def test_cascade_steps_fused_are_the_layered_and_the_plain_steps_bit_for_bit():
     """Three sequences sharing two blocks (one cascade) and one alone: the shared prefix is
-    attended once and merged in C as attention.py merges it."""
+    attended once and continued by each member (the same C arithmetic as one pass), so the
+    fused step, the layered step, the step without cascades and each decode alone agree
+    bit for bit (this failed on AVX-512 machines while a cascade merged by log-sum-exp)."""
     runner = runner_for(default_model_path(), block_size=16, blocks=64)
     shared = [(11 * j) % 3000 + 150 for j in range(32)]
     prompts = [shared + [400 + i] * (2 + 5 * i) for i in range(3)] + [[(13 * j) % 3000 + 90 for j in range(40)]]
@@ -116,28 +101,29 @@ def test_cascade_steps_fused_agree_with_the_layered_path():
         start = 32 if i < 3 else 0
         runner.all_logits(SchedulerOutput([ScheduledRequest(f"p{i}", p[start:-1], start, t, False, GREEDY, p, [])]))
     calls = []
-    original = runner.fused.forward
-    runner.fused.forward = lambda *a: calls.append(a[2].cascades[:]) or original(*a)
+    fused = runner.strategy(FusedDecode)
+    original = fused.forward
+    fused.forward = lambda *a: calls.append(a[1].cascades[:]) or original(*a)
     step = decode_step(prompts, tables)
-    check_same_bits(runner, step, exact=False)
-    assert [[c.members for c in cs] for cs in calls] == [[[0, 1, 2]]]  # fused, with the one cascade
-    # the sequence outside the cascade: the same bits as the layered path; and the cascade
-    # agrees with attending each member's whole context (no cascade) as closely
-    fused, alone = runner.all_logits(step), runner.all_logits(step, AttentionPaths(cascade=False))
-    assert fused[3].equal(runner.all_logits(step, LAYERED)[3])
-    assert fused.argmax(-1).equal(alone.argmax(-1)) and kl(alone, fused).max() < 0.02
+    check_same_bits(runner, step)
+    assert [[c.members for c in cs] for cs in calls] == [[(0, 1, 2)]]  # fused, with the one cascade
+    got = runner.all_logits(step)
+    assert runner.all_logits(step, AttentionPaths(cascade=False)).equal(got)
+    for i, r in enumerate(step.requests):
+        assert runner.all_logits(SchedulerOutput([r])).equal(got[i:i + 1])
 
 
 def test_only_decode_steps_take_the_fused_path():
     runner = runner_for(default_model_path(), block_size=16, blocks=64)
     calls = []
-    original = runner.fused.forward
+    fused = runner.strategy(FusedDecode)
+    original = fused.forward
 
     def spy(*a):
-        calls.append(a[0].numel())
+        calls.append(a[0].num_tokens)
         return original(*a)
 
-    runner.fused.forward = spy
+    fused.forward = spy
     shared = list(range(200, 232))  # two full blocks, shared by two sequences: a cascade when both decode
     prompts = [shared + [300], shared + [301, 302, 303]]
     tables = [[0, 1, 2], [0, 1, 3]]

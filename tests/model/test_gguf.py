@@ -161,17 +161,17 @@ def test_unsupported_tensor_type_is_a_one_line_error(tmp_path, hf_pair):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K_M"])
 def test_small_batches_read_the_blocks_and_match_transformers(tmp_path, hf_pair, qtype):
-    """Chunks of at most 16 tokens go through the block kernel (fused q/k/v with
-    llama's Q/K rows un-permuted in block form, fused gate/up, the logits)."""
-    from hotprefix.model import qlinear
+    """Every chunk goes through the block kernel (fused q/k/v with llama's Q/K rows
+    un-permuted in block form, fused gate/up, the logits), in float32 mode too."""
+    from hotprefix.model.kernels.build import library
 
-    assert qlinear.library() is not None, "the block kernel did not build (gcc is part of the set-up)"
+    assert library() is not None, "the block kernel did not build (gcc is part of the set-up)"
     _, model, tok = hf_pair
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, tok, qtype)
     runner = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="float32"),
                          CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig())
     attn = runner.model.model.layers[0].self_attn
-    assert attn.qkv_packed is not None and runner.model.model.layers[0].mlp.gate_up_packed is not None
+    assert attn.qkv_blocks is not None and runner.model.model.layers[0].mlp.gate_up_blocks is not None
     ids = torch.randint(3, 320, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = torch.cat([runner.all_logits(SchedulerOutput([ScheduledRequest(
         "x", ids[s:s + 7], s, list(range(16)), True, SamplingParams(), ids, [])])) for s in (0, 7, 14)])
@@ -179,20 +179,13 @@ def test_small_batches_read_the_blocks_and_match_transformers(tmp_path, hf_pair,
     err = float((ours - ref).abs().max() / ref.abs().max())
     assert err <= 1e-4, f"{qtype}: relative error {err:.2e}"
     # q/k/v biases (Qwen2) ride along with the fused product
-    with torch.no_grad():
-        for p in (attn.q_proj, attn.k_proj, attn.v_proj):
-            p.bias = torch.nn.Parameter(torch.randn(p.out_features))
-    fused = attn.qkv_packed
-    attn.qkv_bias = torch.cat([p.bias.detach() for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
     x = torch.randn(3, 256)
+    plain = attn.project(x)
+    bias = torch.randn(attn.qkv_blocks.n)
+    attn.qkv_bias = bias
     got = attn.project(x)
-    attn.qkv_packed = None
-    for p in (attn.q_proj, attn.k_proj, attn.v_proj):
-        p.packed = None
-    want = attn.project(x)  # float32 weights
-    attn.qkv_packed = fused
-    for g, w in zip(got, want):
-        assert torch.allclose(g, w, rtol=1e-5, atol=1e-4)
+    for g, p, b in zip(got, plain, bias.split([t.shape[1] * t.shape[2] for t in plain])):
+        assert torch.equal(g, p + b.view(p.shape[1:]))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M",
@@ -205,25 +198,22 @@ def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pai
     fake-quantizing transformers' own activations (8.9% for Q4_0); a wrong row order
     or scale gives ~100%. The stated accuracy on a trained model is
     test_default_model.py's KL bound (and benchmarks/kl_vs_llamacpp.py's at 1B)."""
-    from hotprefix.model import qlinear
+    from hotprefix.model.kernels import ops
 
     monkeypatch.setenv("HOTPREFIX_CACHE", str(tmp_path / "cache"))
     _, model, tok = hf_pair
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, tok, qtype)
     ids = torch.randint(3, 320, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     calls = []
-    real = qlinear.qmatmul
+    real = ops.qmatmul
 
     def spy(x, w, lib=None):
         calls.append((x.shape[0], w.int8))
         return real(x, w, lib)
 
-    import hotprefix.model.llama as llama
-    try:
-        qlinear.qmatmul = llama.qmatmul = spy
-        ours = ours_logits(path, ids, "int8")
-    finally:
-        qlinear.qmatmul = llama.qmatmul = real
+    monkeypatch.setattr(ops, "qmatmul", spy)
+    ours = ours_logits(path, ids, "int8")
+    monkeypatch.undo()
     layers = 2  # the tiny model's
     assert calls == [(21, True)] * (4 * layers) + [(21, True)]  # qkv, o, gate_up, down per layer; logits
     ref = hf_gguf_logits(path, ids)

@@ -12,6 +12,7 @@ from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.model.loader import load_model
 from hotprefix.model.runner import ModelRunner
+from hotprefix.model.steps.cuda_graphs import DecodeGraphs
 from tests.conftest import build_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -102,9 +103,9 @@ def test_cuda_graph_replay_equals_eager(model_dir):
     kw = dict(device="cuda", dtype="float32", block_size=4, num_blocks_override=256, max_num_seqs=10,
               attention_backend="triton")
     graphed = LLM(model=str(d), cuda_graph_sizes=(1, 2, 4, 8), **kw)
-    assert sorted(graphed.engine.runner.graphs.graphs) == [1, 2, 4, 8]
+    assert sorted(graphed.engine.runner.strategy(DecodeGraphs).graphs) == [1, 2, 4, 8]
     eager = LLM(model=str(d), enforce_eager=True, **kw)
-    assert eager.engine.runner.graphs is None
+    assert eager.engine.runner.strategy(DecodeGraphs) is None
     for n in (1, 3, 8, 10):
         a = [o.outputs[0].token_ids for o in graphed.generate(prompts[:n], GREEDY)]
         b = [o.outputs[0].token_ids for o in eager.generate(prompts[:n], GREEDY)]

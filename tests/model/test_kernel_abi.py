@@ -8,8 +8,8 @@ from __future__ import annotations
 import ctypes
 import re
 
-from hotprefix.model.kernel_abi import SIGNATURES
-from hotprefix.model.qlinear import CSRC
+from hotprefix.model.kernels.abi import SIGNATURES
+from hotprefix.model.kernels.build import CSRC
 
 # a C parameter type -> the ctypes type kernel_abi declares for it
 C_TO_CTYPES = {"int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float, "int64_t": ctypes.c_int64,

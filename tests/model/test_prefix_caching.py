@@ -112,20 +112,16 @@ def test_pin_and_reset_through_the_offline_api(tiny_llama):
         llm.engine.add_request("big", list(range(250, 294)), GREEDY, pin_prefix=True)
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama, paged):
-    """Decodes sharing leading blocks attend to them once (cascade) and merge by
-    log-sum-exp; all decodes attend to the rest together: on the C kernel straight
-    from the pool (paged), or in one padded batch over gathered K/V. Logits equal
-    the per-sequence path's either way."""
+def test_cascade_attention_over_shared_blocks_is_plain_attention_bit_for_bit(tiny_llama):
+    """Decodes sharing leading blocks attend to them once (a cascade: the shared prefix,
+    rounded down to whole tiles of 16, saved as state, then each member's own keys): the
+    logits are the bits of the same step without cascades, and of each decode alone."""
     from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
-    from hotprefix.model.attention import AttentionMetadata
+    from hotprefix.model.attention.cpu_plan import Cascade
 
     llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64, device="cpu")
     runner = llm.engine.runner
-    assert runner._attention_kernel is not None, "the C kernel did not build (gcc is part of the set-up)"
-    if not paged:
-        runner._attention_kernel = None
+    assert runner.backend.kernels, "the C kernel did not build (gcc is part of the set-up)"
     shared = list(range(10, 30))  # 5 full blocks
     prompts = [shared + [40 + i] * (2 + i) for i in range(4)]  # tails of 2-5 tokens (chunks never empty)
     tables = [[0, 1, 2, 3, 4] + [5 + 2 * i, 6 + 2 * i] for i in range(4)]
@@ -134,38 +130,18 @@ def test_cascade_attention_over_shared_blocks_equals_plain_attention(tiny_llama,
     for i, p in enumerate(prompts):
         runner.all_logits(SchedulerOutput([ScheduledRequest(f"t{i}", p[20:-1], 20, tables[i], False, GREEDY, p,
                                                             [])]))
-    decode = SchedulerOutput([ScheduledRequest(f"d{i}", [p[-1]], len(p) - 1, tables[i], True, GREEDY, p, [])
-                              for i, p in enumerate(prompts)])
-    planned: list[AttentionMetadata] = []
-    original = runner._plan_cascades
-
-    def spy(sched, meta):
-        original(sched, meta)
-        planned.append(meta)
-
-    runner._plan_cascades = spy
+    requests = [ScheduledRequest(f"d{i}", [p[-1]], len(p) - 1, tables[i], True, GREEDY, p, [])
+                for i, p in enumerate(prompts)]
+    decode = SchedulerOutput(requests)
+    _, meta = runner.prepare(decode)
+    assert meta.cascades == [Cascade((0, 1, 2, 3), 16)]
+    h, kvh = runner.arch.num_heads, runner.arch.num_kv_heads
+    g = h // kvh
+    assert meta.shared.task[:, 1].sum() == 4 * h and {tuple(r) for r in meta.shared.lims.tolist()} == {(0, 16)}
+    assert meta.own.lims.tolist() == [[16, len(p)] for p in prompts for _ in range(h)]  # each its own keys
+    assert meta.own.task[:, 1].tolist() == [g] * 4 * kvh
     with_cascade = runner.all_logits(decode)
-    kept = dict(runner._gathered)
     assert runner.all_logits(decode).equal(with_cascade)  # the same step again: the same bits
-    assert len(planned[-1].cascades) == 1 and planned[-1].cascades[0].members == [0, 1, 2, 3]
-    assert planned[-1].cascades[0].shared_slots.numel() == 20
-    batch = planned[-1].decode
-    assert batch.members == [0, 1, 2, 3] and batch.length == 5  # the longest suffix (its last token is the query)
-    assert batch.valid.sum(dim=1).tolist() == [2, 3, 4, 5]
-    if paged:  # one task per (sequence or cascade, KV head), with that KV head's query heads
-        h, kvh = runner.arch.num_heads, runner.arch.num_kv_heads
-        g = h // kvh
-        rows, task, slots = batch.plans.own
-        assert task[:, 3].tolist() == [n for n in (2, 3, 4, 5) for _ in range(kvh)]  # each its own suffix
-        assert task[:, 1].tolist() == [g] * 4 * kvh and slots.numel() == 14
-        rows, task, slots = batch.plans.shared
-        assert task.tolist() == [[j * 4 * g, 4 * g, 0, 20, j] for j in range(kvh)] and slots.numel() == 20
-        assert sorted(rows.tolist()) == [t * h + i for t in range(4) for i in range(h)]  # every head once
-    else:  # the prefix K/V is gathered once and kept for the next step
-        assert list(kept) == [(0, 1, 2, 3, 4)] and len(kept[(0, 1, 2, 3, 4)]) == 2  # both layers
-        assert all(a[0] is b[0] for a, b in zip(kept[(0, 1, 2, 3, 4)].values(),
-                                                runner._gathered[(0, 1, 2, 3, 4)].values()))
-    batched = runner.all_logits(decode, AttentionPaths(cascade=False))  # one padded batch over whole contexts
-    plain = runner.all_logits(decode, AttentionPaths(decode_batch=False))  # one flash call per sequence
-    for got in (with_cascade, batched):
-        assert float((got - plain).abs().max() / plain.abs().max()) < 1e-5
+    assert runner.all_logits(decode, AttentionPaths(cascade=False)).equal(with_cascade)
+    for i, r in enumerate(requests):
+        assert runner.all_logits(SchedulerOutput([r])).equal(with_cascade[i:i + 1])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hotprefix.model import triton_attention
+from hotprefix.model.kernels import triton_attention
 from hotprefix.model.kv_cache import LayerKV
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

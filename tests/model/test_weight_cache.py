@@ -13,8 +13,8 @@ import torch
 from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.model import weight_cache
+from hotprefix.model.kernels.weights import PackedWeight
 from hotprefix.model.loader import load_model
-from hotprefix.model.qlinear import PackedWeight
 from hotprefix.model.runner import ModelRunner
 from hotprefix.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
@@ -53,11 +53,11 @@ def named_int8_weights(r: ModelRunner) -> dict[str, PackedWeight]:
     out = {}
     for i, layer in enumerate(r.model.model.layers):
         a, m = layer.self_attn, layer.mlp
-        for names, w in ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), a.qkv_packed),
-                         (("mlp.gate_proj", "mlp.up_proj"), m.gate_up_packed), (("self_attn.o_proj",), a.o_proj.packed),
-                         (("mlp.down_proj",), m.down_proj.packed)):
+        for names, w in ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), a.qkv_blocks),
+                         (("mlp.gate_proj", "mlp.up_proj"), m.gate_up_blocks), (("self_attn.o_proj",), a.o_proj.blocks),
+                         (("mlp.down_proj",), m.down_proj.blocks)):
             out.update({f"model.layers.{i}.{n}.weight": p for n, p in zip(names, w.parts)})
-    return out | {"lm_head.weight": r.model.logits_packed}
+    return out | {"lm_head.weight": r.model.logits_blocks}
 
 
 def int8_weights(r: ModelRunner) -> list[PackedWeight]:
@@ -82,7 +82,7 @@ def test_first_start_writes_the_cache_and_later_starts_map_it(gguf_path, cache, 
     index = json.loads(data[16:16 + int.from_bytes(data[8:16], "little")])
     named = named_int8_weights(second)
     assert set(named) == set(index)
-    assert {p.raw.data_ptr() - index[n][0] for n, p in named.items()} == {second.model.logits_packed.raw.data_ptr()
+    assert {p.raw.data_ptr() - index[n][0] for n, p in named.items()} == {second.model.logits_blocks.raw.data_ptr()
                                                                           - index["lm_head.weight"][0]}
     assert all(p.int8 and p.raw.numel() == index[n][1] for n, p in named.items())
     types = {p.type_name for p in int8_weights(second)}

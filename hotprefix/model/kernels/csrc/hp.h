@@ -64,6 +64,48 @@ static inline float vf_hsum(__m256 v) {
 }
 #endif
 
+/* 16 float lanes whatever the build (one 512-bit vector, two 256-bit ones, or an array):
+ * a dot product over k whose lane i adds the products k = i (mod 16) in order, then the
+ * lanes added as a tree (i + 8, i + 4, i + 2, i + 1): the same bits in every build. */
+#if defined(HP_F512)
+typedef struct { __m512 a; } v16;
+static inline v16 v16_zero(void) { v16 r = {_mm512_setzero_ps()}; return r; }
+static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
+    acc.a = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc.a);
+    return acc;
+}
+#elif defined(HP_F256)
+typedef struct { __m256 a, b; } v16;
+static inline v16 v16_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
+    acc.a = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc.a);
+    acc.b = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8), _mm256_loadu_ps(x + 8), acc.b);
+    return acc;
+}
+#else
+typedef struct { float f[16]; } v16;
+static inline v16 v16_zero(void) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
+static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
+    for (int i = 0; i < 16; i++) acc.f[i] = fmaf(w[i], x[i], acc.f[i]);
+    return acc;
+}
+#endif
+
+static inline float v16_hsum(v16 v) {
+    float t[16];
+#if defined(HP_F512)
+    _mm512_storeu_ps(t, v.a);
+#elif defined(HP_F256)
+    _mm256_storeu_ps(t, v.a);
+    _mm256_storeu_ps(t + 8, v.b);
+#else
+    memcpy(t, v.f, sizeof t);
+#endif
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
+    return t[0];
+}
+
 #if defined(HP_F256)
 /* The 8 outputs of half `half` (rows 8 half .. 8 half + 7) of a group's row of y; of the
  * group's 16 columns only the first nvalid exist. (The AVX2 int8 kernels' store.) */
@@ -78,14 +120,14 @@ static inline void store_half(float *yrow, int half, int nvalid, __m256 v) {
 #define QK 32      /* values in a block of the 32-value types */
 #define QKK 256    /* values in a super-block of the K-quant types */
 #define G 16       /* weight rows per group of the regrouped (int8) layouts */
-#define MAX_M 16   /* rows of x up to which float32 mode multiplies from the blocks */
 
-/* GGML type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* GGML type ids (F32: float32 rows, read as blocks of 32 values by float32 mode's products) */
+enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 /* Bytes of one GGUF block of `qtype` (0: a type these kernels do not read). */
 static inline int block_bytes(int qtype) {
     switch (qtype) {
+        case F32: return 128;
         case Q4_0: return 18;
         case Q4_1: return 20;
         case Q5_0: return 22;
@@ -166,12 +208,10 @@ int group_kq_rows(void);
 int unit_bytes(int qtype);
 
 /* attention.c */
+#define HP_TILE 16             /* keys a tile, tiles aligned to absolute positions */
+#define HP_MAX_TASK_ROWS 256   /* query rows an attention task may hold */
+enum { ATT_INIT = 1, ATT_FINAL = 2 };  /* a task's flags: start from saved state; write the output */
 typedef struct { float *acc, *s, *kt, *mx, *l; } att_scratch;
 int att_scratch_alloc(att_scratch *a, int maxr, int D);
 void att_scratch_free(att_scratch *a);
-int max_task_rows(const int64_t *task, int ntasks);
-void attend_task(const float *q, const int64_t *rows, const int64_t *tk, const float *k, const float *v,
-                 int64_t head_stride, int D, const int64_t *slots, float scale, float *out, float *lse,
-                 const att_scratch *scr);
-
 #endif

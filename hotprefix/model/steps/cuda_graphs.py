@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from hotprefix.model.attention import AttentionMetadata
+from hotprefix.config import AttentionBackend as AttentionBackendKind
+from hotprefix.config import ModelConfig, SchedulerConfig
+from hotprefix.model.attention.base import AttentionPaths, StepBatch
 from hotprefix.model.kv_cache import KVCache
-from hotprefix.model.llama import LlamaForCausalLM
-from hotprefix.model.triton_attention import TritonMeta
+from hotprefix.sizing import blocks_for_tokens
+
+if TYPE_CHECKING:  # importing them imports triton
+    from hotprefix.model.attention.triton import TritonStep
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +39,12 @@ def default_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
-    """forward(input_ids [B], positions [B], meta) -> hidden [B, E] for a decode step
-    that serves() accepts. Mutates the KV pool exactly as the eager step would."""
+    """StepRunner (see steps/__init__.py): forward(batch, meta) -> hidden [B, E] for a
+    decode step it serves. Mutates the KV pool exactly as the eager step would."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sizes: tuple[int, ...], max_blocks: int,
+    name = "CUDA graph"
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sizes: tuple[int, ...], max_blocks: int,
                  num_splits: int, sliding_window: int, device: torch.device, capture: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -57,10 +64,13 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int) -> TritonStep:
+        from hotprefix.model.attention.triton import TritonStep
+        from hotprefix.model.kernels.triton_attention import TritonMeta
+
         t = TritonMeta(self.block_tables[:size], self.seq_lens[:size], self.query_start_loc[:size + 1], 1,
                        self.kv_cache.block_size, self.num_splits, self.sliding_window)
-        return AttentionMetadata(self.slot_mapping[:size], [], triton=t)
+        return TritonStep(self.slot_mapping[:size], t)
 
     def _run(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
@@ -83,18 +93,21 @@ class DecodeGraphs:
         log.info("captured CUDA graphs of decode steps at %d batch sizes (1..%d) in %.1fs", len(self.sizes),
                  self.sizes[-1], time.monotonic() - t0)
 
-    def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A decode-only triton step that fits a captured size and the block table's width."""
+    def refusal(self, batch: StepBatch, meta: TritonStep, paths: AttentionPaths) -> str | None:
+        """Serves a decode-only triton step that fits a captured size and the block table's width."""
         t = meta.triton
-        return (t is not None and t.max_query_len == 1 and num_tokens <= self.sizes[-1]
-                and t.block_tables.shape[1] <= self.max_blocks and t.sliding_window == self.sliding_window)
+        if t.max_query_len != 1:
+            return "not a decode-only step"
+        if batch.num_tokens > self.sizes[-1] or t.block_tables.shape[1] > self.max_blocks:
+            return "larger than the largest graph captured"
+        return None if t.sliding_window == self.sliding_window else "another sliding window"
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        b = input_ids.numel()
+    def forward(self, batch: StepBatch, meta: TritonStep) -> torch.Tensor:
+        b = batch.num_tokens
         size = next(s for s in self.sizes if s >= b)
         t = meta.triton
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
         self.slot_mapping[:b].copy_(meta.slot_mapping)
         self.slot_mapping[b:size].fill_(-1)
         self.seq_lens[:b].copy_(t.seq_lens)
@@ -104,3 +117,25 @@ class DecodeGraphs:
             self.graphs[size].replay()
             return self.outputs[size][:b]
         return self._run(size)[:b]
+
+
+def decode_graphs(backend: AttentionBackendKind, model: torch.nn.Module, kv_cache: KVCache, model_cfg: ModelConfig,
+                  sched_cfg: SchedulerConfig, max_model_len: int) -> DecodeGraphs | None:
+    """The triton backend's CUDA graphs of decode steps, captured now, or None: another
+    backend, the CPU (logged: the kernels are interpreted there), or --enforce-eager."""
+    if backend is not AttentionBackendKind.TRITON:
+        return None
+    from hotprefix.model.kernels import triton_attention
+
+    device = kv_cache.layers[0].k.device
+    if device.type != "cuda":
+        log.warning("--attention-backend triton on the CPU runs Triton's interpreter: correct, and very slow "
+                    "(for tests)")
+        return None
+    if model_cfg.enforce_eager:
+        log.info("--enforce-eager: decode steps run eagerly (no CUDA graphs)")
+        return None
+    sizes = model_cfg.cuda_graph_sizes or default_sizes(sched_cfg.max_num_seqs)
+    window = model.arch.sliding_window or 0
+    return DecodeGraphs(model, kv_cache, sizes, blocks_for_tokens(max_model_len, kv_cache.block_size),
+                        triton_attention.decode_splits(max_model_len), window, device)

@@ -4,13 +4,18 @@ the simulated build, on any AVX2 machine)."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from hotprefix.model import kernel_abi, qlinear
-from hotprefix.model.qlinear import FusedWeight, Linear, PackedWeight, qmatmul
+from hotprefix.model.kernels import abi as kernel_abi
+from hotprefix.model.kernels import build, ops
+from hotprefix.model.kernels.ops import qmatmul
+from hotprefix.model.kernels.weights import FusedWeight, PackedWeight, fuse
+from hotprefix.model.layers import Linear
 from tests.kquants import quantize
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -31,8 +36,8 @@ def packed(type_name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight,
 # every code path of the C files: AVX-512 (VNNI), AVX2, and plain C (x86-64 without AVX); the
 # AVX-512 paths also as a simulated build (sim512.h) where the CPU has AVX2 to host it
 MARCHES = [("native", ())]
-if qlinear.platform.machine() == "x86_64":
-    if " avx2 " in qlinear._cpu_signature() + " ":
+if platform.machine() == "x86_64":
+    if " avx2 " in build._cpu_signature() + " ":
         MARCHES += [("x86-64-v3", ()), ("x86-64-v3", ("HP_SIM512",))]
     MARCHES += [("x86-64", ())]
 
@@ -40,15 +45,15 @@ if qlinear.platform.machine() == "x86_64":
 @pytest.fixture(scope="module", params=MARCHES, ids=lambda p: "+".join((p[0], *p[1])))
 def lib(request):
     march, defines = request.param
-    path = qlinear.build_library(march=march, defines=defines)
+    path = build.build_library(march=march, defines=defines)
     assert path is not None, f"the kernel did not build for -march={march} {defines}"
-    return qlinear.bind(path)
+    return kernel_abi.bind(path)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernel_dequantizes_exactly_like_gguf(type_name, lib):
     p, ref = packed(type_name, 37, 512)
-    assert torch.equal(qlinear.dequantize(p, lib), ref)  # bit for bit
+    assert torch.equal(ops.dequantize(p, lib), ref)  # bit for bit
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -63,20 +68,38 @@ def test_kernel_matmul_equals_float32_matmul(type_name, m, lib):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_linear_uses_blocks_only_for_small_batches(monkeypatch):
+def test_linear_reads_its_blocks_at_every_batch_size(monkeypatch):
     p, ref = packed("Q4_1", 64, 128)
-    lin = Linear(128, 64, bias=True)
-    with torch.no_grad():
-        lin.weight.copy_(ref)
-        lin.bias.copy_(torch.randn(64))
+    lin = Linear(None, torch.randn(64), p)  # no float32 weight: the blocks serve every batch
     calls = []
-    real = qlinear.qmatmul
-    monkeypatch.setattr("hotprefix.model.qlinear.qmatmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
-    lin.packed = p
-    for m in (1, qlinear.MAX_M, qlinear.MAX_M + 1):
+    real = ops.qmatmul
+    monkeypatch.setattr("hotprefix.model.kernels.ops.qmatmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    for m in (1, 16, 17, 300):
         x = torch.randn(m, 128)
         assert torch.allclose(lin(x), x @ ref.t() + lin.bias, rtol=1e-5, atol=1e-4)
-    assert calls == [1, qlinear.MAX_M]  # the larger batch ran on the float32 weights
+    assert calls == [1, 16, 17, 300]
+
+
+@pytest.fixture(scope="module")
+def every_lib():
+    return [kernel_abi.bind(build.build_library(march=m, defines=d)) for m, d in MARCHES]
+
+
+@pytest.mark.parametrize("type_name", ["F32", *TYPES])
+def test_float32_products_are_the_same_bits_in_every_build_and_batch(type_name, every_lib):
+    """Each output is one 16-lane dot product: a row of x gives the same bits alone or among
+    40 (M crosses the passes of 16 and 6 rows), on every build (AVX-512 simulated, AVX2, plain C)."""
+    k = 768 if type_name in K_TYPES else 576
+    if type_name == "F32":
+        p = PackedWeight.from_float(torch.randn(50, k, generator=torch.Generator().manual_seed(3)))
+    else:
+        p = packed(type_name, 50, k, seed=4)[0]
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
+    outs = [qmatmul(x, p, lb) for lb in every_lib]
+    assert all(torch.equal(o.view(torch.int32), outs[0].view(torch.int32)) for o in outs[1:])
+    for i in (0, 5, 17, 39):
+        assert torch.equal(qmatmul(x[i:i + 1], p, every_lib[0]), outs[0][i:i + 1])
+    assert torch.equal(qmatmul(x[16:23], p, every_lib[-1]), outs[0][16:23])
 
 
 def test_bad_shapes_are_refused(native_lib):
@@ -92,7 +115,7 @@ def test_bad_shapes_are_refused(native_lib):
 
 @pytest.fixture(scope="module")
 def native_lib():
-    return qlinear.bind(qlinear.build_library(march="native"))
+    return kernel_abi.bind(build.build_library(march="native"))
 
 
 def quantized_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -117,7 +140,7 @@ def test_int8_product_is_the_quantized_activations_times_the_weights(type_name, 
     x[0, 5] = 40.0  # an outlier coarsens its block
     x[-1, 256:512] = 0.0  # a block of zeros has scale 0
     g = p.regrouped(lib)
-    assert g.int8 and g.serves(4096)
+    assert g.int8
     assert g.nbytes == 13 * (k // bv) * UNIT_BYTES[type_name]  # 13 groups of 16 rows, the last padded
     got = qmatmul(x, g, lib)
     want = quantized_rows(x, bv) @ ref.double().t()
@@ -150,37 +173,34 @@ def test_fused_products_of_mixed_types_are_their_parts_side_by_side(types, lib):
     assert torch.equal(got, torch.cat([qmatmul(x, p.regrouped(lib), lib) for p in parts], dim=1))
     with pytest.raises(ValueError):  # one K and one form
         FusedWeight((parts[0], packed("Q4_K", 16, 256)[0]))
-    assert qlinear.fuse([parts[0], parts[1].regrouped(lib)]) is None and qlinear.fuse([parts[0], None]) is None
+    assert fuse([parts[0], parts[1].regrouped(lib)]) is None and fuse([parts[0], None]) is None
 
 
 def test_int8_weights_serve_every_batch_size(monkeypatch):
     p, ref = packed("Q8_0", 48, 64)
-    lin = Linear(64, 48, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(ref)
-    lin.packed = p.regrouped()
+    lin = Linear(None, None, p.regrouped())  # int8 blocks serve every batch: no float32 weight
     calls = []
-    real = qlinear.qmatmul
-    monkeypatch.setattr("hotprefix.model.qlinear.qmatmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    real = ops.qmatmul
+    monkeypatch.setattr("hotprefix.model.kernels.ops.qmatmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     x = torch.randn(300, 64)
     assert torch.allclose(lin(x).double(), quantized_rows(x) @ ref.double().t(), rtol=1e-5, atol=1e-4)
     assert calls == [300]
     with pytest.raises(RuntimeError, match="regrouped"):
-        qlinear.dequantize(lin.packed)
+        ops.dequantize(lin.blocks)
 
 
 def test_auto_takes_int8_only_where_it_is_vectorized(native_lib):
     want = "int8" if native_lib.hp_int8_vectorized() else "float32"
-    assert qlinear.resolve_matmul("auto") == want
-    assert qlinear.resolve_matmul("float32") == "float32" and qlinear.resolve_matmul("int8") == "int8"
+    assert build.resolve_matmul("auto") == want
+    assert build.resolve_matmul("float32") == "float32" and build.resolve_matmul("int8") == "int8"
     with pytest.raises(ValueError, match="--quantized-matmul"):
-        qlinear.resolve_matmul("int4")
+        build.resolve_matmul("int4")
 
 
 def test_silu_mul_matches_torch(lib):
     gate_up = torch.randn(7, 2 * 100) * 6
     gate_up[0, :6] = torch.tensor([0.0, -1000.0, 1000.0, 88.0, -88.0, 1e-30])  # underflow, overflow, zero
-    got = qlinear.silu_mul(gate_up, lib)
+    got = ops.silu_mul(gate_up, lib)
     gate, up = gate_up.double().chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     assert got.shape == (7, 100)
@@ -188,27 +208,25 @@ def test_silu_mul_matches_torch(lib):
 
 
 def test_rms_norm_and_rope_match_torch(lib):
-    from hotprefix.model.llama import RMSNorm, rotate_half
+    from hotprefix.model.layers import RMSNorm, TorchOps, rotate_half
 
-    norm = RMSNorm(64, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(64))
+    norm = RMSNorm(torch.randn(64), 1e-5, TorchOps())
     rows = torch.randn(5, 3 * 64)[:, 64:128]  # rows apart, as the model's views are
-    assert torch.allclose(qlinear.rms_norm(rows, norm.weight, 1e-5, lib), norm(rows), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ops.rms_norm(rows, norm.weight, 1e-5, lib), norm(rows), rtol=1e-5, atol=1e-6)
     qkv = torch.randn(4, (3 + 2) * 16)
     q = qkv[:, :48].view(4, 3, 16)  # 3 heads of 16, inside a wider row
     want = q * 0 + q  # a copy
     cos, sin = torch.randn(4, 1, 8).repeat(1, 1, 2), torch.randn(4, 1, 8).repeat(1, 1, 2)  # halves equal
     want = want * cos + rotate_half(want) * sin
     untouched = qkv[:, 48:].clone()
-    assert qlinear.rope_(q, cos, sin, lib) is q
+    assert ops.rope_(q, cos, sin, lib) is q
     assert torch.allclose(q, want, rtol=1e-5, atol=1e-6) and torch.equal(qkv[:, 48:], untouched)
 
 
 def test_the_flags_reported_with_benchmarks_are_the_ones_the_native_build_used(native_lib):
     """cpu_vector_flags (written into every benchmark result) says AVX2 or AVX-512 VNNI
     exactly when the native kernel build multiplies int8 on vector instructions."""
-    flags = qlinear.cpu_vector_flags()
+    flags = build.cpu_vector_flags()
     assert set(flags) <= {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"} and flags == sorted(flags)
     assert bool(native_lib.hp_int8_vectorized()) == bool({"avx2", "avx512_vnni"} & set(flags))
 

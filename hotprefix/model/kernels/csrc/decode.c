@@ -14,17 +14,6 @@
  * with the same additions, so the result is the same bits as the layer-by-layer path.
  * ------------------------------------------------------------------------ */
 
-/* Row r of attention over two disjoint key sets, combined exactly (attention.py's _merge):
- * o[r] <- o_sh[r] e^(l_sh - L) + o[r] e^(l - L), L = log(e^l_sh + e^l), for D floats. */
-static inline void merge_row(float *o, const float *lse, const float *osh, const float *lsh, int64_t r, int D) {
-    const float a = lsh[r], b = lse[r], m = a > b ? a : b;
-    const float L = m + log1pf(expf(-fabsf(a - b)));
-    const float wa = expf(a - L), wb = expf(b - L);
-    float *orow = o + r * D;
-    const float *srow = osh + r * D;
-    for (int d = 0; d < D; d++) orow[d] = srow[d] * wa + orow[d] * wb;
-}
-
 /* sizeof and the field offsets, in declaration order, of hp_api.h's structs (which: 0
  * hp_part, 1 hp_layer, 2 hp_stack, 3 hp_step) into out (room for 32); returns how many
  * were written. qlinear.bind compares them with its ctypes mirrors. */
@@ -40,8 +29,12 @@ int hp_struct_layout(int which, int64_t *out) {
                 F(hp_stack, H); F(hp_stack, KVH); F(hp_stack, D); F(hp_stack, I); F(hp_stack, eps);
                 F(hp_stack, scale); F(hp_stack, head_stride); break;
         case 3: out[n++] = sizeof(hp_step); F(hp_step, x); F(hp_step, cos_); F(hp_step, sin_); F(hp_step, wslots);
-                F(hp_step, rows); F(hp_step, task); F(hp_step, aslots); F(hp_step, srows); F(hp_step, stask);
-                F(hp_step, sslots); F(hp_step, M); F(hp_step, ntasks); F(hp_step, nsrows); F(hp_step, nstasks); break;
+                F(hp_step, own); F(hp_step, shared); F(hp_step, M); break;
+        case 4: out[n++] = sizeof(hp_plan); F(hp_plan, rows); F(hp_plan, lims); F(hp_plan, task); F(hp_plan, slots);
+                F(hp_plan, ntasks); break;
+        case 5: out[n++] = sizeof(hp_att); F(hp_att, q); F(hp_att, k); F(hp_att, v); F(hp_att, head_stride);
+                F(hp_att, KVH); F(hp_att, D); F(hp_att, scale); F(hp_att, out); F(hp_att, st_m); F(hp_att, st_l);
+                F(hp_att, st_acc); break;
         default: break;
     }
 #undef F
@@ -63,86 +56,110 @@ static int stack_valid(const hp_stack *s) {
     return 1;
 }
 
+/* The step's scratch, per row: h [E], qkv [NQKV], qb and o [HD], tmp [E], gu [2I], act [I];
+ * with cascades, the attention state between the shared and the own pass. */
+typedef struct { float *h, *qkv, *qb, *o, *tmp, *gu, *act, *st_m, *st_l, *st_acc; } step_buf;
+
+/* The attention of one layer for a thread of the step's parallel region: the cascades'
+ * shared prefixes first (their state saved), then every row's own keys. */
+static void attention_team(const hp_stack *s, const hp_layer *ly, const hp_step *st, const step_buf *b,
+                           const att_scratch *scr, int ok) {
+    const hp_att a = {b->qb, ly->kpool, ly->vpool, s->head_stride, s->KVH, s->D, s->scale, b->o, b->st_m, b->st_l,
+                      b->st_acc};
+    if (st->shared.ntasks) {  /* the same for every thread: without cascades, no extra barrier */
+        #pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < st->shared.ntasks; t++)
+            if (ok) attend_task(&a, &st->shared, t, scr);
+    }
+    #pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < st->own.ntasks; t++)
+        if (ok) attend_task(&a, &st->own, t, scr);
+}
+
 /* One layer for a thread of the step's parallel region (every thread runs it: its
  * work-sharing loops end in barriers). */
-static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st, float *h, float *qkv, float *qb,
-                       float *o, float *lse, float *osh, float *lsh, float *tmp, float *gu, float *act, xquant *x32,
+static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st, const step_buf *b, xquant *x32,
                        xquant *xk, const att_scratch *scr, int ok) {
     const int M = st->M, E = s->E, H = s->H, KVH = s->KVH, D = s->D, I = s->I, HD = H * D;
     const int NQKV = (H + 2 * KVH) * D;
     float *x = st->x;
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) rmsnorm_row(x + (size_t)m * E, E, ly->norm1, s->eps, h + (size_t)m * E);
-    qmm_i8_team(ly->qkv, ly->nqkv, h, M, E, qkv, x32, xk);
+    for (int m = 0; m < M; m++) rmsnorm_row(x + (size_t)m * E, E, ly->norm1, s->eps, b->h + (size_t)m * E);
+    qmm_i8_team(ly->qkv, ly->nqkv, b->h, M, E, b->qkv, x32, xk);
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
-        float *r = qkv + (size_t)m * NQKV;
+        float *r = b->qkv + (size_t)m * NQKV;
         if (ly->b_qkv) for (int j = 0; j < NQKV; j++) r[j] = r[j] + ly->b_qkv[j];
         rope_row(r, H, D, st->cos_ + (size_t)m * D, st->sin_ + (size_t)m * D);
         rope_row(r + HD, KVH, D, st->cos_ + (size_t)m * D, st->sin_ + (size_t)m * D);
-        memcpy(qb + (size_t)m * HD, r, sizeof(float) * HD);
+        memcpy(b->qb + (size_t)m * HD, r, sizeof(float) * HD);
         kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D);
     }
-    #pragma omp for schedule(dynamic, 1)
-    for (int t = 0; t < st->ntasks; t++)
-        if (ok) attend_task(qb, st->rows, st->task + 5 * t, ly->kpool, ly->vpool, s->head_stride, D, st->aslots,
-                            s->scale, o, lse, scr);
-    if (st->nstasks) {  /* the same for every thread: without cascades, no extra barriers */
-        #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < st->nstasks; t++)
-            if (ok) attend_task(qb, st->srows, st->stask + 5 * t, ly->kpool, ly->vpool, s->head_stride, D,
-                                st->sslots, s->scale, osh, lsh, scr);
-        #pragma omp for schedule(static)
-        for (int i = 0; i < st->nsrows; i++) merge_row(o, lse, osh, lsh, st->srows[i], D);
-    }
-    qmm_i8_team(&ly->o, 1, o, M, HD, tmp, x32, xk);
+    attention_team(s, ly, st, b, scr, ok);
+    qmm_i8_team(&ly->o, 1, b->o, M, HD, b->tmp, x32, xk);
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
-        float *xr = x + (size_t)m * E, *tr = tmp + (size_t)m * E;
+        float *xr = x + (size_t)m * E, *tr = b->tmp + (size_t)m * E;
         if (ly->b_o) for (int e = 0; e < E; e++) xr[e] = xr[e] + (tr[e] + ly->b_o[e]);
         else for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
-        rmsnorm_row(xr, E, ly->norm2, s->eps, h + (size_t)m * E);
+        rmsnorm_row(xr, E, ly->norm2, s->eps, b->h + (size_t)m * E);
     }
-    qmm_i8_team(ly->gu, ly->ngu, h, M, E, gu, x32, xk);
+    qmm_i8_team(ly->gu, ly->ngu, b->h, M, E, b->gu, x32, xk);
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) silu_mul_row(gu + (size_t)m * 2 * I, I, act + (size_t)m * I);
-    qmm_i8_team(&ly->down, 1, act, M, I, tmp, x32, xk);
+    for (int m = 0; m < M; m++) silu_mul_row(b->gu + (size_t)m * 2 * I, I, b->act + (size_t)m * I);
+    qmm_i8_team(&ly->down, 1, b->act, M, I, b->tmp, x32, xk);
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
-        float *xr = x + (size_t)m * E, *tr = tmp + (size_t)m * E;
+        float *xr = x + (size_t)m * E, *tr = b->tmp + (size_t)m * E;
         for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
     }
 }
 
+/* The step's buffers (see step_buf); returns 0 when one could not be had. */
+static int step_buf_alloc(step_buf *b, const hp_stack *s, int M) {
+    const size_t E = s->E, HD = (size_t)s->H * s->D, I = s->I, NQKV = (size_t)(s->H + 2 * s->KVH) * s->D;
+    b->h = malloc(sizeof(float) * M * E);
+    b->qkv = malloc(sizeof(float) * M * NQKV);
+    b->qb = malloc(sizeof(float) * M * HD);
+    b->o = malloc(sizeof(float) * M * HD);
+    b->tmp = malloc(sizeof(float) * M * E);
+    b->gu = malloc(sizeof(float) * M * 2 * I);
+    b->act = malloc(sizeof(float) * M * I);
+    b->st_m = malloc(sizeof(float) * M * s->H);
+    b->st_l = malloc(sizeof(float) * M * s->H);
+    b->st_acc = malloc(sizeof(float) * M * HD);
+    return b->h && b->qkv && b->qb && b->o && b->tmp && b->gu && b->act && b->st_m && b->st_l && b->st_acc;
+}
+
+static void step_buf_free(step_buf *b) {
+    free(b->h); free(b->qkv); free(b->qb); free(b->o); free(b->tmp); free(b->gu); free(b->act);
+    free(b->st_m); free(b->st_l); free(b->st_acc);
+}
+
 /* Runs the step `st` through every layer of `s` (updating st->x and writing the step's
  * keys and values into the pools). Returns 0; -1 for a projection whose parts do not
- * fit the shape (type, K, rows); -2 when out of memory. */
+ * fit the shape (type, K, rows) or an invalid attention plan; -2 when out of memory. */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads) {
-    if (!stack_valid(s)) return -1;
-    const int M = st->M, E = s->E, H = s->H, D = s->D, I = s->I, HD = H * D, NQKV = (H + 2 * s->KVH) * D;
+    if (!stack_valid(s) || !plan_valid(&st->own, s->KVH) || !plan_valid(&st->shared, s->KVH)) return -1;
+    const int M = st->M, E = s->E, HD = s->H * s->D, I = s->I;
     const int kmax = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
-    float *h = malloc(sizeof(float) * (size_t)M * E), *qkv = malloc(sizeof(float) * (size_t)M * NQKV);
-    float *qb = malloc(sizeof(float) * (size_t)M * HD), *o = malloc(sizeof(float) * (size_t)M * HD);
-    float *lse = malloc(sizeof(float) * (size_t)M * H), *tmp = malloc(sizeof(float) * (size_t)M * E);
-    float *osh = malloc(sizeof(float) * (size_t)M * HD), *lsh = malloc(sizeof(float) * (size_t)M * H);
-    float *gu = malloc(sizeof(float) * (size_t)M * 2 * I), *act = malloc(sizeof(float) * (size_t)M * I);
+    step_buf b;
     xquant x32, xk;
     const int okq = xquant_alloc(&x32, M, kmax) & xquant_alloc(&xk, M, kmax);
-    int failed = !(h && qkv && qb && o && lse && tmp && osh && lsh && gu && act && okq);
-    const int maxr_own = max_task_rows(st->task, st->ntasks), maxr_sh = max_task_rows(st->stask, st->nstasks);
+    int failed = !(step_buf_alloc(&b, s, M) && okq);
+    const int maxr_own = max_task_rows(&st->own), maxr_sh = max_task_rows(&st->shared);
     const int maxr = maxr_own > maxr_sh ? maxr_own : maxr_sh;
     if (!failed) {
         #pragma omp parallel num_threads(nthreads) reduction(|:failed)
         {
             att_scratch scr;
-            const int ok = att_scratch_alloc(&scr, maxr, D);  /* a thread without it still meets every barrier */
+            const int ok = att_scratch_alloc(&scr, maxr, s->D);  /* a thread without it still meets every barrier */
             if (!ok) failed = 1;
-            for (int l = 0; l < s->nlayers; l++)
-                layer_team(s, s->layers + l, st, h, qkv, qb, o, lse, osh, lsh, tmp, gu, act, &x32, &xk, &scr, ok);
+            for (int l = 0; l < s->nlayers; l++) layer_team(s, s->layers + l, st, &b, &x32, &xk, &scr, ok);
             att_scratch_free(&scr);
         }
     }
-    free(h); free(qkv); free(qb); free(o); free(lse); free(tmp); free(osh); free(lsh); free(gu); free(act);
+    step_buf_free(&b);
     xquant_free(&x32);
     xquant_free(&xk);
     return failed ? -2 : 0;

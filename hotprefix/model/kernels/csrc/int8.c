@@ -21,6 +21,26 @@ int hp_int8_vectorized(void) {
 #endif
 }
 
+/* The vector paths this build compiled, as bits: 1 float work on 512 bits, 2 on 256 bits,
+ * 4 int8 products on AVX-512 VNNI, 8 on AVX2, 16 the simulated AVX-512 (tests); 0: plain C. */
+int hp_vector_paths(void) {
+    int bits = 0;
+#if defined(HP_F512)
+    bits |= 1;
+#elif defined(HP_F256)
+    bits |= 2;
+#endif
+#if defined(HP_I512)
+    bits |= 4;
+#elif defined(HP_I256)
+    bits |= 8;
+#endif
+#if defined(HP_SIM512)
+    bits |= 16;
+#endif
+    return bits;
+}
+
 /* Per 32 values: xq, dx, xsum = sum of xq, sx = dx * sum of xq. */
 static void quantize_row(const float *x, int K, int8_t *xq, float *dx, int32_t *xsum, float *sx) {
     for (int b = 0; b < K / QK; b++) {

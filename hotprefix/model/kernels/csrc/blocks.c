@@ -1,5 +1,5 @@
 /* GGUF weight blocks as stored in the file: dequantization, and the float32 products
- * of float32 mode, y[M, N] = x[M, K] @ W[N, K]^T for small M.
+ * of float32 mode, y[M, N] = x[M, K] @ W[N, K]^T for every M (float32 weights too, as F32).
  *
  * Each block is dequantized exactly as gguf's dequantize() does (same float32
  * operations in the same order, -ffp-contract=off), then multiplied with float32
@@ -84,7 +84,8 @@ static void dequant_q6k(const uint8_t *b, float *w) {
 
 /* The block_values(qtype) weights of one block, as float32, into w. */
 static void dequant_block(int qtype, const uint8_t *b, float *w) {
-    if (qtype == Q6_K) dequant_q6k(b, w);
+    if (qtype == F32) memcpy(w, b, sizeof(float) * QK);
+    else if (qtype == Q6_K) dequant_q6k(b, w);
     else if (qtype == Q4_K || qtype == Q5_K) dequant_q45k(qtype, b, w);
     else dequant_q32(qtype, b, w);
 }
@@ -143,96 +144,70 @@ static inline void dequant_block_v(int qtype, const uint8_t *b, __m256 *v) {
 }
 #endif
 
-/* Rows n0..n1 of W (Q4_0, Q4_1, Q8_0: dequantized in registers) against up to MAX_M rows of x. */
-static void rows_q32v(int qtype, const float *x, int M, int K, const uint8_t *w, int n0, int n1, float *y, int N) {
-    const int nb = K / QK, bb = block_bytes(qtype), rb = nb * bb;
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *row = w + (size_t)n * rb;
+/* A block's weights as float32: F32 rows as they are, the others dequantized into wv
+ * (Q4_0, Q4_1, Q8_0 in vector registers; the same values as dequant_block). */
+static inline const float *block_weights(int qtype, const uint8_t *b, float *wv) {
+    if (qtype == F32) return (const float *)b;
 #if defined(HP_F512)
-        __m512 acc[MAX_M];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m512 lo, hi;
-            dequant_block_v(qtype, row + (size_t)b * bb, &lo, &hi);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (size_t)m * K + b * QK;
-                acc[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[m]);
-                acc[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[m]);
-            }
-        }
-        for (int m = 0; m < M; m++) y[(size_t)m * N + n] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(HP_F256)
-        __m256 acc[MAX_M];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m256 v[4];
-            dequant_block_v(qtype, row + (size_t)b * bb, v);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (size_t)m * K + b * QK;
-                for (int i = 0; i < 4; i++) acc[m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), acc[m]);
-            }
-        }
-        for (int m = 0; m < M; m++) y[(size_t)m * N + n] = vf_hsum(acc[m]);
-#else
-        (void)row; (void)qtype; (void)x; (void)M; (void)y; (void)N;
-#endif
+    if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) {
+        __m512 lo, hi;
+        dequant_block_v(qtype, b, &lo, &hi);
+        _mm512_storeu_ps(wv, lo);
+        _mm512_storeu_ps(wv + 16, hi);
+        return wv;
     }
+#elif defined(HP_F256)
+    if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) {
+        __m256 v[4];
+        dequant_block_v(qtype, b, v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(wv + 8 * i, v[i]);
+        return wv;
+    }
+#endif
+    dequant_block(qtype, b, wv);
+    return wv;
 }
 
-/* Rows n0..n1 of W of any type: each block dequantized into a buffer, then multiplied. */
-static void rows_any(int qtype, const float *x, int M, int K, const uint8_t *w, int n0, int n1, float *y, int N) {
+#if defined(HP_F512)
+#define F32_RM 16  /* rows of x a pass over a weight row takes: their 16-lane sums stay in registers */
+#else
+#define F32_RM 6
+#endif
+
+/* Weight row n against rows m0 .. m0 + mt - 1 of x (mt <= F32_RM): y[m, n] = x[m] . w[n],
+ * each a 16-lane dot product (v16): the same bits whatever M, the pass or the build. */
+static void row_pass(int qtype, const float *x, int m0, int mt, int K, const uint8_t *row, int n, float *y, int N) {
     const int bv = block_values(qtype), bb = block_bytes(qtype), nb = K / bv;
     float wv[QKK];
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *row = w + (size_t)n * nb * bb;
-#if defined(VF_W)
-        vf acc[MAX_M];
-        for (int m = 0; m < M; m++) acc[m] = vf_zero();
-        for (int b = 0; b < nb; b++) {
-            dequant_block(qtype, row + (size_t)b * bb, wv);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (size_t)m * K + (size_t)b * bv;
-                for (int i = 0; i < bv; i += VF_W) acc[m] = vf_fma(vf_load(wv + i), vf_load(xb + i), acc[m]);
-            }
+    v16 acc[F32_RM];
+    for (int m = 0; m < mt; m++) acc[m] = v16_zero();
+    for (int b = 0; b < nb; b++) {
+        const float *wb = block_weights(qtype, row + (size_t)b * bb, wv);
+        for (int m = 0; m < mt; m++) {
+            const float *xb = x + (size_t)(m0 + m) * K + (size_t)b * bv;
+            for (int i = 0; i < bv; i += 16) acc[m] = v16_fma(wb + i, xb + i, acc[m]);
         }
-        for (int m = 0; m < M; m++) y[(size_t)m * N + n] = vf_hsum(acc[m]);
-#else
-        float acc[MAX_M] = {0};
-        for (int b = 0; b < nb; b++) {
-            dequant_block(qtype, row + (size_t)b * bb, wv);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (size_t)m * K + (size_t)b * bv;
-                for (int j = 0; j < bv; j++) acc[m] += wv[j] * xb[j];
-            }
-        }
-        for (int m = 0; m < M; m++) y[(size_t)m * N + n] = acc[m];
-#endif
     }
+    for (int m = 0; m < mt; m++) y[(size_t)(m0 + m) * N + n] = v16_hsum(acc[m]);
 }
 
 static int shape_ok(int qtype, int K) { return block_bytes(qtype) && K > 0 && K % block_values(qtype) == 0; }
 
-/* y[M, N] = x[M, K] @ W^T, W given as N GGUF rows of `qtype` blocks. Returns 0, or -1
- * for a type these kernels do not read or K not a multiple of its block. */
+/* y[M, N] = x[M, K] @ W^T, W given as N GGUF rows of `qtype` blocks (or F32 rows), for
+ * any M: threads take chunks of 16 weight rows; within one, rows of x pass in groups of
+ * F32_RM (the group's x stays in cache while the chunk's weight rows pass). Every output
+ * is one 16-lane dot product, so the result of a row of x does not depend on the others.
+ * Returns 0, or -1 for a type these kernels do not read or K not a multiple of its block. */
 int hp_qmatmul(int qtype, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
     if (!shape_ok(qtype, K)) return -1;
-#if defined(VF_W)
-    const int vec_q32 = qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0;
-#else
-    const int vec_q32 = 0;
-#endif
-    for (int m0 = 0; m0 < M; m0 += MAX_M) {
-        const int mt = M - m0 < MAX_M ? M - m0 : MAX_M;
-        const float *xm = x + (size_t)m0 * K;
-        float *ym = y + (size_t)m0 * N;
-        const int chunk = 16;  /* rows per task: small enough to balance, large enough to amortise */
-        const int tasks = (N + chunk - 1) / chunk;
-        #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int t = 0; t < tasks; t++) {
-            const int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-            if (vec_q32) rows_q32v(qtype, xm, mt, K, w, n0, n1, ym, N);
-            else rows_any(qtype, xm, mt, K, w, n0, n1, ym, N);
-        }
+    const size_t rb = (size_t)(K / block_values(qtype)) * block_bytes(qtype);
+    const int chunk = 16, tasks = (N + chunk - 1) / chunk;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * (size_t)N * K > 65536)
+    for (int t = 0; t < tasks; t++) {
+        const int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int m0 = 0; m0 < M; m0 += F32_RM)
+            for (int n = n0; n < n1; n++)
+                row_pass(qtype, x, m0, M - m0 < F32_RM ? M - m0 : F32_RM, K, w + (size_t)n * rb, n, y, N);
     }
     return 0;
 }

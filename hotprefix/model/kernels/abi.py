@@ -39,15 +39,27 @@ class HpStack(ctypes.Structure):
                 ("D", c_int), ("I", c_int), ("eps", c_float), ("scale", c_float), ("head_stride", c_int64)]
 
 
+class HpPlan(ctypes.Structure):
+    """hp_plan: an attention plan's tasks, rows, key ranges and slots."""
+
+    _fields_ = [("rows", _p), ("lims", _p), ("task", _p), ("slots", _p), ("ntasks", c_int)]
+
+
+class HpAtt(ctypes.Structure):
+    """hp_att: what an attention pass reads and writes (q, a layer's pools, out, the rows' state)."""
+
+    _fields_ = [("q", _p), ("k", _p), ("v", _p), ("head_stride", c_int64), ("KVH", c_int), ("D", c_int),
+                ("scale", c_float), ("out", _p), ("st_m", _p), ("st_l", _p), ("st_acc", _p)]
+
+
 class HpStep(ctypes.Structure):
     """hp_step: one decode step's rows, rotary tables and attention plans."""
 
-    _fields_ = [("x", _p), ("cos", _p), ("sin", _p), ("wslots", _p), ("rows", _p), ("task", _p), ("aslots", _p),
-                ("srows", _p), ("stask", _p), ("sslots", _p), ("M", c_int), ("ntasks", c_int), ("nsrows", c_int),
-                ("nstasks", c_int)]
+    _fields_ = [("x", _p), ("cos", _p), ("sin", _p), ("wslots", _p), ("own", HpPlan), ("shared", HpPlan),
+                ("M", c_int)]
 
 
-STRUCTS = (HpPart, HpLayer, HpStack, HpStep)  # hp_struct_layout's `which`, in order
+STRUCTS = (HpPart, HpLayer, HpStack, HpStep, HpPlan, HpAtt)  # hp_struct_layout's `which`, in order
 
 _i, _f = c_int, c_float
 SIGNATURES: dict[str, tuple[type | None, list]] = {
@@ -58,7 +70,8 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_repack": (_i, [_i, _p, _i, _i, _p]),
     "hp_repacked_bytes": (c_long, [_i, _i, _i]),
     "hp_int8_vectorized": (_i, []),
-    "hp_paged_attention": (_i, [_p, _p, _p, _i, _p, _p, c_int64, _i, _p, _f, _p, _p, _i]),
+    "hp_vector_paths": (_i, []),
+    "hp_attend": (_i, [POINTER(HpAtt), POINTER(HpPlan), _i]),
     "hp_silu_mul": (None, [_p, _i, _i, _p, _i]),
     "hp_kv_write": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i]),
     "hp_rmsnorm": (None, [_p, _i, _i, c_int64, _p, _f, _p, _i]),
@@ -80,7 +93,7 @@ def check_layouts(lib: ctypes.CDLL) -> None:
         n = lib.hp_struct_layout(which, out)
         if list(out[:n]) != struct_layout(cls):
             raise RuntimeError(f"{cls.__name__} does not match the C struct (C {list(out[:n])}, "
-                               f"ctypes {struct_layout(cls)}): rebuild or fix kernel_abi.py")
+                               f"ctypes {struct_layout(cls)}): rebuild or fix kernels/abi.py")
 
 
 def bind(path: Path) -> ctypes.CDLL:

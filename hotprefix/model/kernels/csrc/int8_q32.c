@@ -108,6 +108,7 @@ static inline __attribute__((always_inline)) void group_vnni(
  * the loop over the MT rows of x, so one slice of codes and MT partial sums are live at
  * once and 16 registers hold them without spilling (a layer's four products on 1,030
  * rows: 37 -> 30 ms median on a 2-core Zen 3). The float steps are the VNNI path's. */
+/* long: one register-blocked loop nest; split, its live registers would spill */
 static inline __attribute__((always_inline)) void group_avx2(
         const int qtype, const int MT, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
         const int32_t *xsum, const float *sx, int K, float *y, int N, int nvalid) {

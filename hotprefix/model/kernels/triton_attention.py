@@ -34,7 +34,7 @@ from hotprefix.model.kv_cache import LayerKV  # noqa: E402
 
 INTERPRETED = isinstance(tl.zeros, InterpretedFunction)
 if not INTERPRETED and not torch.cuda.is_available():
-    raise ImportError("Triton was imported before hotprefix.model.triton_attention without TRITON_INTERPRET=1, "
+    raise ImportError("Triton was imported before hotprefix.model.kernels.triton_attention without TRITON_INTERPRET=1, "
                       "and there is no CUDA device: set TRITON_INTERPRET=1 to run its kernels on the CPU")
 DECODE_TOKENS_PER_SPLIT = 256  # context tokens per split-K program before splitting further
 MAX_DECODE_SPLITS = 16
@@ -132,6 +132,31 @@ def _load_keys(kc_ptr, vc_ptr, bt_ptr, n0, end, base, d, D, dmask, k_scale, v_sc
 
 
 @triton.jit
+def _prefill_tile(q, k, v, kpos, kvalid, q_pos, window, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of keys k, v [N, D_P2] (positions kpos [N], valid kvalid) into the queries'
+    online softmax (q [M, D_P2] at q_pos [M]: causal, within the window): the new m_i, l_i [M]
+    and acc [M, D_P2]."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    seen = kvalid[None, :] & (kpos[None, :] <= q_pos[:, None])
+    if window > 0:
+        seen = seen & (q_pos[:, None] - kpos[None, :] < window)
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_bt,
                     scale, k_scale, v_scale, window, G, D, BLOCK_SIZE,
@@ -162,26 +187,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     for n0 in range(lo, hi, BLOCK_N):
         kpos, kvalid, k, v = _load_keys(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, ctx, base, d, D, dmask,
                                         k_scale, v_scale, BLOCK_SIZE, BLOCK_N, FP8)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        seen = kvalid[None, :] & (kpos[None, :] <= q_pos[:, None])
-        if window > 0:
-            seen = seen & (q_pos[:, None] - kpos[None, :] < window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _prefill_tile(q, k.to(q.dtype), v.to(q.dtype), kpos, kvalid, q_pos, window, scale, m_i, l_i,
+                                      acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=qmask)

@@ -27,17 +27,37 @@ typedef struct {
     int64_t head_stride;                            /* floats between KV heads of a pool: S * D */
 } hp_stack;
 
+/* An attention plan (attention.c): ntasks tasks of T_FIELDS int64 each, (first entry of
+ * rows, entries, first entry of slots, position of that slot, KV head, flags ATT_INIT /
+ * ATT_FINAL); rows [R]: each query's row of q viewed [*, D] (and of out and the state);
+ * lims [R, 2]: each query's key positions [lo, hi); slots: pool slots in position order. */
+typedef struct {
+    const int64_t *rows, *lims, *task, *slots;
+    int ntasks;
+} hp_plan;
+
+/* What an attention pass reads and writes: q [*, D] rows; a layer's float32 pools
+ * [KVH, S, D]; out [*, D]; the state of rows between passes, m and l [*], acc [*, D]
+ * (read by ATT_INIT tasks, written by tasks without ATT_FINAL; NULL when none has). */
+typedef struct {
+    const float *q, *k, *v;
+    int64_t head_stride;                            /* floats between KV heads of a pool: S * D */
+    int KVH, D;
+    float scale;
+    float *out, *st_m, *st_l, *st_acc;
+} hp_att;
+
 /* One decode step. x [M, E]: the rows' hidden states, updated in place through the
  * layers. cos, sin: [M, D] (rope()'s halves); wslots [M]: where each row's key and value
- * go; rows, task, ntasks, aslots: the attention plan over each row's own context
- * (hp_paged_attention's, with rows indexing q as [M * H, D]); srows, stask, nstasks,
- * sslots: the plan over the cascades' shared prefixes (nsrows rows, each in one task;
- * nstasks 0: none), whose output is merged into those rows' by log-sum-exp (merge_row). */
+ * go; own: the attention plan over each row's keys (rows indexing q as [M * H, D]);
+ * shared: the cascades' shared prefixes (ntasks 0: none), run first, whose saved state
+ * own's ATT_INIT tasks continue. */
 typedef struct {
     float *x;
     const float *cos_, *sin_;
-    const int64_t *wslots, *rows, *task, *aslots, *srows, *stask, *sslots;
-    int M, ntasks, nsrows, nstasks;
+    const int64_t *wslots;
+    hp_plan own, shared;
+    int M;
 } hp_step;
 
 /* products and weights (blocks.c, int8.c, repack.c) */
@@ -48,11 +68,10 @@ int hp_qmatmul_i8_parts(const hp_part *parts, int nparts, const float *x, int M,
 int hp_repack(int qtype, const uint8_t *w, int N, int K, uint8_t *out);
 long hp_repacked_bytes(int qtype, int N, int K);
 int hp_int8_vectorized(void);
+int hp_vector_paths(void);
 
 /* attention and the per-row operations (attention.c, ops.c) */
-int hp_paged_attention(const float *q, const int64_t *rows, const int64_t *task, int ntasks,
-                       const float *kpool, const float *vpool, int64_t head_stride, int D,
-                       const int64_t *slots, float scale, float *out, float *lse, int nthreads);
+int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads);
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads);
 void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,
                  int64_t k_row, const float *v, int64_t v_row, int KVH, int D);
@@ -62,5 +81,10 @@ void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, c
 /* the fused decode step and the struct layouts (decode.c) */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads);
 int hp_struct_layout(int which, int64_t *out);
+
+/* shared by attention.c and decode.c */
+int max_task_rows(const hp_plan *p);
+int plan_valid(const hp_plan *p, int KVH);
+void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *scr);
 
 #endif

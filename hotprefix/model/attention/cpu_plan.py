@@ -1,0 +1,148 @@
+"""The cpu backend's attention plans (csrc/attention.c's hp_plan), built once a step and
+read by every layer.
+
+Every query row of the step is in a task with the other query heads of its KV head and
+the positions of its tile of 16 (prefill chunks) or alone with them (decodes); each row
+sees positions [lo, pos + 1) of its sequence (lo: 0, the window's start, or a cascade's
+shared length). Decodes that share at least CASCADE_MIN_BLOCKS leading blocks form a
+cascade: the shared prefix (rounded down to whole tiles) is attended once for all members
+(a shared plan whose tasks save the rows' state), and each member's own plan continues
+from that state over its own keys: the same arithmetic as attending its whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hotprefix.model.attention.base import SeqSpan, StepBatch
+from hotprefix.model.kernels.ops import ATT_FINAL, ATT_INIT, MAX_TASK_ROWS, TILE, AttPlan
+
+CASCADE_MIN_BLOCKS = 2  # shared full blocks before a group of decodes attends to them once
+SHARED_ROWS_PER_TASK = 12  # a cascade's query rows per task: the threads share a group's prefix
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """Decoding sequences (indices into the step's seqs) whose first `shared` positions
+    (a multiple of the tile) are the same blocks."""
+
+    members: tuple[int, ...]
+    shared: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention shape the plans are for."""
+
+    heads: int
+    kv_heads: int
+    window: int | None
+
+
+def slots_of(span: SeqSpan, block_size: int, start: int) -> np.ndarray:
+    """Pool slots of positions [start, ctx_len) of a sequence, in position order."""
+    p = np.arange(start, span.ctx_len)
+    return np.asarray(span.block_ids, dtype=np.int64)[p // block_size] * block_size + p % block_size
+
+
+def cascades(batch: StepBatch, min_blocks: int = CASCADE_MIN_BLOCKS) -> list[Cascade]:
+    """Groups of two or more decodes that share at least min_blocks leading blocks, all
+    before each member's query (prefix caching makes those the same block ids)."""
+    groups: dict[int, list[int]] = {}
+    for i, span in enumerate(batch.seqs):
+        if span.q_len == 1 and span.block_ids:
+            groups.setdefault(span.block_ids[0], []).append(i)
+    out = []
+    for members in groups.values():
+        spans = [batch.seqs[i] for i in members]
+        limit = min(s.start_pos // batch.block_size for s in spans)
+        n = 0
+        while len(members) > 1 and n < limit and all(s.block_ids[n] == spans[0].block_ids[n] for s in spans):
+            n += 1
+        shared = n * batch.block_size // TILE * TILE
+        if n >= min_blocks and shared > 0:
+            out.append(Cascade(tuple(members), shared))
+    return out
+
+
+class _Builder:
+    """Accumulates tasks, rows, key ranges and slots of one plan."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.tasks: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.lims: list[np.ndarray] = []
+        self.slots: list[np.ndarray] = []
+        self.n_rows = self.n_slots = 0
+
+    def add_slots(self, slots: np.ndarray) -> int:
+        self.slots.append(slots)
+        self.n_slots += len(slots)
+        return self.n_slots - len(slots)
+
+    def add_sequence(self, span: SeqSpan, slots: np.ndarray, base: int, flags: int) -> None:
+        """Every query row of `span` over positions [base, its own + 1) (within the window)."""
+        h, kvh, g = self.shape.heads, self.shape.kv_heads, self.shape.heads // self.shape.kv_heads
+        slot0 = self.add_slots(slots)
+        pos = np.arange(span.start_pos, span.ctx_len)
+        lo = np.full(span.q_len, base) if not self.shape.window else np.maximum(base, pos - self.shape.window + 1)
+        rows = ((span.q_start + np.arange(span.q_len)) * h)[None, :, None] + \
+            (np.arange(kvh)[:, None, None] * g + np.arange(g)[None, None, :])  # [KVH, q_len, G]
+        self.rows.append(rows.reshape(-1))
+        self.lims.append(np.broadcast_to(np.stack([lo, pos + 1], 1)[None, :, None, :],
+                                          (kvh, span.q_len, g, 2)).reshape(-1, 2))
+        seg = _segments(pos, max(1, MAX_TASK_ROWS // g))  # [S, 2] query index ranges
+        row0 = self.n_rows + np.arange(kvh)[:, None] * (span.q_len * g) + seg[None, :, 0] * g  # [KVH, S]
+        n = np.broadcast_to((seg[:, 1] - seg[:, 0]) * g, row0.shape)
+        head = np.broadcast_to(np.arange(kvh)[:, None], row0.shape)
+        self.tasks.append(np.stack([row0, n, np.full_like(row0, slot0), np.full_like(row0, base), head,
+                                    np.full_like(row0, flags)], -1).reshape(-1, 6))
+        self.n_rows += kvh * span.q_len * g
+
+    def add_shared(self, c: Cascade, batch: StepBatch) -> None:
+        """A cascade's shared prefix, attended once for every member's query heads (state saved)."""
+        h, kvh, g = self.shape.heads, self.shape.kv_heads, self.shape.heads // self.shape.kv_heads
+        slot0 = self.add_slots(slots_of(batch.seqs[c.members[0]], batch.block_size, 0)[:c.shared])
+        starts = np.array([batch.seqs[i].q_start for i in c.members])
+        for j in range(kvh):
+            rows = (starts[:, None] * h + j * g + np.arange(g)[None, :]).reshape(-1)
+            for r0 in range(0, len(rows), SHARED_ROWS_PER_TASK):
+                part = rows[r0:r0 + SHARED_ROWS_PER_TASK]
+                self.tasks.append(np.array([[self.n_rows, len(part), slot0, 0, j, 0]]))
+                self.rows.append(part)
+                self.lims.append(np.tile([0, c.shared], (len(part), 1)))
+                self.n_rows += len(part)
+
+    def plan(self) -> AttPlan:
+        def cat(parts: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(shape,
+                                                                                                   dtype=torch.int64)
+        return AttPlan(cat(self.tasks, (0, 6)), cat(self.rows, (0,)), cat(self.lims, (0, 2)), cat(self.slots, (0,)))
+
+
+def _segments(pos: np.ndarray, max_len: int) -> np.ndarray:
+    """[S, 2]: ranges of query indices whose positions share a tile (at most max_len each)."""
+    cuts = np.flatnonzero(np.diff(pos // TILE)) + 1
+    starts, ends = np.r_[0, cuts], np.r_[cuts, len(pos)]
+    out = [(s, min(s + max_len, e)) for s0, e in zip(starts, ends) for s in range(s0, e, max_len)]
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+def step_plans(batch: StepBatch, shape: Shape, with_cascades: bool) -> tuple[AttPlan, AttPlan | None, list[Cascade]]:
+    """The step's own plan, its cascades' shared plan (None without cascades) and the cascades."""
+    groups = cascades(batch) if with_cascades and not shape.window else []
+    base = {i: c.shared for c in groups for i in c.members}
+    own = _Builder(shape)
+    for i, span in enumerate(batch.seqs):
+        b = base.get(i, 0)
+        own.add_sequence(span, slots_of(span, batch.block_size, b), b, ATT_FINAL | (ATT_INIT if b else 0))
+    if not groups:
+        return own.plan(), None, []
+    shared = _Builder(shape)
+    for c in groups:
+        shared.add_shared(c, batch)
+    return own.plan(), shared.plan(), groups

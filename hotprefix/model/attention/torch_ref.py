@@ -1,0 +1,43 @@
+"""The torch backend: every sequence's context gathered from the block table, then
+SDPA (torch's CPU flash kernel where SDPA would not pick it). The reference the other
+backends are tested against; on any device and dtype, fp8 KV included."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hotprefix.model.attention.base import AttentionPaths, BackendSpec, StepBatch
+from hotprefix.model.attention.sdpa import SeqAttn, attend_seqs, build_seq_attn
+from hotprefix.model.kv_cache import LayerKV
+
+
+@dataclass
+class TorchMeta:
+    """A step for the torch backend: where each token's K/V goes [T], and each sequence's slots and mask."""
+
+    slot_mapping: torch.Tensor
+    seqs: list[SeqAttn]
+
+
+class TorchAttention:
+    """AttentionBackend (see base.py) in torch alone."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+
+    def prepare(self, batch: StepBatch, paths: AttentionPaths) -> TorchMeta:
+        s = self.spec
+        return TorchMeta(batch.slot_mapping, [build_seq_attn(span, batch.block_size, s.sliding_window, s.device)
+                                              for span in batch.seqs])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: TorchMeta,
+               scale: float) -> torch.Tensor:
+        kv.write(meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        attend_seqs(q, k, v, kv, meta.seqs, scale, out, set())
+        return out
+
+    def forget_step_state(self) -> None:
+        """Nothing is kept between steps."""

@@ -1,0 +1,56 @@
+"""The triton backend: the Triton kernels (model/kernels/triton_attention.py) read the
+pool in place through a block table; compiled on CUDA, interpreted on the CPU (tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from hotprefix.model.attention.base import AttentionPaths, BackendSpec, StepBatch
+from hotprefix.model.kernels import triton_attention
+from hotprefix.model.kernels.triton_attention import TritonMeta, decode_splits
+from hotprefix.model.kv_cache import LayerKV
+from hotprefix.sizing import blocks_for_tokens
+
+
+@dataclass
+class TritonStep:
+    """A step for the triton backend: where each token's K/V goes [T] (-1: nowhere, graph
+    padding) and the kernels' block tables, lengths and query rows."""
+
+    slot_mapping: torch.Tensor
+    triton: TritonMeta
+
+
+def triton_meta(batch: StepBatch, sliding_window: int | None, device: torch.device) -> TritonMeta:
+    """The step's TritonMeta: each sequence's block table (padded with block 0 to the
+    widest), context length after the step, and query rows."""
+    lens = [s.ctx_len for s in batch.seqs]
+    blocks = [blocks_for_tokens(n, batch.block_size) for n in lens]
+    width = max(blocks)
+    table = [s.block_ids[:n] + [0] * (width - n) for s, n in zip(batch.seqs, blocks)]
+    q_lens = [s.q_len for s in batch.seqs]
+    max_q = max(q_lens)
+    return TritonMeta(torch.tensor(table, dtype=torch.int32, device=device),
+                      torch.tensor(lens, dtype=torch.int32, device=device),
+                      torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device), max_q,
+                      batch.block_size, decode_splits(max(lens)) if max_q == 1 else 1, sliding_window or 0)
+
+
+class TritonAttention:
+    """AttentionBackend (see base.py) on the Triton kernels."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+
+    def prepare(self, batch: StepBatch, paths: AttentionPaths) -> TritonStep:
+        return TritonStep(batch.slot_mapping, triton_meta(batch, self.spec.sliding_window, self.spec.device))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: TritonStep,
+               scale: float) -> torch.Tensor:
+        return triton_attention.paged_attention(q, k, v, kv, meta.slot_mapping, meta.triton, scale)
+
+    def forget_step_state(self) -> None:
+        """Nothing is kept between steps."""

@@ -1,0 +1,127 @@
+"""What start-up decides before the first step: the device and dtype, the model built
+complete from the loaded weights (model/families), and the pool's size."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hotprefix.config import CacheConfig, ConfigError, SchedulerConfig
+from hotprefix.model.attention.base import AttentionBackend
+from hotprefix.model.families import model_class
+from hotprefix.model.kernels.build import library
+from hotprefix.model.kv_cache import kv_dtype_name
+from hotprefix.model.layers import KernelOps, TorchOps
+from hotprefix.model.loader import LoadedModel
+from hotprefix.model.weight_cache import regrouped_weights
+from hotprefix.model.weight_set import WeightSet
+from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
+
+log = logging.getLogger(__name__)
+DEFAULT_CPU_KV_BYTES = 1 << 30
+EMBED = "model.embed_tokens.weight"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: "auto" is CUDA where there is one. Raises ConfigError for CUDA without one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """"auto": float32 on CPU (bf16 matmul is very slow there); on CUDA the
+    checkpoint's half type, bfloat16 for float32 checkpoints."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, kernels: bool, int8: bool,
+                backend: AttentionBackend, seed: int = 0) -> tuple[torch.nn.Module, int]:
+    """The model of loaded.arch's family, built complete, and the float32 bytes of weights
+    its blocks serve alone (never held). With `kernels` (the C library, a float32 CPU
+    model) every product reads blocks: the GGUF file's (in int8 mode their regrouped
+    forms, mapped from weight_cache, written at a file's first start) or F32 rows of the
+    float weights; otherwise torch multiplies float weights. Random weights are made on
+    the device for a dummy load. Raises ModelLoadError for weights int8 mode cannot serve
+    from blocks (LoadedModel.model_weights) or that do not match the architecture."""
+    arch = loaded.arch
+    if loaded.dummy:
+        from hotprefix.model.dummy import dummy_weights
+
+        ws = WeightSet(dummy_weights(arch, dtype, device, seed), dtype, device, family=arch.family, f32=kernels)
+    else:
+        packed = loaded.packed if kernels else {}
+        ws = WeightSet(loaded.model_weights(blocks_only=kernels, widen_deferred=not int8), dtype, device,
+                       _mode_blocks(loaded, packed, int8), {EMBED: packed[EMBED]} if EMBED in packed else {},
+                       family=arch.family, f32=kernels)
+    model = model_class(arch.family)(arch, ws, backend, KernelOps() if int8 else TorchOps())
+    return model.eval(), ws.served_bytes
+
+
+def _mode_blocks(loaded: LoadedModel, packed: dict, int8: bool) -> dict:
+    """The blocks products read: GGUF rows (float32 mode), or their regrouped forms (int8;
+    the embedding's only when it is the tied head: lookups read the rows as stored)."""
+    if not int8:
+        return packed
+    names = [n for n in packed if n != EMBED or loaded.arch.tie_word_embeddings]
+    return regrouped_weights(Path(loaded.source), packed, names, library())
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """What start-up decided about the pool."""
+
+    num_blocks: int
+    block_size: int
+    dtype_name: str
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, weight_bytes: int) -> KVPlan:
+    """Size the pool from --kv-cache-memory (CPU) or --gpu-memory-utilization (CUDA).
+    Raises ConfigError when not even one block fits."""
+    arch = loaded.arch
+    name = kv_dtype_name(kv_dtype)
+    bpb = arch.kv_shape.bytes_per_block(name, cache.block_size)
+    if cache.num_blocks_override is not None:
+        n = cache.num_blocks_override
+    elif device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        act = activation_bytes_estimate(sched.token_budget, arch.hidden_size, arch.intermediate_size,
+                                        arch.vocab_size, sched.max_num_seqs, torch.finfo(dtype).bits // 8)
+        n = num_blocks_in_budget(gpu_kv_budget(total, cache.gpu_memory_utilization, weight_bytes, act),
+                                 arch.kv_shape, name, cache.block_size)
+    else:
+        budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
+        n = num_blocks_in_budget(budget, arch.kv_shape, name, cache.block_size)
+    if n < 1:
+        raise ConfigError(f"the KV cache budget holds no block of {bpb} bytes; "
+                          "raise --kv-cache-memory or --gpu-memory-utilization")
+    return KVPlan(n, cache.block_size, name, bpb)
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: the released
+    weights were allocated in many medium chunks). A no-op where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

@@ -1,0 +1,228 @@
+/* ------------------------------------------------------------------------
+ * Attention read in place from the paged float32 pool, the same bits for a query
+ * whatever else its step holds.
+ *
+ * k, v: [KVH, S, D] (head-major slots, kv_cache.py). A plan (hp_plan) lists tasks; a
+ * task attends some query rows (D floats each, at q + rows[i] * D) to the keys of one KV
+ * head at positions [lo_i, hi_i) of each row (lims), reading position p from slot
+ * slots[slot0 + p - base]. Prefill chunks, decodes and cascades are all such tasks.
+ *
+ * Batch invariance: a row's result depends only on its query, its keys and values and
+ * its range, never on the other rows of its task or step. Keys are taken in tiles of
+ * TILE aligned to absolute positions (tile t holds positions [t TILE, (t + 1) TILE));
+ * within a tile each score is one fused multiply-add chain over d = 0..D-1 times the
+ * scale, the tile's weights are exp_nonpos(s - m) per key (ops.h: the same arithmetic
+ * in every build), summed key by key in position order, and the output accumulates
+ * p_j v_j key by key (one fused multiply-add per value): an online softmax whose state
+ * (running max m, sum l, accumulator acc) is rescaled by exp_nonpos(m_old - m_new) once
+ * per tile. Nothing is reduced across vector lanes, so the AVX-512, AVX2 and plain C
+ * builds give the same bits. A task with ATT_INIT starts from a state saved by an
+ * earlier pass (a cascade's shared prefix, whose length is a multiple of TILE), so a
+ * prefix attended once for a group and then each member's own keys is the same
+ * arithmetic as one pass; without ATT_FINAL the state is saved instead of the output.
+ * ------------------------------------------------------------------------ */
+#include "ops.h"
+#include "hp_api.h"
+
+#define RB 4  /* query rows a pass over a tile's transposed keys takes at once */
+
+enum { T_ROW0, T_NROWS, T_SLOT0, T_BASE, T_HEAD, T_FLAGS, T_FIELDS };
+
+/* Per-thread scratch of the attention tasks: state of up to maxr rows of D floats. */
+int att_scratch_alloc(att_scratch *a, int maxr, int D) {
+    a->acc = malloc(sizeof(float) * (size_t)maxr * D);
+    a->s = malloc(sizeof(float) * (size_t)maxr * HP_TILE);
+    a->kt = malloc(sizeof(float) * (size_t)D * HP_TILE);  /* a tile of keys, transposed [D, TILE] */
+    a->mx = malloc(sizeof(float) * maxr);
+    a->l = malloc(sizeof(float) * maxr);
+    return a->acc && a->s && a->kt && a->mx && a->l;
+}
+
+void att_scratch_free(att_scratch *a) { free(a->acc); free(a->s); free(a->kt); free(a->mx); free(a->l); }
+
+int max_task_rows(const hp_plan *p) {
+    int maxr = 1;
+    for (int t = 0; t < p->ntasks; t++) {
+        const int64_t n = p->task[T_FIELDS * t + T_NROWS];
+        maxr = n > maxr ? (int)n : maxr;
+    }
+    return maxr;
+}
+
+/* Scores of rows r0 .. r0 + n - 1 (n <= RB) against the tile kt [D, TILE]: s[r] = q_r . k_j
+ * for every lane j, one fused multiply-add chain over d (lanes never mix). */
+static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const float *kt, int D, float *s) {
+#if defined(VF_W)
+    vf acc[RB][HP_TILE / VF_W];
+    for (int r = 0; r < n; r++)
+        for (int u = 0; u < HP_TILE / VF_W; u++) acc[r][u] = vf_zero();
+    for (int d = 0; d < D; d++) {
+        vf kd[HP_TILE / VF_W];
+        for (int u = 0; u < HP_TILE / VF_W; u++) kd[u] = vf_load(kt + (size_t)d * HP_TILE + u * VF_W);
+        for (int r = 0; r < n; r++) {
+            const vf qd = vf_set1(q[rw[r0 + r] * D + d]);
+            for (int u = 0; u < HP_TILE / VF_W; u++) acc[r][u] = vf_fma(qd, kd[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int u = 0; u < HP_TILE / VF_W; u++) vf_store(s + (size_t)(r0 + r) * HP_TILE + u * VF_W, acc[r][u]);
+#else
+    for (int r = 0; r < n; r++) {
+        float *sr = s + (size_t)(r0 + r) * HP_TILE;
+        const float *qr = q + rw[r0 + r] * D;
+        for (int j = 0; j < HP_TILE; j++) sr[j] = 0.0f;
+        for (int d = 0; d < D; d++)
+            for (int j = 0; j < HP_TILE; j++) sr[j] = fmaf(qr[d], kt[(size_t)d * HP_TILE + j], sr[j]);
+    }
+#endif
+}
+
+/* The tile's weights of one row (lanes [jlo, jhi) are its keys): scales its scores, turns
+ * them into exp_nonpos(s - m_new) in place, and rescales its state. */
+static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, float *l, float *acc, int D) {
+    float mt = -INFINITY;
+    for (int j = jlo; j < jhi; j++) {
+        sr[j] *= scale;
+        mt = sr[j] > mt ? sr[j] : mt;
+    }
+    const float m_new = mt > *m ? mt : *m;
+    const float corr = exp_nonpos(*m - m_new);  /* the first tile: acc and l are 0 */
+    #pragma omp simd
+    for (int j = jlo; j < jhi; j++) sr[j] = exp_nonpos(sr[j] - m_new);
+    float sum = 0.0f;
+    for (int j = jlo; j < jhi; j++) sum += sr[j];  /* key by key, in position order */
+    *l = *l * corr + sum;
+    *m = m_new;
+    #pragma omp simd
+    for (int d = 0; d < D; d++) acc[d] *= corr;
+}
+
+/* acc[r] += p_rj v_j for the keys j of each row r of the tile (lanes [jlo_r, jhi_r)),
+ * value rows read once for every row that takes them. */
+static void tile_values(const float *vh, const int64_t *sl, int j0, const int *jlo, const int *jhi, int R,
+                        const float *s, float *acc, int D) {
+    int lo = HP_TILE, hi = 0;
+    for (int r = 0; r < R; r++) {
+        lo = jlo[r] < lo ? jlo[r] : lo;
+        hi = jhi[r] > hi ? jhi[r] : hi;
+    }
+    for (int j = lo; j < hi; j++) {
+        const float *vj = vh + sl[j0 + j] * D;
+        for (int r = 0; r < R; r++) {
+            if (j < jlo[r] || j >= jhi[r]) continue;
+            const float p = s[(size_t)r * HP_TILE + j];
+            float *ar = acc + (size_t)r * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) ar[d] = fmaf(p, vj[d], ar[d]);
+        }
+    }
+}
+
+/* The task's rows start from zero or (ATT_INIT) from their saved state. */
+static void task_begin(const hp_att *a, const int64_t *rw, int R, int flags, const att_scratch *scr) {
+    for (int r = 0; r < R; r++) {
+        float *ar = scr->acc + (size_t)r * a->D;
+        if (flags & ATT_INIT) {
+            scr->mx[r] = a->st_m[rw[r]];
+            scr->l[r] = a->st_l[rw[r]];
+            memcpy(ar, a->st_acc + rw[r] * a->D, sizeof(float) * a->D);
+        } else {
+            scr->mx[r] = -INFINITY;
+            scr->l[r] = 0.0f;
+            for (int d = 0; d < a->D; d++) ar[d] = 0.0f;
+        }
+    }
+}
+
+/* Each row's output acc / l (ATT_FINAL), or its state saved for a later pass. */
+static void task_end(const hp_att *a, const int64_t *rw, int R, int flags, const att_scratch *scr) {
+    const int D = a->D;
+    for (int r = 0; r < R; r++) {
+        const float *ar = scr->acc + (size_t)r * D;
+        if (flags & ATT_FINAL) {
+            float *o = a->out + rw[r] * D;
+            for (int d = 0; d < D; d++) o[d] = ar[d] / scr->l[r];
+        } else {
+            a->st_m[rw[r]] = scr->mx[r];
+            a->st_l[rw[r]] = scr->l[r];
+            memcpy(a->st_acc + rw[r] * D, ar, sizeof(float) * D);
+        }
+    }
+}
+
+/* The keys of one tile that any row of the task takes, transposed into kt [D, TILE]
+ * (lanes no row takes: 0). */
+static void tile_keys(const float *kh, const int64_t *sl, int p0, int64_t lo, int64_t hi, int D, float *kt) {
+    for (int j = 0; j < HP_TILE; j++) {
+        const int64_t p = p0 + j;
+        if (p < lo || p >= hi) {
+            for (int d = 0; d < D; d++) kt[(size_t)d * HP_TILE + j] = 0.0f;
+            continue;
+        }
+        const float *kj = kh + sl[p] * D;
+        for (int d = 0; d < D; d++) kt[(size_t)d * HP_TILE + j] = kj[d];
+    }
+}
+
+/* One task of a plan (see the file's comment). */
+void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *scr) {
+    const int64_t *tk = pl->task + (size_t)T_FIELDS * t;
+    const int64_t *rw = pl->rows + tk[T_ROW0], *lm = pl->lims + 2 * tk[T_ROW0];
+    const int R = (int)tk[T_NROWS], D = a->D, flags = (int)tk[T_FLAGS];
+    const int64_t *sl = pl->slots + tk[T_SLOT0] - tk[T_BASE];  /* sl[p]: the slot of position p */
+    const float *kh = a->k + tk[T_HEAD] * a->head_stride, *vh = a->v + tk[T_HEAD] * a->head_stride;
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int r = 0; r < R; r++) {
+        lo = lm[2 * r] < lo ? lm[2 * r] : lo;
+        hi = lm[2 * r + 1] > hi ? lm[2 * r + 1] : hi;
+    }
+    task_begin(a, rw, R, flags, scr);
+    int jlo[HP_MAX_TASK_ROWS], jhi[HP_MAX_TASK_ROWS];
+    for (int64_t p0 = lo / HP_TILE * HP_TILE; p0 < hi; p0 += HP_TILE) {
+        tile_keys(kh, sl, (int)p0, lo, hi, D, scr->kt);
+        for (int r = 0; r < R; r++) {  /* each row's keys in this tile: lanes [jlo, jhi) */
+            const int64_t a0 = lm[2 * r] > p0 ? lm[2 * r] : p0;
+            const int64_t a1 = lm[2 * r + 1] < p0 + HP_TILE ? lm[2 * r + 1] : p0 + HP_TILE;
+            jlo[r] = (int)(a0 - p0);
+            jhi[r] = a1 > a0 ? (int)(a1 - p0) : jlo[r];
+        }
+        for (int r0 = 0; r0 < R; r0 += RB) tile_scores(a->q, rw, r0, R - r0 < RB ? R - r0 : RB, scr->kt, D, scr->s);
+        for (int r = 0; r < R; r++)
+            if (jhi[r] > jlo[r])
+                tile_softmax(scr->s + (size_t)r * HP_TILE, jlo[r], jhi[r], a->scale, scr->mx + r, scr->l + r,
+                             scr->acc + (size_t)r * D, D);
+        tile_values(vh, sl, (int)p0, jlo, jhi, R, scr->s, scr->acc, D);
+    }
+    task_end(a, rw, R, flags, scr);
+}
+
+/* Checks a plan: every task within HP_MAX_TASK_ROWS rows, a known head, ranges inside its slots. */
+int plan_valid(const hp_plan *p, int KVH) {
+    for (int t = 0; t < p->ntasks; t++) {
+        const int64_t *tk = p->task + (size_t)T_FIELDS * t;
+        if (tk[T_NROWS] < 1 || tk[T_NROWS] > HP_MAX_TASK_ROWS || tk[T_HEAD] < 0 || tk[T_HEAD] >= KVH) return 0;
+        for (int64_t r = tk[T_ROW0]; r < tk[T_ROW0] + tk[T_NROWS]; r++)
+            if (p->lims[2 * r] < tk[T_BASE] || p->lims[2 * r + 1] <= p->lims[2 * r]) return 0;
+    }
+    return 1;
+}
+
+/* Runs every task of `plan` (see the file's comment). Returns 0; -1 for an invalid plan
+ * (rows per task, head, ranges); -2 when out of memory. */
+int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads) {
+    if (!plan_valid(plan, a->KVH)) return -1;
+    const int maxr = max_task_rows(plan);
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        att_scratch scr;
+        if (!att_scratch_alloc(&scr, maxr, a->D)) failed = 1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < plan->ntasks; t++) {
+            if (failed) continue;
+            attend_task(a, plan, t, &scr);
+        }
+        att_scratch_free(&scr);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,268 @@
+"""One tensor-level wrapper per entry point of the C library: each checks what the C
+side assumes (dtype, device, contiguity, sizes) once, takes the tensors' addresses and
+calls it. Nothing outside hotprefix.model.kernels passes tensors to C.
+
+`lib` arguments default to the process's library (build.library()); tests pass other
+builds of it (-march=x86-64, the simulated AVX-512 build) to compare their bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from hotprefix.model.kernels.abi import HpAtt, HpLayer, HpPlan, HpStack, HpStep
+from hotprefix.model.kernels.build import need
+from hotprefix.model.kernels.weights import Blocks, FusedWeight, PackedWeight
+
+Lib = ctypes.CDLL | None
+
+
+def _f32_cpu(name: str, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name}: float32 CPU tensors only, got {t.dtype} on {t.device}")
+
+
+def qmatmul(x: torch.Tensor, w: Blocks, lib: Lib = None) -> torch.Tensor:
+    """x [M, K] float32 (CPU) @ W^T -> [M, N] float32, with int8 activations when w.int8.
+    Raises RuntimeError without the library or when the kernel refuses the weight."""
+    lib = need(lib)
+    _f32_cpu("qmatmul", x)
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if w.int8:
+        rc = lib.hp_qmatmul_i8_parts(w.part_table, len(w.parts), x.data_ptr(), m, w.k, y.data_ptr(), threads)
+    elif isinstance(w, FusedWeight):
+        return torch.cat([qmatmul(x, p, lib) for p in w.parts], dim=1)
+    else:
+        rc = lib.hp_qmatmul(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), threads)
+    if rc:
+        raise RuntimeError(f"the block product failed ({rc}) for {[p.type_name for p in w.parts]}, K={w.k}")
+    return y
+
+
+def dequantize(w: PackedWeight, lib: Lib = None) -> torch.Tensor:
+    """The weight as float32 [N, K], dequantized by the kernel's own code (as gguf does).
+    Raises RuntimeError for a regrouped (int8) weight, ValueError for rows not contiguous."""
+    lib = need(lib)
+    if w.int8:
+        raise RuntimeError("dequantize reads GGUF rows, not the regrouped form")
+    if not w.raw.is_contiguous():
+        raise ValueError("dequantize needs contiguous rows")
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    if lib.hp_dequantize(w.qtype, w.raw.data_ptr(), w.n, w.k, out.data_ptr()):
+        raise RuntimeError(f"hp_dequantize failed for type {w.qtype}")
+    return out
+
+
+def int8_vectorized(lib: Lib = None) -> bool:
+    """Whether this build runs int8 products on vector instructions (AVX-512 VNNI or AVX2)."""
+    return bool(need(lib).hp_int8_vectorized())
+
+
+def silu_mul(gate_up: torch.Tensor, lib: Lib = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [M, 2I] float32 (CPU) = [gate | up] -> [M, I], in one pass
+    (exp to about one float ulp). Raises RuntimeError without the library."""
+    lib = need(lib)
+    _f32_cpu("silu_mul", gate_up)
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.float32)
+    lib.hp_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Lib = None) -> torch.Tensor:
+    """RMSNorm of x [M, E] float32 (rows may be apart, each contiguous) -> new [M, E]."""
+    lib = need(lib)
+    _f32_cpu("rms_norm", x, weight)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    m, e = x.shape
+    out = torch.empty(m, e, dtype=torch.float32)
+    lib.hp_rmsnorm(x.data_ptr(), m, e, x.stride(0), weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: Lib = None) -> torch.Tensor:
+    """Rotate x [T, NH, D] float32 in place by cos, sin [T, 1, D] (contiguous); returns x.
+    x's rows may be apart, each row's NH * D values contiguous: otherwise a rotated copy."""
+    lib = need(lib)
+    _f32_cpu("rope_", x, cos, sin)
+    t, nh, d = x.shape
+    if not (x.stride(1) == d and x.stride(2) == 1):
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib.hp_rope(x.data_ptr(), t, nh, x.stride(0), d, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    return x
+
+
+def rows_dense(*ts: torch.Tensor) -> bool:
+    """Each tensor [T, NH, D] on the CPU with each row's NH * D values contiguous (rows may be apart)."""
+    return all(t.device.type == "cpu" and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in ts)
+
+
+def kv_write(kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             lib: Lib = None) -> None:
+    """Store k, v ([T, KVH, D] float32, rows_dense) at `slots` ([T] int64) of a float32
+    pool's K and V ([KVH, S, D] contiguous). Raises ValueError for other layouts."""
+    lib = need(lib)
+    _f32_cpu("kv_write", kpool, vpool, k, v)
+    if not (rows_dense(k, v) and kpool.is_contiguous() and vpool.is_contiguous()):
+        raise ValueError("kv_write: rows of k and v must be dense and the pool contiguous")
+    slots = slots.to(torch.int64).contiguous()
+    d = k.shape[2]
+    lib.hp_kv_write(kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * d, slots.data_ptr(), k.shape[0],
+                    k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[1], d)
+
+
+ATT_INIT, ATT_FINAL = 1, 2  # a task's flags: start from the rows' saved state; write their output
+TASK_FIELDS = 6  # (first row entry, entries, first slot entry, position of that slot, KV head, flags)
+MAX_TASK_ROWS = 256  # csrc/hp.h's HP_MAX_TASK_ROWS
+TILE = 16  # csrc/hp.h's HP_TILE: keys a tile, aligned to absolute positions
+
+
+class AttPlan:
+    """An attention plan for hp_attend (csrc/attention.c): task [N, 6] (first entry of
+    rows, entries, first entry of slots, the position of that slot, KV head, flags);
+    rows [R] (each query's row of q viewed [T * H, D]); lims [R, 2] (its key positions
+    [lo, hi)); slots (pool slots, position order). All int64, contiguous, kept alive with
+    the C struct that points into them."""
+
+    def __init__(self, task: torch.Tensor, rows: torch.Tensor, lims: torch.Tensor, slots: torch.Tensor) -> None:
+        self.task, self.rows, self.lims, self.slots = (t.to(torch.int64).contiguous()
+                                                       for t in (task, rows, lims, slots))
+        if self.task.numel() and (self.task[:, 1].max() > MAX_TASK_ROWS or self.task.shape[1] != TASK_FIELDS):
+            raise ValueError(f"attention tasks hold at most {MAX_TASK_ROWS} rows of {TASK_FIELDS} fields")
+        self.c = HpPlan(self.rows.data_ptr(), self.lims.data_ptr(), self.task.data_ptr(), self.slots.data_ptr(),
+                        self.task.shape[0])
+
+    @property
+    def ntasks(self) -> int:
+        return self.task.shape[0]
+
+
+@dataclass
+class AttState:
+    """The rows' online-softmax state between attention passes (a cascade's shared prefix,
+    then each member's own keys): m, l [T * H], acc [T * H, D] float32."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+    acc: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, d: int) -> AttState:
+        return cls(torch.empty(rows), torch.empty(rows), torch.empty(rows, d))
+
+
+def attend(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, plan: AttPlan, scale: float,
+           out: torch.Tensor, state: AttState | None = None, lib: Lib = None) -> None:
+    """Run one plan: q [T, H, D] contiguous float32; a float32 pool's K and V [KVH, S, D];
+    writes the rows of out [T, H, D] its ATT_FINAL tasks finish, and `state` for the
+    others (read by ATT_INIT tasks). Raises ValueError for an invalid plan (C's check),
+    RuntimeError if the kernel fails."""
+    lib = need(lib)
+    _f32_cpu("attend", q, kpool, vpool, out)
+    if not (q.is_contiguous() and out.is_contiguous() and kpool.is_contiguous() and vpool.is_contiguous()):
+        raise ValueError("attend: q, out and the pool must be contiguous")
+    d = q.shape[-1]
+    st = (state.m.data_ptr(), state.l.data_ptr(), state.acc.data_ptr()) if state is not None else (None,) * 3
+    att = HpAtt(q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * d, kpool.shape[0], d, scale,
+                out.data_ptr(), *st)
+    rc = lib.hp_attend(ctypes.byref(att), ctypes.byref(plan.c), torch.get_num_threads())
+    if rc == -1:
+        raise ValueError("hp_attend refused the plan (rows per task, KV head or key ranges)")
+    if rc:
+        raise RuntimeError(f"hp_attend failed ({rc})")
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer as hp_decode_layers reads it: norms [E], projections as regrouped
+    blocks (qkv of 1-3 parts, gate/up of 1-2), optional biases, and its float32 KV pool."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    qkv: Blocks
+    o: PackedWeight
+    gate_up: Blocks
+    down: PackedWeight
+    b_qkv: torch.Tensor | None
+    b_o: torch.Tensor | None
+    kpool: torch.Tensor
+    vpool: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The model's shape as hp_decode_layers reads it."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class DecodeStack:
+    """The C structs of every decoder layer (hp_stack), built once: they hold the
+    addresses of the layers' tensors, which must outlive it and stay where they are.
+    Raises ValueError for a projection of more parts than the struct has room for."""
+
+    def __init__(self, layers: list[DecodeLayer], shape: StackShape) -> None:
+        self._keep = layers
+        self.layers = (HpLayer * len(layers))()
+        for spec, layer in zip(self.layers, layers):
+            _fill_layer(spec, layer)
+        pool = layers[0].kpool
+        self.stack = HpStack(self.layers, len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                             shape.intermediate, shape.eps, shape.scale, pool.shape[1] * shape.head_dim)
+
+
+def _fill_layer(spec: HpLayer, layer: DecodeLayer) -> None:
+    _f32_cpu("decode layer", layer.norm1, layer.norm2, layer.kpool, layer.vpool)
+    spec.norm1, spec.norm2 = layer.norm1.data_ptr(), layer.norm2.data_ptr()
+    spec.nqkv = _set_parts(spec.qkv, layer.qkv)
+    spec.ngu = _set_parts(spec.gu, layer.gate_up)
+    _set_parts((spec.o,), layer.o)
+    _set_parts((spec.down,), layer.down)
+    spec.b_qkv = layer.b_qkv.data_ptr() if layer.b_qkv is not None else None
+    spec.b_o = layer.b_o.data_ptr() if layer.b_o is not None else None
+    spec.kpool, spec.vpool = layer.kpool.data_ptr(), layer.vpool.data_ptr()
+
+
+def _set_parts(slots, w: Blocks) -> int:
+    """Write w's parts (regrouped weights) into the HpPart slots; returns how many."""
+    parts = w.parts
+    if len(parts) > len(slots):
+        raise ValueError(f"{len(parts)} parts, room for {len(slots)}")
+    for slot, p in zip(slots, parts):
+        slot.w, slot.qtype, slot.n = p.raw.data_ptr(), p.qtype, p.n
+    return len(parts)
+
+
+def decode_layers(stack: DecodeStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  own: AttPlan, shared: AttPlan | None, lib: Lib = None) -> None:
+    """Run a decode step's rows x [M, E] (contiguous float32, updated in place) through
+    every layer of `stack`: cos, sin [M, 1, D]; slots [M] where each row's key and value
+    go; `own`/`shared`: the attention plans over each row's keys and the cascades' shared
+    prefixes (run first). Raises RuntimeError if the kernel fails or refuses a plan."""
+    lib = need(lib)
+    _f32_cpu("decode_layers", x, cos, sin)
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.to(torch.int64).contiguous()
+    step = HpStep(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), wslots=slots.data_ptr(), own=own.c,
+                  M=x.shape[0])
+    if shared is not None:
+        step.shared = shared.c
+    rc = lib.hp_decode_layers(ctypes.byref(stack.stack), ctypes.byref(step), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"hp_decode_layers failed ({rc})")

@@ -1,0 +1,154 @@
+"""Weights as the C kernels read them: a weight's GGUF blocks as stored in the file
+(PackedWeight), the same blocks regrouped by 16 rows for int8 products, float32 rows
+(type F32, a view of the float weight), and several weights over one input multiplied as
+one product (FusedWeight: q, k and v; gate and up).
+
+Types (GGML ids): F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 values a block) and the K-quants
+Q4_K, Q5_K, Q6_K (256). On the CPU every product of every batch size reads them: float32
+mode with float32 activations, int8 mode on the regrouped blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from hotprefix.model.kernels.abi import HpPart
+from hotprefix.model.kernels.build import need
+
+F32 = 0  # GGML's id of float32 rows
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGML ids
+BLOCK_BYTES = {F32: 128, 2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
+BLOCK_VALUES = {t: 256 if t >= 12 else 32 for t in BLOCK_BYTES}  # values per block
+TYPE_NAMES = {v: k for k, v in QTYPES.items()} | {F32: "F32"}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / block values *
+    block bytes] (the file's rows, often a view of the mapped file), or with `int8`, the
+    same blocks regrouped by 16 rows (csrc/repack.c) for the int8-activation product."""
+
+    qtype: int
+    raw: torch.Tensor
+    n: int
+    k: int
+    int8: bool = False
+
+    @property
+    def parts(self) -> tuple[PackedWeight, ...]:
+        return (self,)
+
+    @cached_property
+    def part_table(self) -> ctypes.Array:
+        """The kernel's HpPart table for this weight, built once (it points into `raw`)."""
+        return part_table(self.parts)
+
+    def regrouped_bytes(self, lib: ctypes.CDLL | None = None) -> int:
+        """Bytes of the int8 form of these rows."""
+        return int(need(lib).hp_repacked_bytes(self.qtype, self.n, self.k))
+
+    def regrouped(self, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> PackedWeight:
+        """The int8-activation form of these GGUF rows (a new weight; self is unchanged),
+        written into `out` (uint8, regrouped_bytes long: e.g. a view of a mapped cache
+        file) or a new tensor. Raises RuntimeError without the library, ValueError for a
+        wrong `out`."""
+        if self.int8:
+            return self
+        lib = need(lib)
+        size = self.regrouped_bytes(lib)
+        out = torch.empty(size, dtype=torch.uint8) if out is None else out
+        if out.numel() != size or out.dtype != torch.uint8 or not out.is_contiguous() or not self.raw.is_contiguous():
+            raise ValueError(f"regrouped: out must be {size} contiguous bytes, and the rows contiguous")
+        if lib.hp_repack(self.qtype, self.raw.data_ptr(), self.n, self.k, out.data_ptr()):
+            raise RuntimeError(f"hp_repack failed for type {self.qtype}, K={self.k}")
+        return PackedWeight(self.qtype, out, self.n, self.k, int8=True)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: torch.Tensor, n: int, k: int) -> PackedWeight | None:
+        """The rows of a GGUF tensor of `type_name` ([N, K] in HF's order), or None for a
+        type the kernels do not read or a K its blocks do not divide."""
+        qtype = QTYPES.get(type_name)
+        if qtype is None or k <= 0 or k % BLOCK_VALUES[qtype]:
+            return None
+        raw = raw.reshape(n, k // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype])
+        return cls(qtype, raw if raw.is_contiguous() else raw.contiguous(), n, k)
+
+    def rows(self, ids: torch.Tensor) -> PackedWeight:
+        """Rows `ids` ([T]) of these GGUF rows, as a weight of T rows (an embedding lookup)."""
+        picked = self.raw.index_select(0, ids)
+        return PackedWeight(self.qtype, picked, picked.shape[0], self.k)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> PackedWeight | None:
+        """Float32 rows w [N, K] as F32 blocks (a view: w must outlive them), or None when K
+        is not a multiple of 32 or w is not a contiguous float32 CPU tensor."""
+        if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % BLOCK_VALUES[F32] \
+                or not w.is_contiguous():
+            return None
+        return cls(F32, w.view(torch.uint8), w.shape[0], w.shape[1])
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+@dataclass(frozen=True)
+class FusedWeight:
+    """Weights over one input multiplied as one product whose outputs are their columns
+    side by side (q, k and v; gate and up). The parts may differ in type: a Q4_K_M layer's
+    q and k are Q4_K and its v Q6_K. In int8 mode the kernel runs every part's groups in
+    one work-sharing loop; in float32 mode each part is its own product."""
+
+    parts: tuple[PackedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts or len({p.k for p in self.parts}) != 1 or len({p.int8 for p in self.parts}) != 1:
+            raise ValueError("fused weights need one K and one form")
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def int8(self) -> bool:
+        return self.parts[0].int8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @cached_property
+    def part_table(self) -> ctypes.Array:
+        """The kernel's HpPart table for these parts, built once (it points into their `raw`)."""
+        return part_table(self.parts)
+
+    def regrouped(self, lib: ctypes.CDLL | None = None) -> FusedWeight:
+        return FusedWeight(tuple(p.regrouped(lib) for p in self.parts))
+
+
+Blocks = PackedWeight | FusedWeight
+
+
+def part_table(parts: tuple[PackedWeight, ...]) -> ctypes.Array:
+    """The kernel's HpPart table of `parts` (it points into their `raw`, which must outlive it)."""
+    return (HpPart * len(parts))(*(HpPart(p.raw.data_ptr(), p.qtype, p.n) for p in parts))
+
+
+def fuse(ws: list[PackedWeight | None]) -> FusedWeight | None:
+    """One product for several projections of the same input, or None unless all are
+    given with one K, as GGUF rows or all regrouped."""
+    if not ws or any(w is None for w in ws) or len({(w.k, w.int8) for w in ws}) != 1:
+        return None
+    return FusedWeight(tuple(ws))

@@ -1,0 +1,176 @@
+"""The layers model families are made of, each built complete from a WeightSet: its
+float weights, the GGUF blocks that serve its products, and the ops its small per-row
+steps run on (LayerOps: torch's, or the C kernels' in int8 mode).
+
+Shapes: T = tokens in the flat batch, E = hidden size, N/K = a product's outputs/inputs,
+H = query heads, KVH = KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotprefix.model.arch import ModelArch, ModelLoadError
+from hotprefix.model.kernels import ops
+from hotprefix.model.kernels.weights import Blocks, PackedWeight
+from hotprefix.model.weight_set import WeightSet
+
+
+class LayerOps(Protocol):
+    """The small per-row steps of a layer."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TorchOps:
+    """LayerOps in torch (float32 mode: the arithmetic transformers does)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op (the same arithmetic as below)
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, NH, D] rotated by cos, sin [T, 1, D] (a new tensor)."""
+        return x * cos + rotate_half(x) * sin
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        return F.silu(gate) * up
+
+
+class KernelOps(TorchOps):
+    """LayerOps on the C kernels where the tensors fit them (2-D float32 norms, float32
+    rotations in place, silu * up in one pass), torch's elsewhere (int8 mode)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            return ops.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and ops.rows_dense(x):
+            return ops.rope_(x, cos, sin)  # in place, one call
+        return super().rope(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return ops.silu_mul(gate_up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float, ops_: LayerOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+        self.ops = ops_
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b: on the C kernels from `blocks` (GGUF rows, their int8 form, or F32
+    rows of the float weight) for 2-D inputs, else (no kernels, another device) from the
+    float weight (absent where blocks alone serve: a GGUF weight on the CPU)."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, blocks: Blocks | None) -> None:
+        super().__init__()
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.blocks
+        if p is not None and x.dim() == 2:
+            y = ops.qmatmul(x, p)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def take_linear(ws: WeightSet, prefix: str, n: int, k: int, bias: bool = False, blocks: bool = True,
+                served_by: Blocks | None = None) -> Linear:
+    """The Linear `prefix` ([n, k]) with its optional bias and (`blocks`) its blocks;
+    `served_by`: blocks that serve it from elsewhere (the logits' head). Raises
+    ModelLoadError for a weight that is neither loaded nor served by blocks."""
+    name = f"{prefix}.weight"
+    w = ws.take(name, (n, k))
+    b = ws.blocks_for(name, w) if blocks else None
+    check_served(name, w, served_by or b, ws, (n, k))
+    return Linear(w, ws.optional(f"{prefix}.bias", (n,), bias), b)
+
+
+def check_served(name: str, w: torch.Tensor | None, blocks: Blocks | None, ws: WeightSet,
+                 shape: tuple[int, ...]) -> None:
+    """A weight not loaded (meta) must be served by its GGUF blocks. Raises ModelLoadError."""
+    if w is None and not ws.record:
+        if blocks is None:
+            raise ModelLoadError(f"weights neither loaded nor read as blocks: [{name!r}]")
+        ws.count_served(shape)
+
+
+class Embedding(nn.Module):
+    """Rows of the token table: from the float table, or, without one (int8 mode), looked
+    up in the GGUF rows and dequantized just those (exactly as gguf does)."""
+
+    def __init__(self, weight: torch.Tensor | None, rows: PackedWeight | None) -> None:
+        super().__init__()
+        if weight is None and rows is None:
+            raise ModelLoadError("the embedding is neither loaded nor kept as GGUF rows")
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.rows = rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        p = self.rows
+        return ops.dequantize(p.rows(ids.reshape(-1))).reshape(*ids.shape, p.k)
+
+
+def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """[D/2] inverse frequencies, with linear or Llama-3 scaling applied, on the CPU."""
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+    if rope_freqs is not None:  # GGUF stores Llama-3's scaling as per-frequency divisors
+        return (inv / rope_freqs.double()).float()
+    rs = arch.rope_scaling
+    if arch.rope_type == "linear":
+        inv = inv / rs["factor"]
+    elif arch.rope_type == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    """cos, sin [T, 1, D] of the given positions (computed in float32)."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)

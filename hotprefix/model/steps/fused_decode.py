@@ -1,0 +1,75 @@
+"""Decode steps through every decoder layer in one C call (csrc/decode.c's
+hp_decode_layers), in int8 mode on the CPU.
+
+A step in which every sequence decodes one token spends a large share of its time
+between kernels on 2 cores: about ten ctypes calls per layer, each opening its own
+OpenMP region, and torch's small ops between them (docs/benchmarks.md measures it).
+FusedDecode hands the whole stack of layers to one call that keeps its threads in one
+parallel region. Each stage runs the same C code as the layer-by-layer path, so the
+hidden states are the same bits (tests/model/test_fused_decode.py compares them);
+the embedding, the final norm and the logits stay in Python.
+
+It serves only what it was built for: int8 blocks for every projection (q/k/v and
+gate/up fused, their parts of any types), no q/k norms, the cpu backend's float32 pool,
+and a step of single-token decodes (any other step takes the layer-by-layer path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotprefix.model.attention.base import AttentionPaths, StepBatch
+from hotprefix.model.attention.cpu import CpuAttention, CpuMeta
+from hotprefix.model.kernels import ops
+from hotprefix.model.kv_cache import KVCache
+
+
+def unfusable(model, kv: KVCache, backend) -> str | None:
+    """Why the layers of `model` over `kv` cannot run in hp_decode_layers, or None."""
+    pool = kv.layers[0].k
+    if not isinstance(backend, CpuAttention) or not backend.kernels:
+        return "the attention backend is not the cpu one with the C kernels"
+    if model.arch.qk_norm or pool.dtype != torch.float32 or pool.device.type != "cpu":
+        return "q/k norms, or not a float32 CPU pool"
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if any(p is None or not p.int8 for p in (a.qkv_blocks, a.o_proj.blocks, m.gate_up_blocks, m.down_proj.blocks)):
+            return "a projection without int8 blocks"
+    return None
+
+
+class FusedDecode:
+    """StepRunner (see steps/__init__.py) of the decoder layers of `model` over the pool
+    `kv`. Holds the addresses of the model's weights and the pool's tensors: both must
+    outlive it and stay where they are (the runner builds it once, after both). Raises
+    ValueError when `unfusable` says why not."""
+
+    name = "fused decode"
+
+    def __init__(self, model, kv: KVCache, backend) -> None:
+        why = unfusable(model, kv, backend)
+        if why is not None:
+            raise ValueError(f"this model and cache cannot take the fused decode path: {why}")
+        self.model = model
+        arch = model.arch
+        self.h, self.kvh = arch.num_heads, arch.num_kv_heads
+        layers = [ops.DecodeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                  layer.self_attn.qkv_blocks, layer.self_attn.o_proj.blocks,
+                                  layer.mlp.gate_up_blocks, layer.mlp.down_proj.blocks, layer.self_attn.qkv_bias,
+                                  layer.self_attn.o_proj.bias, lkv.k, lkv.v)
+                  for layer, lkv in zip(model.model.layers, kv.layers)]
+        shape = ops.StackShape(arch.hidden_size, self.h, self.kvh, arch.head_dim, arch.intermediate_size,
+                               float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)
+        self.stack = ops.DecodeStack(layers, shape)
+
+    def refusal(self, batch: StepBatch, meta: CpuMeta, paths: AttentionPaths) -> str | None:
+        """Serves a step of single-token decodes only, attended by the C kernel."""
+        if not paths.fused_decode:
+            return "turned off for this step"
+        return None if batch.decode_only else "not every sequence decodes one token"
+
+    def forward(self, batch: StepBatch, meta: CpuMeta) -> torch.Tensor:
+        x = self.model.model.embed_tokens(batch.input_ids).contiguous()  # [T, E], updated in place below
+        cos, sin = self.model.rope(batch.positions, x.dtype)  # [T, 1, D] each
+        ops.decode_layers(self.stack, x, cos, sin, meta.slot_mapping, meta.own, meta.shared)
+        return self.model.model.norm(x)
