@@ -10,7 +10,7 @@ Threads and what they own:
   start-up (vocabulary, block size, max_model_len) and tokenizes nothing itself
   beyond single tokens.
 
-Every tokenizer call runs on a per-thread copy (engine.tokenizer.PromptEncoder),
+Every tokenizer call runs on a per-thread copy (tokenizers.prompt_encoder.PromptEncoder),
 so no thread waits on another's tokenization. Engine request ids are made here
 and never reused, so an output can never reach a stream it does not belong to.
 """

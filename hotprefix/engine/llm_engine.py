@@ -20,16 +20,16 @@ from hotprefix.core.outputs import EngineCoreOutput
 from hotprefix.core.request import Request, RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.counters import PinSummary, TierGauges
-from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
 from hotprefix.engine.outputs import CompletionOutput, RequestOutput  # (their home; imported from here too)
-from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.grammar import compiler_for
 from hotprefix.model.loader import LoadedModel, generation_defaults, load_dummy, load_model
 from hotprefix.model.runner import ModelRunner, return_freed_memory
 from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
 from hotprefix.sizing import blocks_for_tokens
+from hotprefix.tokenizers.detokenizer import IncrementalDetokenizer
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 
 log = logging.getLogger(__name__)
 MAX_CACHE_SALT_CHARS = 1024

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hotprefix.errors import ModelLoadError as ModelLoadError  # its home is errors.py; re-exported for model/
 from hotprefix.sizing import KVShape, ModelShape
 
 # HF `architectures` entry -> our family name.
@@ -17,10 +18,6 @@ HF_ARCHITECTURES = {
 # GGUF `general.architecture` -> our family name.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ModelLoadError(Exception):
-    """The model cannot be loaded; the message is one line naming what was wrong."""
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHasher
-from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.sizing import max_cached_blocks
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
 from hotprefix.tools.jsonl import iter_objects
 from hotprefix.tools.volatile import Placement, Volatile, find_volatile, move, spans_of
