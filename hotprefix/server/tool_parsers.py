@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hotprefix.grammar import COMPACT_JSON
+from hotprefix.grammar_build import COMPACT_JSON
 from hotprefix.tokenizers.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
