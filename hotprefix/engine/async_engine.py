@@ -26,7 +26,8 @@ from hotprefix.core.hashing import UNSALTED
 from hotprefix.engine.admission import Admission
 from hotprefix.engine.counters import EngineCounters, LiveStats
 from hotprefix.engine.engine_loop import Abort, Add, EngineDeadError, EngineLoop
-from hotprefix.engine.llm_engine import LLMEngine, RequestOutput, check_token_ids
+from hotprefix.engine.llm_engine import LLMEngine, RequestOutput
+from hotprefix.engine.prepare import check_token_ids
 from hotprefix.engine.preprocess import Preprocessor
 from hotprefix.engine.requests import DEFAULT_OPTIONS, CacheScope, ChatPrompt, Prompt, RequestOptions
 from hotprefix.engine.streams import RequestStream, StreamTable

@@ -32,7 +32,7 @@ from hotprefix.model.runner import ModelRunner, return_freed_memory
 from hotprefix.sampling_params import SamplingParams
 from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 
-__all__ = ["CompletionOutput", "LLMEngine", "PreparedRequest", "RequestOutput", "check_token_ids"]
+__all__ = ["CompletionOutput", "LLMEngine", "RequestOutput"]
 
 log = logging.getLogger(__name__)
 

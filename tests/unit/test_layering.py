@@ -18,7 +18,7 @@ INTERNALS = re.compile(r"\bengine\.(engine|scheduler|kv|runner|encoder|tokenizer
 # and ruff's SLF001 refuses private members across modules)
 THREAD_MODULES = ("hotprefix.core.scheduler", "hotprefix.core.kv_cache_manager", "hotprefix.core.block_pool",
                   "hotprefix.core.kv_tiers", "hotprefix.model.runner", "hotprefix.model.llama",
-                  "hotprefix.model.fused_decode")
+                  "hotprefix.model.fused_decode", "hotprefix.engine.engine_loop")
 
 
 def _http_files() -> list[Path]:
