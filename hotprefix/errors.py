@@ -1,6 +1,11 @@
-"""Errors raised for bad requests; the server maps them to HTTP statuses."""
+"""Errors raised for bad requests (the server maps them to HTTP statuses), and for a
+model that cannot be loaded. Below every other module: anyone may raise them."""
 
 from __future__ import annotations
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded; the message is one line naming what was wrong."""
 
 
 class PinError(ValueError):

@@ -10,66 +10,29 @@ it (a bad schema is a 400 naming the problem) and pay for building its matcher a
 its first token mask there, off the engine thread; a grammar whose first mask takes
 longer than MASK_BUDGET_S is refused as too complex. Before that, a spec is checked
 against the size limits (grammar_limits.py) and, with a sandbox, compiled first in a
-worker process that is killed when it runs over its CPU budget (grammar_sandbox.py). The runner copies the compiled
-matcher for each sequence (model/structured.py) and holds every later mask to the
-same budget. Torch-free: it sits beside sampling_params.py, below the engine and
-the model.
+worker process that is killed when it runs over its CPU budget (grammar_sandbox.py);
+both compile a spec with grammar_build.py. The runner copies the compiled matcher for
+each sequence (model/structured.py) and holds every later mask to the same budget.
+Torch-free: it sits beside sampling_params.py, below the engine and the model.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-import time
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from hotprefix.errors import InvalidRequestError
+from hotprefix.grammar_build import MASK_BUDGET_S as MASK_BUDGET_S  # (model/structured.py reads it here)
+from hotprefix.grammar_build import Compiled, build
 from hotprefix.grammar_limits import GrammarLimits
+from hotprefix.grammar_sandbox import CompileSandbox, SandboxConfig
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
     from hotprefix.config import StructuredConfig
-    from hotprefix.grammar_sandbox import CompileSandbox
 
 GRAMMAR_CACHE = 256  # distinct specs kept compiled
-# JSON is written with json.dumps's separators and no other whitespace: a small model
-# otherwise spends its tokens on runs of newlines (measured: JSON mode on the default
-# model at temperature 1 parsed 6 of 10 times in 200 tokens; see docs/server.md).
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# One token mask of one sequence may take this long (typical: 0.005-0.2 ms; a decode step of
-# 8 rows on the default model: 13 ms). A grammar that needs longer would stall every request
-# in the batch: it is refused (400) when its first mask is that slow, and its request fails
-# (alone) when a later one is. Measured in the computing thread's CPU time
-# (time.thread_time): wall time also counts waiting for the GIL and for the cores, which
-# on a loaded 2-core machine exceeded 50 ms for masks that took 1 ms to compute and
-# failed well-formed requests.
-MASK_BUDGET_S = 0.05
-MAX_CHOICES = 1024  # llguidance refuses more than 2,000 alternatives in a row, after seconds of building
-
-
-def _json_grammar(schema: dict | bool) -> str:
-    body = schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
-    return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps({**body, "x-guidance": COMPACT_JSON}))
-
-
-def _llguidance():
-    import llguidance
-
-    return llguidance
-
-
-@dataclass(frozen=True)
-class _Compiled:
-    """A spec's grammar text and a matcher at its start (copied for each sequence,
-    never advanced), or why the spec is refused."""
-
-    grammar: str = ""
-    start: Any = None
-    error: str | None = None
 
 
 class GrammarCompiler:
@@ -109,7 +72,7 @@ class GrammarCompiler:
         compiled one). Raises InvalidRequestError as `compile` does."""
         return self._compiled(so).start.deep_copy()
 
-    def _compiled(self, so: StructuredOutput) -> _Compiled:
+    def _compiled(self, so: StructuredOutput) -> Compiled:
         """The cached compilation of a spec. Raises InvalidRequestError for a refused one."""
         compiled = self._compile(so.kind, so.spec)
         if compiled.error is not None:
@@ -121,12 +84,12 @@ class GrammarCompiler:
         if self.sandbox is not None:
             self.sandbox.close()
 
-    def _compile_uncached(self, kind: StructuredKind, spec: str) -> _Compiled:
+    def _compile_uncached(self, kind: StructuredKind, spec: str) -> Compiled:
         try:
             self.limits.check(kind.value, spec)
             grammar = self.sandbox.grammar(kind, spec) if self.sandbox is not None else None
         except InvalidRequestError as e:
-            return _Compiled(error=str(e))
+            return Compiled(error=str(e))
         return build(kind, spec, self.tokenizer, self.vocab_size, grammar)
 
 
@@ -139,8 +102,6 @@ def compiler_for(hf_tokenizer: Any, vocab_size: int, eos: set[int], sc: Structur
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if sc.max_grammar_compile_seconds <= 0 or backend is None:
         return GrammarCompiler(hf_tokenizer, vocab_size, limits)
-    from hotprefix.grammar_sandbox import CompileSandbox, SandboxConfig
-
     sandbox = CompileSandbox(SandboxConfig(tokenizer_json(hf_tokenizer), vocab_size, tuple(sorted(eos)),
                                            sc.max_grammar_compile_seconds))
     return GrammarCompiler(hf_tokenizer, vocab_size, limits, sandbox)
@@ -155,67 +116,3 @@ def tokenizer_json(tokenizer: Any) -> str:
     b.no_padding()
     b.no_truncation()
     return b.to_str()
-
-
-def build(kind: StructuredKind, spec: str, tokenizer: Any, vocab_size: int, grammar: str | None = None) -> _Compiled:
-    """Compile a spec (or its grammar text, already made from it) for an llguidance
-    tokenizer: the grammar, validated, and a matcher at its start whose first mask was
-    built within MASK_BUDGET_S; or why the spec is refused. The same work in the server
-    and in grammar_sandbox.py's workers. Raises nothing for a bad spec."""
-    import llguidance
-
-    try:
-        grammar = grammar if grammar is not None else grammar_of(kind, spec)
-    except InvalidRequestError as e:
-        return _Compiled(error=str(e))
-    err = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if err:
-        return _Compiled(error=f"invalid {kind.value}: {err.strip().splitlines()[0][:300]}")
-    start = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    took = first_mask_seconds(start, vocab_size)
-    if start.is_error():
-        return _Compiled(error=f"invalid {kind.value}: {start.get_error().strip().splitlines()[0][:300]}")
-    if took > MASK_BUDGET_S:
-        return _Compiled(error=f"{kind.value} too complex: its first token mask took {took * 1e3:.0f} ms "
-                               f"(the limit is {MASK_BUDGET_S * 1e3:.0f} ms)")
-    return _Compiled(grammar, start)
-
-
-def first_mask_seconds(matcher: Any, vocab_size: int) -> float:
-    """Compute a matcher's next-token mask (into scratch memory); the CPU seconds
-    this thread spent on it."""
-    scratch = np.empty(-(-vocab_size // 32), dtype=np.int32)
-    t = time.thread_time()
-    matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-    return time.thread_time() - t
-
-
-def grammar_of(kind: StructuredKind, spec: str) -> str:
-    """llguidance's grammar for a spec (not yet checked against a tokenizer).
-    Raises InvalidRequestError for a spec that is not even well-formed."""
-    m = _llguidance().LLMatcher
-    if kind is StructuredKind.JSON_OBJECT:
-        return _json_grammar({"type": "object"})
-    if kind is StructuredKind.JSON_SCHEMA:
-        try:
-            schema = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"invalid json_schema: not JSON ({e})", "json_schema") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError("invalid json_schema: a schema is an object", "json_schema")
-        return _json_grammar(schema)
-    if kind is StructuredKind.REGEX:
-        return m.grammar_from_regex(spec)
-    if kind is StructuredKind.CHOICE:
-        choices = json.loads(spec)
-        if not choices or not all(isinstance(c, str) and c for c in choices):
-            raise InvalidRequestError("invalid choice: a non-empty list of non-empty strings", "choice")
-        if len(choices) > MAX_CHOICES:
-            raise InvalidRequestError(f"invalid choice: at most {MAX_CHOICES} choices, got {len(choices)}", "choice")
-        return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    try:
-        return m.grammar_from_lark(any_to_lark(spec))
-    except Exception as e:  # the GBNF converter's own errors
-        raise InvalidRequestError(f"invalid grammar: {e}", "grammar") from None

@@ -11,7 +11,7 @@ measured from /proc; four times as long in wall-clock time on a machine too load
 say) is killed and replaced, and the request gets a 400; one that runs out of its
 address space (max_memory) dies and the request gets a 400 too. A spec the worker
 compiled within its budget is then compiled again in the server's own process
-(grammar.py), which therefore takes about as long.
+(grammar.py), which therefore takes about as long. Both compile with grammar_build.build.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotprefix.errors import InvalidRequestError
+from hotprefix.grammar_build import build
 from hotprefix.sampling_params import StructuredKind
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ def _worker_main(conn: Any, cfg: SandboxConfig) -> None:  # in the worker proces
 
         resource.setrlimit(resource.RLIMIT_AS, (cfg.max_memory, cfg.max_memory))
     import llguidance
-
-    from hotprefix.grammar import build
 
     tok = llguidance.LLTokenizer(cfg.tokenizer_json, n_vocab=cfg.vocab_size, eos_token=list(cfg.eos) or None)
     conn.send(("ready", ""))

@@ -8,8 +8,8 @@ collision would let one request read another's KV, which is a security issue.
 are never comparable across processes.
 
 Extra keys carry anything that changes the KV for the same tokens; today the
-cache salt, placed on the first salted block and reaching every later block
-through the chain.
+cache salt of a request's CacheScope, placed on the first salted block and reaching
+every later block through the chain.
 """
 
 from __future__ import annotations
@@ -18,11 +18,55 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NewType
+
+from hotprefix.errors import InvalidRequestError
+from hotprefix.sampling_params import INT64_MAX
 
 BlockHash = NewType("BlockHash", bytes)
 HASH_ALGOS = ("sha256", "xxhash")
 ROOT_SEED = b"hotprefix/block-hash/v1"
+MAX_CACHE_SALT_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    """Which cached blocks a request may share: requests with different salts never
+    share a block; the salt applies from token `offset` (rounded down to a block) on, so
+    the blocks before it (a public system prompt) are shared with everyone. The default
+    scope has no salt: every block is shared.
+
+    The one owner of the salt's rules: it is checked here, when the scope is made (from a
+    client's request), and never again. Raises InvalidRequestError (param cache_salt or
+    cache_salt_offset) for a salt that is not UTF-8 text of at most MAX_CACHE_SALT_CHARS
+    characters (it is hashed with a block), or an offset outside [0, 2**63)."""
+
+    salt: str | None = None
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.salt is not None:
+            if not isinstance(self.salt, str) or len(self.salt) > MAX_CACHE_SALT_CHARS:
+                raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} "
+                                          "characters", "cache_salt")
+            try:
+                self.salt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError("cache_salt must be valid Unicode text (it holds a lone surrogate)",
+                                          "cache_salt") from None
+        if not (isinstance(self.offset, int) and 0 <= self.offset <= INT64_MAX):
+            raise InvalidRequestError("cache_salt_offset must be >= 0", "cache_salt_offset")
+
+    def extra_keys(self, block_index: int, block_size: int) -> tuple[str, ...]:
+        """The extra keys of the block at block_index: the salt on the first salted block
+        (the chain carries it to every later one), nothing elsewhere."""
+        if self.salt is not None and block_index == self.offset // block_size:
+            return ("salt", self.salt)
+        return ()
+
+
+UNSALTED = CacheScope()  # the default scope: no salt, every block shared
 
 
 def _encode(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[str, ...]) -> bytes:
@@ -60,9 +104,8 @@ def root_hash(algo: str) -> BlockHash:
 class BlockHasher:
     """Extends a request's list of block hashes as its blocks fill.
 
-    Blocks before `salt_block` (cache_salt_offset // block_size) carry no salt;
-    the block at `salt_block` carries it, and so, through the chain, does every
-    later one.
+    Blocks before the scope's salted block (CacheScope.offset // block_size) carry
+    no salt; that block carries it, and so, through the chain, does every later one.
     """
 
     def __init__(self, block_size: int, algo: str = "sha256") -> None:
@@ -72,18 +115,15 @@ class BlockHasher:
         self.root = root_hash(algo)
 
     def extend(self, hashes: list[BlockHash], token_at: Callable[[int], int], num_tokens: int,
-               cache_salt: str | None, cache_salt_offset: int) -> None:
+               scope: CacheScope) -> None:
         """Append the hashes of blocks that are full in the first num_tokens tokens. Mutates hashes."""
         bs = self.block_size
-        salt_block = cache_salt_offset // bs
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[i - 1] if i else self.root
-            extra = ("salt", cache_salt) if cache_salt is not None and i == salt_block else ()
-            hashes.append(self.fn(parent, [token_at(j) for j in range(i * bs, (i + 1) * bs)], extra))
+            hashes.append(self.fn(parent, [token_at(j) for j in range(i * bs, (i + 1) * bs)], scope.extra_keys(i, bs)))
 
-    def hashes_of(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                  cache_salt_offset: int = 0) -> list[BlockHash]:
-        """The hashes of every full block of token_ids (what a request would get)."""
+    def hashes_of(self, token_ids: Sequence[int], scope: CacheScope = UNSALTED) -> list[BlockHash]:
+        """The hashes of every full block of token_ids (what a request of this scope would get)."""
         out: list[BlockHash] = []
-        self.extend(out, token_ids.__getitem__, len(token_ids), cache_salt, cache_salt_offset)
+        self.extend(out, token_ids.__getitem__, len(token_ids), scope)
         return out

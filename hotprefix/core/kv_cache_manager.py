@@ -84,8 +84,7 @@ class KVCacheManager:
     def update_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over every full block of its known tokens."""
         if self.enable_caching:
-            self.hasher.extend(request.block_hashes, request.token_at, request.num_tokens,
-                               request.cache_salt, request.cache_salt_offset)
+            self.hasher.extend(request.block_hashes, request.token_at, request.num_tokens, request.cache_scope)
 
     def get_computed_blocks(self, request: Request) -> list[Block]:
         """The longest cached run of the request's leading full blocks, leaving at

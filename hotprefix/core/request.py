@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from hotprefix.core.hashing import BlockHash
+from hotprefix.core.hashing import UNSALTED, BlockHash, CacheScope
 from hotprefix.sampling_params import SamplingParams, TokenLogprobs
 
 
@@ -51,10 +51,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    # Prefix caching: requests with different salts never share a block; the
-    # salt applies from block cache_salt_offset // block_size on.
-    cache_salt: str | None = None
-    cache_salt_offset: int = 0
+    cache_scope: CacheScope = UNSALTED  # prefix caching: the blocks it may share (see CacheScope)
     pin_prefix: bool = False
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first scheduling

@@ -8,6 +8,7 @@ from typing import Any
 
 from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from hotprefix.engine.llm_engine import LLMEngine, RequestOutput
+from hotprefix.engine.requests import CacheScope, RequestOptions
 from hotprefix.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -63,7 +64,7 @@ class LLM:
         added = []
         try:
             for rid, p, sp in zip(rids, prompts, plist):
-                self.engine.add_request(rid, p, sp, add_special_tokens=add_special_tokens)
+                self.engine.add_request(rid, p, sp, RequestOptions(add_special_tokens=add_special_tokens))
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -79,17 +80,17 @@ class LLM:
     def pin(self, prompt: Prompt, cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
         """Compute a prompt's KV (if not cached) and pin its full blocks against
         eviction. Returns the blocks newly pinned; raises PinError at the limit."""
+        scope = CacheScope(cache_salt, cache_salt_offset)
         ids = prompt if isinstance(prompt, list) else self.engine.tokenize(prompt)
         rid = f"offline-{next(self._ids)}"
-        self.engine.add_request(rid, ids, SamplingParams(max_tokens=1), cache_salt=cache_salt,
-                                cache_salt_offset=cache_salt_offset)
+        self.engine.add_request(rid, ids, SamplingParams(max_tokens=1), RequestOptions(cache_scope=scope))
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        return self.engine.pin(ids, cache_salt, cache_salt_offset)
+        return self.engine.pin(ids, scope)
 
     def unpin(self, prompt: Prompt, cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
         ids = prompt if isinstance(prompt, list) else self.engine.tokenize(prompt)
-        return self.engine.unpin(ids, cache_salt, cache_salt_offset)
+        return self.engine.unpin(ids, CacheScope(cache_salt, cache_salt_offset))
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()

@@ -1,8 +1,8 @@
 """The engine: requests in, RequestOutputs out, one `step()` at a time.
 
-Read in the order of a request's life: add_request (validate, tokenize, fan
-out n samples) -> step (schedule, run the model, update) -> _process (detokenize,
-stop strings, outputs) -> finished.
+Read in the order of a request's life: add_request (prepare_request: validate,
+tokenize, fan out n samples, in engine/prepare.py; then enqueue) -> step (schedule,
+run the model, update) -> _process (detokenize, stop strings, outputs) -> finished.
 """
 
 from __future__ import annotations
@@ -10,82 +10,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from hotprefix.config import DiskWritePolicy, EngineConfig, LoadFormat
+from hotprefix.core.hashing import UNSALTED, CacheScope
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.kv_tiers import KVTiers
 from hotprefix.core.outputs import EngineCoreOutput
-from hotprefix.core.request import Request, RequestStatus
+from hotprefix.core.request import RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.counters import PinSummary, TierGauges
-from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
-from hotprefix.engine.outputs import CompletionOutput, RequestOutput  # (their home; imported from here too)
-from hotprefix.engine.tokenizer import PromptEncoder
-from hotprefix.errors import InvalidRequestError, PromptTooLongError
+from hotprefix.engine.outputs import RequestOutput  # (their home; imported from here too)
+from hotprefix.engine.prepare import Child, PreparedRequest, RequestPreparer, check_token_ids
+from hotprefix.engine.requests import DEFAULT_OPTIONS, RequestOptions
+from hotprefix.errors import InvalidRequestError
 from hotprefix.grammar import compiler_for
 from hotprefix.model.build import return_freed_memory
 from hotprefix.model.loader import LoadedModel, generation_defaults, load_dummy, load_model
 from hotprefix.model.runner import ModelRunner
-from hotprefix.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprobs
-from hotprefix.sizing import blocks_for_tokens
+from hotprefix.sampling_params import SamplingParams
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 
 log = logging.getLogger(__name__)
-MAX_CACHE_SALT_CHARS = 1024
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """Raise InvalidRequestError naming `param` unless every id is a token of the vocabulary."""
-    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is out of range for vocabulary size {vocab_size}", param)
-
-
-def check_request_options(priority: int, cache_salt: str | None, cache_salt_offset: int) -> None:
-    """Raise InvalidRequestError for a priority, cache salt or salt offset that no
-    request may carry (the salt is hashed with every block: it must be UTF-8 text)."""
-    if not (isinstance(priority, int) and INT64_MIN <= priority <= INT64_MAX):
-        raise InvalidRequestError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}]", "priority")
-    if cache_salt is not None:
-        if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters",
-                                      "cache_salt")
-        try:
-            cache_salt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequestError("cache_salt must be valid Unicode text (it holds a lone surrogate)",
-                                      "cache_salt") from None
-    if not (isinstance(cache_salt_offset, int) and 0 <= cache_salt_offset <= INT64_MAX):
-        raise InvalidRequestError("cache_salt_offset must be >= 0", "cache_salt_offset")
-
-
-@dataclass
-class _Child:
-    request: Request
-    detok: IncrementalDetokenizer
-    out: CompletionOutput
-
-
-@dataclass
-class PreparedRequest:
-    """A request tokenized and validated (by `prepare_request`, on any thread), not
-    yet queued: its n children (one Request each) and its timing. The engine keeps
-    and mutates it once `enqueue` has taken it."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[_Child]
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.out.finished for c in self.children)
 
 
 class LLMEngine:
@@ -112,7 +60,6 @@ class LLMEngine:
         eos = set(loaded.arch.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self.grammars = compiler_for(self.tokenizer, loaded.arch.vocab_size, eos, self.config.structured)
         self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler, tuple(sorted(eos)),
                                   self.grammars)
@@ -124,6 +71,8 @@ class LLMEngine:
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
                                  cc.kv_disk_write is DiskWritePolicy.REUSED)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
+        self.preparer = RequestPreparer(self.encoder, self.grammars, self.arch.vocab_size, self.max_model_len,
+                                        frozenset(eos), plan.block_size, plan.num_blocks)
         self.warmed = False
         if warmup:
             self.warmup()
@@ -201,68 +150,20 @@ class LLMEngine:
                                         template_kwargs, tools, operator_messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
-                    cache_salt_offset: int = 0, pin_prefix: bool = False) -> list[int]:
+                    options: RequestOptions = DEFAULT_OPTIONS) -> list[int]:
         """Validate and queue a request (n children for n samples). Returns the
-        prompt token ids. Raises InvalidRequestError / PromptTooLongError, or
-        QueueFullError at --max-num-queued-requests; nothing is queued then.
-
-        cache_salt: requests with different salts never share KV blocks; it
-        applies from token cache_salt_offset (rounded down to a block) on.
-        pin_prefix: once computed, pin the prompt's full blocks against eviction."""
-        prepared = self.prepare_request(request_id, prompt, params, priority, add_special_tokens, cache_salt,
-                                        cache_salt_offset, pin_prefix)
+        prompt token ids. Raises InvalidRequestError / PromptTooLongError; nothing
+        is queued then."""
+        prepared = self.prepare_request(request_id, prompt, params, options)
         self.enqueue(prepared)
         return prepared.prompt_token_ids
 
     def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                        priority: int = 0, add_special_tokens: bool = True, cache_salt: str | None = None,
-                        cache_salt_offset: int = 0, pin_prefix: bool = False,
-                        split_special_tokens: bool = False,
-                        truncate_prompt_tokens: int | None = None) -> PreparedRequest:
+                        options: RequestOptions = DEFAULT_OPTIONS) -> PreparedRequest:
         """Tokenize and validate without touching the queues or the pool (safe to
-        call from another thread than the one stepping the engine: it reads only
-        what never changes after start-up). Raises InvalidRequestError, never
-        another error, for any input. split_special_tokens: text prompts that spell
-        a special token get its characters, not the token. truncate_prompt_tokens:
-        keep only the prompt's last k tokens (-1: as many as leave room for max_tokens)."""
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt, add_special_tokens, split_special_tokens)
-            text: str | None = prompt
-        else:
-            ids, text = list(prompt), None
-        if truncate_prompt_tokens is not None:
-            ids = self._truncate(ids, truncate_prompt_tokens, params)
-        if params.structured is not None and params.structured.grammar is None:
-            params = replace(params, structured=self.grammars.compile(params.structured))
-        self._validate(ids, params)
-        check_request_options(priority, cache_salt, cache_salt_offset)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if params.min_tokens > max_tokens:
-            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens "
-                                      "left in the context after the prompt", "min_tokens")
-        children = []
-        for i in range(params.n):
-            try:
-                cp = replace(params.for_child(i) if params.n > 1 else params, max_tokens=max_tokens)
-            except ValueError as e:  # SamplingParams' own checks
-                raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
-            cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                          priority=priority, cache_salt=cache_salt, cache_salt_offset=cache_salt_offset,
-                          pin_prefix=pin_prefix and i == 0)
-            detok = IncrementalDetokenizer(self.encoder, ids, cp)
-            children.append(_Child(req, detok, CompletionOutput(i)))
-        return PreparedRequest(request_id, text, ids, children, time.monotonic())
-
-    def _truncate(self, ids: list[int], k: int, params: SamplingParams) -> list[int]:
-        """The last k of a prompt's tokens (vLLM's left truncation). Raises InvalidRequestError."""
-        if k == -1:
-            k = self.max_model_len - (params.max_tokens or 1)
-        if not 1 <= k <= self.max_model_len:
-            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}], got {k}",
-                                      "truncate_prompt_tokens")
-        return ids[-k:]
+        call from another thread than the one stepping the engine: see RequestPreparer).
+        Raises InvalidRequestError, never another error, for any input."""
+        return self.preparer.prepare(request_id, prompt, params, options)
 
     def enqueue(self, state: PreparedRequest) -> None:
         """Queue a prepared request. Raises InvalidRequestError for an id in use or
@@ -272,7 +173,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         first = state.children[0].request
         if first.pin_prefix:
-            self.check_pin_room(state.prompt_token_ids, first.cache_salt, first.cache_salt_offset)
+            self.check_pin_room(state.prompt_token_ids, first.cache_scope)
         added = []
         try:
             for c in state.children:
@@ -285,31 +186,6 @@ class LLMEngine:
         for c in state.children:
             self._child_to_parent[c.request.request_id] = rid
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.arch.vocab_size
-        check_token_ids(ids, vocab, "prompt")
-        if len(ids) >= self.max_model_len:  # no room left for a single output token
-            raise PromptTooLongError(self.max_model_len, len(ids))
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"stop_token_ids: token id {bad} is out of range for vocabulary size {vocab}",
-                                      "stop_token_ids")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(self.max_model_len, len(ids), params.max_tokens)
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(f"logprobs must be <= vocabulary size {vocab}", "logprobs")
-        for t, _ in params.logit_bias:
-            if t >= vocab:
-                raise InvalidRequestError(f"logit_bias token id {t} is out of range for vocabulary size {vocab}",
-                                          "logit_bias")
-        longest = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
-        if blocks_for_tokens(min(longest, self.max_model_len), self.kv.block_size) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"the request may need {min(longest, self.max_model_len)} tokens of KV cache, but the pool holds "
-                f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or enlarge the KV cache")
-
     # -- prefix cache control -------------------------------------------------
     def warmup(self) -> None:
         """Run the model once so the first request does not pay the kernels' set-up
@@ -321,17 +197,16 @@ class LLMEngine:
             self.warmed = True
             log.info("warm-up step in %.2fs", time.monotonic() - t0)
 
-    def prefix_hashes(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> list:
-        """The block hashes a request with this prompt would get (full blocks only).
-        Raises InvalidRequestError for a token id, salt or offset no request may carry."""
+    def prefix_hashes(self, ids: list[int], scope: CacheScope = UNSALTED) -> list:
+        """The block hashes a request with this prompt and scope would get (full blocks
+        only). Raises InvalidRequestError for a token id no request may carry."""
         check_token_ids(ids, self.arch.vocab_size, "prompt")
-        check_request_options(0, cache_salt, cache_salt_offset)
-        return self.kv.hasher.hashes_of(ids, cache_salt, cache_salt_offset)
+        return self.kv.hasher.hashes_of(ids, scope)
 
-    def check_pin_room(self, ids: list[int], cache_salt: str | None, cache_salt_offset: int) -> None:
+    def check_pin_room(self, ids: list[int], scope: CacheScope) -> None:
         """Raise InvalidRequestError unless pinning this prompt's full blocks stays
         within --max-pinned-fraction (reads the pool: call on the engine thread)."""
-        hashes = self.prefix_hashes(ids, cache_salt, cache_salt_offset)
+        hashes = self.prefix_hashes(ids, scope)
         if not hashes:
             raise InvalidRequestError("pin_prefix needs a prompt of at least one full block "
                                       f"({self.kv.block_size} tokens)", "pin_prefix")
@@ -349,14 +224,14 @@ class LLMEngine:
         return PinSummary(kv.num_pinned_blocks, kv.max_pinned_blocks, kv.num_blocks, kv.pool.num_cached_blocks,
                           tuple(bytes(b[0].block_hash or b"") for b in kv.pins.values() if b))
 
-    def pin(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
+    def pin(self, ids: list[int], scope: CacheScope = UNSALTED) -> int:
         """Pin the cached full blocks of a prompt. Returns blocks newly pinned.
         Raises PinError if the prefix is not cached or the pin limit is reached."""
-        return self.kv.pin(self.prefix_hashes(ids, cache_salt, cache_salt_offset))
+        return self.kv.pin(self.prefix_hashes(ids, scope))
 
-    def unpin(self, ids: list[int], cache_salt: str | None = None, cache_salt_offset: int = 0) -> int:
+    def unpin(self, ids: list[int], scope: CacheScope = UNSALTED) -> int:
         """Release the pin of a prompt. Returns the blocks no longer pinned (0 if it was not pinned)."""
-        return self.kv.unpin(self.prefix_hashes(ids, cache_salt, cache_salt_offset))
+        return self.kv.unpin(self.prefix_hashes(ids, scope))
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block; returns how many."""
@@ -432,7 +307,7 @@ class LLMEngine:
             touched[st.request_id] = st
         return [self._output(st, new_ids, now) for st in touched.values()]
 
-    def _append(self, st: PreparedRequest, child: _Child, co: EngineCoreOutput, added: list[int], now: float) -> None:
+    def _append(self, st: PreparedRequest, child: Child, co: EngineCoreOutput, added: list[int], now: float) -> None:
         """Add one step's tokens to a sample: text, stop strings, finish reason."""
         out = child.out
         if co.new_token_ids:

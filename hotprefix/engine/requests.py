@@ -1,29 +1,44 @@
-"""What callers hand the async engine and get back: options, prompts, streams.
+"""What callers hand the engine besides sampling: options and prompts.
 
-A RequestStream lives on the event loop; AsyncEngine fills it from the engine thread.
+RequestOptions reaches LLMEngine whole (AsyncEngine.submit, LLMEngine.add_request and
+prepare_request all take it); its CacheScope and its priority are checked when it is made.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from hotprefix.engine.llm_engine import RequestOutput
+from hotprefix.core.hashing import UNSALTED, CacheScope
+from hotprefix.errors import InvalidRequestError
+from hotprefix.sampling_params import INT64_MAX, INT64_MIN
+
+__all__ = ["CacheScope", "ChatPrompt", "Prompt", "RequestOptions"]
 
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """Per-request engine options besides sampling (see LLMEngine.add_request)."""
+    """Per-request engine options besides sampling. Raises InvalidRequestError (param
+    priority) for a priority outside int64; CacheScope checks its own salt and offset.
+
+    tenant: whose share of the preprocessing workers the request takes (at most half of
+    them for one tenant, so that one tenant's slow requests never hold them all); None:
+    the operator's own request, which may use every worker."""
 
     priority: int = 0
     add_special_tokens: bool = True
-    cache_salt: str | None = None
-    cache_salt_offset: int = 0
-    pin_prefix: bool = False
+    cache_scope: CacheScope = UNSALTED
+    pin_prefix: bool = False  # once computed, pin the prompt's full blocks against eviction
     split_special_tokens: bool = False  # text prompts: special-token text stays text (chat content always does)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: what leaves room)
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.priority, int) and INT64_MIN <= self.priority <= INT64_MAX):
+            raise InvalidRequestError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}]", "priority")
+
+
+DEFAULT_OPTIONS = RequestOptions()
 
 
 @dataclass(frozen=True)
@@ -40,42 +55,3 @@ class ChatPrompt:
 
 
 Prompt = str | list[int] | ChatPrompt
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """The outputs of one engine request, in step order. Iterating ends after the
-    finished output (or raises the error that ended it); closing it early, or
-    cancelling the consumer, aborts the request. Lives on the event loop.
-
-    on_close(stream, abort) is its owner's (AsyncEngine's stream table): called at
-    every close, with abort=True while the engine has not sent its last item."""
-
-    on_close: Callable[[RequestStream, bool], None]
-    request_id: str
-    prompt_token_ids: list[int]
-    weight: int  # sequences it counts against the queue limit until its first output
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False  # the consumer has seen the end, or closed it
-    started: bool = False  # a first output arrived: it no longer counts as queued
-    ended: bool = False  # the engine has sent its last item
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Abort the request unless it ended; stop counting it. Idempotent."""
-        self.finished = True
-        self.on_close(self, not self.ended)

@@ -5,15 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hotprefix.errors import ModelLoadError as ModelLoadError  # its home is errors.py; re-exported for model/
 from hotprefix.model.families import FAMILIES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, MODEL_TYPES
 from hotprefix.sizing import KVShape, ModelShape
 
 __all__ = ["GGUF_ARCHITECTURES", "HF_ARCHITECTURES", "ModelArch", "ModelLoadError", "arch_from_hf_config"]
 ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ModelLoadError(Exception):
-    """The model cannot be loaded; the message is one line naming what was wrong."""
 
 
 @dataclass(frozen=True)

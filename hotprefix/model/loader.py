@@ -225,9 +225,9 @@ def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """A local folder's fast tokenizer read without transformers (engine/fast_tokenizer.py),
+    """A local folder's fast tokenizer read without transformers (tokenizers/fast_tokenizer.py),
     else transformers' AutoTokenizer (a hub id, a slow tokenizer). Raises ModelLoadError."""
-    from hotprefix.engine.fast_tokenizer import FastTokenizer
+    from hotprefix.tokenizers.fast_tokenizer import FastTokenizer
 
     try:
         fast = FastTokenizer.from_folder(name_or_path) if Path(name_or_path).is_dir() else None
@@ -255,7 +255,7 @@ def gguf_tokenizer(path: Path) -> Any:
     Converting it takes seconds, so the result is saved under
     $HOTPREFIX_CACHE (default ~/.cache/hotprefix) and reused while the file is unchanged.
     """
-    from hotprefix.engine.fast_tokenizer import FastTokenizer
+    from hotprefix.tokenizers.fast_tokenizer import FastTokenizer
 
     cache = _tokenizer_cache_dir(path)
     try:

@@ -10,9 +10,9 @@ import uvicorn
 
 from hotprefix.config import EngineConfig, ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
-from hotprefix.engine.fast_tokenizer import preload_renderer
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.server.app import build_app
+from hotprefix.tokenizers.fast_tokenizer import preload_renderer
 
 log = logging.getLogger(__name__)
 

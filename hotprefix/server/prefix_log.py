@@ -26,6 +26,7 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.engine.outputs import RequestOutput
+from hotprefix.engine.requests import CacheScope
 from hotprefix.sizing import max_cached_blocks
 
 DIGEST_BYTES = 8
@@ -151,17 +152,16 @@ class PrefixRecorder:
     kv: dict[str, int]
     with_text: bool = False
 
-    def entry(self, out: RequestOutput, cache_salt: str | None, cache_salt_offset: int,
-              text: str | None) -> dict[str, Any]:
+    def entry(self, out: RequestOutput, scope: CacheScope, text: str | None) -> dict[str, Any]:
         """The log entry of one engine request (its prompt); a finished one also feeds
         the live view. `blocks` is None for one that did not finish (its hashes are unknown)."""
         tokens = len(out.prompt_token_ids)
         row: dict[str, Any] = {"tokens": tokens, "cached": out.num_cached_tokens,
                                "completion": len(out.outputs[0].token_ids) if out.outputs else 0,
                                "blocks": None, "salt": None}
-        if cache_salt is not None:
-            row["salt"] = self.key.digest(cache_salt.encode())
-            row["salt_offset"] = cache_salt_offset
+        if scope.salt is not None:
+            row["salt"] = self.key.digest(scope.salt.encode())
+            row["salt_offset"] = scope.offset
         if out.finished:
             row["blocks"] = self.key.digests(out.block_hashes)
             self.groups.observe(row["blocks"], tokens, out.num_cached_tokens, text if self.with_text else None)

@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 import hotprefix
 from hotprefix.config import ServerConfig
-from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, RequestOptions
+from hotprefix.engine.async_engine import AsyncEngine, CacheScope, ChatPrompt, RequestOptions
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import SamplingParams
 from hotprefix.server import responses_api
@@ -29,7 +29,7 @@ from hotprefix.server.protocol import (
     random_id,
 )
 from hotprefix.server.responses_api import ResponsesRequest, ResponseStore
-from hotprefix.server.serving import Serving
+from hotprefix.server.serving import Serving, tenant_of
 
 
 @dataclass(frozen=True)
@@ -162,24 +162,24 @@ def cache_router(ctx: ServerContext) -> APIRouter:
     async def pin(body: PinRequest) -> dict[str, Any]:
         """Compute the prefix if it is not cached, then pin its full blocks."""
         ctx.check_model(body.model)
+        scope = CacheScope(body.cache_salt, body.cache_salt_offset)
         ids = await ctx.prompt_ids(body, False, True)
         n_blocks = len(ids) // engine.block_size
         if not n_blocks:
             raise InvalidRequestError(f"the prefix is shorter than one block ({engine.block_size} tokens)",
                                       "prompt")
         (stream,) = await engine.submit(random_id("pin"), [ids], SamplingParams(max_tokens=1),
-                                        RequestOptions(cache_salt=body.cache_salt,
-                                                       cache_salt_offset=body.cache_salt_offset))
+                                        RequestOptions(cache_scope=scope, tenant=tenant_of(scope)))
         async for _ in stream:
             pass
-        n = await engine.pin(ids, body.cache_salt, body.cache_salt_offset)
+        n = await engine.pin(ids, scope)
         return {"pinned_blocks": n, "prefix_tokens": n_blocks * engine.block_size}
 
     @api.post("/unpin")
     async def unpin(body: PinRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         ids = await ctx.prompt_ids(body, False, True)
-        return {"unpinned_blocks": await engine.unpin(ids, body.cache_salt, body.cache_salt_offset)}
+        return {"unpinned_blocks": await engine.unpin(ids, CacheScope(body.cache_salt, body.cache_salt_offset))}
 
     return api
 

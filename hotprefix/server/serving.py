@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from hotprefix.config import SchedulingPolicy
-from hotprefix.engine.async_engine import AsyncEngine, ChatPrompt, Prompt, RequestOptions, RequestStream
+from hotprefix.engine.async_engine import AsyncEngine, CacheScope, ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError, RequestFailedError
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
@@ -85,8 +85,15 @@ class Tracker:
     last: dict[str, RequestOutput] = field(default_factory=dict)
     last_token_at: dict[str, float] = field(default_factory=dict)
     done: bool = False  # the log line is written
-    cache_salt: str | None = None
-    cache_salt_offset: int = 0
+    cache_scope: CacheScope = field(default_factory=CacheScope)
+
+
+def tenant_of(scope: CacheScope) -> str | None:
+    """Whose share of the preprocessing workers a request takes (RequestOptions.tenant):
+    the owner of its cache salt. The gateway gives each tenant its own salt
+    (gateway/keys.tenant_salt), so the salt names the tenant; a request without one is
+    no tenant's."""
+    return scope.salt
 
 
 def failure(out: RequestOutput) -> RequestFailedError | None:
@@ -126,7 +133,7 @@ class Serving:
     _noted: set[str] = field(default_factory=set, init=False, repr=False)  # ignored fields logged once
 
     # -- shared -------------------------------------------------------------------
-    async def _submit(self, body: SamplingFields, prompts: list[Prompt], max_tokens: int | None,
+    async def _submit(self, body: SamplingFields, scope: CacheScope, prompts: list[Prompt], max_tokens: int | None,
                       logprobs: int | None, add_special_tokens: bool, base_id: str,
                       split_special_tokens: bool = False,
                       structured: StructuredOutput | None = None) -> list[RequestStream]:
@@ -146,8 +153,8 @@ class Serving:
                 params = replace(params, structured=structured)
             except ValueError as e:
                 raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
-        options = RequestOptions(body.priority, add_special_tokens, body.cache_salt, body.cache_salt_offset,
-                                 body.pin_prefix, split_special_tokens, body.truncate_prompt_tokens)
+        options = RequestOptions(body.priority, add_special_tokens, scope, body.pin_prefix, split_special_tokens,
+                                 body.truncate_prompt_tokens, tenant=tenant_of(scope))
         streams = await self.engine.submit(base_id, prompts, params, options)
         for _ in prompts:  # (vLLM's per engine request; max_model_len when the request set no max_tokens)
             self.metrics.observe_params(params.n, self.engine.max_model_len if params.max_tokens is None
@@ -206,7 +213,7 @@ class Serving:
         if self.prefix is not None:
             text = self.engine.prompt_text if self.prefix.with_text else None
             row["kv"] = self.prefix.kv
-            row["prefix"] = [self.prefix.entry(o, t.cache_salt, t.cache_salt_offset,
+            row["prefix"] = [self.prefix.entry(o, t.cache_scope,
                                                text(o.prompt_token_ids) if text else None) for o in outs]
         self.request_log.write(row)
 
@@ -328,10 +335,10 @@ class Serving:
         body.check()
         rid = body.request_id or random_id("cmpl")
         prompts = body.prompts()
-        streams = await self._submit(body, prompts, body.max_tokens, body.logprobs, body.add_special_tokens, rid,
-                                     body.split_special_tokens)
-        t = Tracker(rid, "completions", body.user, model, cache_salt=body.cache_salt,
-                    cache_salt_offset=body.cache_salt_offset)
+        scope = CacheScope(body.cache_salt, body.cache_salt_offset)
+        streams = await self._submit(body, scope, prompts, body.max_tokens, body.logprobs, body.add_special_tokens,
+                                     rid, body.split_special_tokens)
+        t = Tracker(rid, "completions", body.user, model, cache_scope=scope)
         fmt = CompletionFormat(self._token_text, body.logprobs or 0, body.logprobs is not None)
         if body.stream:
             return self._sse(streams, t, body, fmt)
@@ -370,10 +377,10 @@ class Serving:
                             body.continue_final_message, body.chat_template or self.options.chat_template,
                             body.chat_template_kwargs, tools, body.operator_messages)
         k = body.top_logprobs or 0
-        streams = await self._submit(body, [prompt], body.limit(), k if body.logprobs else None, False, rid,
+        scope = CacheScope(body.cache_salt, body.cache_salt_offset)
+        streams = await self._submit(body, scope, [prompt], body.limit(), k if body.logprobs else None, False, rid,
                                      structured=self._tool_grammar(body, tools))
-        t = Tracker(rid, "chat.completions", body.user, model, cache_salt=body.cache_salt,
-                    cache_salt_offset=body.cache_salt_offset)
+        t = Tracker(rid, "chat.completions", body.user, model, cache_scope=scope)
         fmt = ChatFormat(self._token_text, k, bool(body.logprobs),
                          PARSERS[self.options.tool_parser] if body.calls_tools() else None)
         if body.stream:

@@ -17,8 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hotprefix.engine.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from hotprefix.grammar import COMPACT_JSON
+from hotprefix.grammar_build import COMPACT_JSON
+from hotprefix.tokenizers.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 @dataclass(frozen=True)

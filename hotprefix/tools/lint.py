@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hotprefix.config import ConfigError
-from hotprefix.core.hashing import BlockHasher
-from hotprefix.engine.tokenizer import PromptEncoder
+from hotprefix.core.hashing import BlockHasher, CacheScope
 from hotprefix.sizing import max_cached_blocks
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
 from hotprefix.tools.jsonl import iter_objects
 from hotprefix.tools.volatile import Placement, Volatile, find_volatile, move, spans_of
@@ -110,8 +110,8 @@ class Linter:
         Raises InvalidRequestError for a body the server would refuse."""
         ids = self.encoder.encode_request(body, self.chat_template)
         salt = body.get("cache_salt")
-        hashes = self.hasher.hashes_of(ids, salt if isinstance(salt, str) else None,
-                                       int(body.get("cache_salt_offset") or 0))
+        scope = CacheScope(salt if isinstance(salt, str) else None, int(body.get("cache_salt_offset") or 0))
+        hashes = self.hasher.hashes_of(ids, scope)
         return LintRequest(body, ids, self.encoder.decode(ids), SimRequest(hashes, len(ids), output_tokens),
                            measured)
 

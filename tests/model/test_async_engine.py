@@ -299,7 +299,7 @@ def test_tokenizer_copies_are_made_before_the_first_request(tiny_llama, monkeypa
     request makes another."""
     import threading
 
-    from hotprefix.engine import tokenizer as tok_mod
+    from hotprefix.tokenizers import prompt_encoder as tok_mod
 
     engine = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64).engine
     original = engine.encoder._original

@@ -3,6 +3,8 @@ conditions, seeds, n > 1, logprobs, errors, fp8 KV, and no leaked blocks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -122,7 +124,7 @@ def test_eos_stops_unless_ignored_and_min_tokens_defers_it(folder):
     prompt = prompts_of([4], seed=6)[0]
     ref = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     # Make the model's 3rd greedy token the EOS by treating it as one.
-    llm.engine.eos_token_ids = frozenset({ref[2], eos})
+    llm.engine.preparer = replace(llm.engine.preparer, eos_token_ids=frozenset({ref[2], eos}))
     llm.engine.runner.eos_token_ids = (ref[2], eos)
     first = ref.index(ref[2])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]

@@ -1,4 +1,4 @@
-"""FastTokenizer (engine/fast_tokenizer.py) against transformers' own tokenizer on the
+"""FastTokenizer (tokenizers/fast_tokenizer.py) against transformers' own tokenizer on the
 same files: the same ids, text, special tokens and rendered chat templates, exactly."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from hotprefix.engine.fast_tokenizer import FastTokenizer
 from hotprefix.model.loader import _tokenizer_cache_dir, default_model_path, gguf_tokenizer, load_tokenizer
+from hotprefix.tokenizers.fast_tokenizer import FastTokenizer
 from tests.conftest import build_tokenizer
 
 TOOL_TEMPLATE = (

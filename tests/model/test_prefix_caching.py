@@ -8,6 +8,7 @@ import random
 import pytest
 
 from hotprefix import LLM, SamplingParams
+from hotprefix.engine.requests import CacheScope, RequestOptions
 from hotprefix.model.runner import AttentionPaths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -71,12 +72,12 @@ def test_salted_requests_do_not_share(tiny_llama):
     llm = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=64)
     p = list(range(10, 30)) + [7]
     one = SamplingParams(temperature=0, max_tokens=1)
-    llm.engine.add_request("a", p, one, cache_salt="A")
+    llm.engine.add_request("a", p, one, RequestOptions(cache_scope=CacheScope("A")))
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     for salt, cached in (("B", 0), ("A", 20), (None, 0)):
         rid = f"x-{salt}"
-        llm.engine.add_request(rid, p, one, cache_salt=salt)
+        llm.engine.add_request(rid, p, one, RequestOptions(cache_scope=CacheScope(salt)))
         outs = []
         while llm.engine.has_unfinished_requests():
             outs += llm.engine.step()
@@ -87,7 +88,7 @@ def test_two_engines_compute_the_same_hashes(tiny_llama):
     a = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=16).engine
     b = LLM(model=str(tiny_llama[0]), block_size=4, num_blocks_override=16).engine
     ids = list(range(3, 40))
-    assert a.prefix_hashes(ids, "t", 8) == b.prefix_hashes(ids, "t", 8)
+    assert a.prefix_hashes(ids, CacheScope("t", 8)) == b.prefix_hashes(ids, CacheScope("t", 8))
     assert len(a.prefix_hashes(ids)) == 9
 
 
@@ -109,7 +110,7 @@ def test_pin_and_reset_through_the_offline_api(tiny_llama):
     from hotprefix.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="allowed by --max-pinned-fraction"):
-        llm.engine.add_request("big", list(range(250, 294)), GREEDY, pin_prefix=True)
+        llm.engine.add_request("big", list(range(250, 294)), GREEDY, RequestOptions(pin_prefix=True))
 
 
 def test_cascade_attention_over_shared_blocks_is_plain_attention_bit_for_bit(tiny_llama):

@@ -103,7 +103,7 @@ def test_a_compile_over_its_cpu_budget_is_killed_and_the_next_one_works(tokenize
 
 
 def test_a_tenant_holds_at_most_half_of_the_preprocessing_workers(tiny_llama):
-    """Two slow requests of one cache salt and one of another: the other's is prepared
+    """Two slow requests of one tenant and one of another: the other's is prepared
     while the first tenant's second waits for its share."""
     from hotprefix.config import AdmissionConfig, CacheConfig, EngineConfig, ModelConfig
     from hotprefix.engine.async_engine import AsyncEngine
@@ -127,17 +127,17 @@ def test_a_tenant_holds_at_most_half_of_the_preprocessing_workers(tiny_llama):
     async def go():
         ae.start()
         p = SamplingParams(max_tokens=1)
-        a1 = asyncio.ensure_future(ae.submit("a1", ["slow"], p, RequestOptions(cache_salt="acme")))
-        a2 = asyncio.ensure_future(ae.submit("a2", ["slow"], p, RequestOptions(cache_salt="acme")))
+        a1 = asyncio.ensure_future(ae.submit("a1", ["slow"], p, RequestOptions(tenant="acme")))
+        a2 = asyncio.ensure_future(ae.submit("a2", ["slow"], p, RequestOptions(tenant="acme")))
         await asyncio.sleep(0.3)
         assert started == ["slow"]  # acme's second waits for acme's share
-        streams = await asyncio.wait_for(ae.submit("b", ["hi"], p, RequestOptions(cache_salt="beta")), 10)
+        streams = await asyncio.wait_for(ae.submit("b", ["hi"], p, RequestOptions(tenant="beta")), 10)
         assert started == ["slow", "hi"]  # beta was prepared on the other worker meanwhile
         release.set()
         for s in streams + await a1 + await a2:
             async for _ in s:
                 pass
-        assert ae._owner_busy == {}
+        assert ae._prep.shares.busy == {}
         await ae.shutdown()
 
     asyncio.run(go())

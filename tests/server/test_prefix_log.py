@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 
+from hotprefix.engine.requests import CacheScope
 from hotprefix.server.prefix_log import LogKey
 from tests.server.conftest import start_server
 
@@ -35,7 +36,7 @@ def test_log_rows_carry_keyed_salted_hash_chains_and_no_text(tiny_llama, tmp_pat
         complete(s, SHARED + " one")
         complete(s, SHARED + " one", cache_salt="tenant-a")
         hashes = s.engine.prefix_hashes(ids)
-        salted = s.engine.prefix_hashes(ids, "tenant-a")
+        salted = s.engine.prefix_hashes(ids, CacheScope("tenant-a"))
     finally:
         s.stop()
     key_file = tmp_path / "requests.jsonl.key"

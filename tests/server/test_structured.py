@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from hotprefix.grammar import MAX_CHOICES, grammar_of
+from hotprefix.grammar_build import MAX_CHOICES, grammar_of
 from hotprefix.model.loader import default_model_path
 from hotprefix.sampling_params import StructuredKind
 from tests.server.conftest import LiveServer, start_server

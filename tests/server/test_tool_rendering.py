@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from hotprefix.engine.tokenizer import PromptEncoder
 from hotprefix.errors import InvalidRequestError
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from tests.conftest import build_tokenizer
 
 FORCED = "You are Acme's support assistant. Never discuss refunds."

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from hotprefix.engine.tokenizer import PromptEncoder
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.cache_sim import CacheSize, SimRequest, replay
 from hotprefix.tools.lint import Linter, token_lcps
 from hotprefix.tools.volatile import Placement, content_end, find_volatile, move, placed, spans_of

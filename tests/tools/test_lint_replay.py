@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hotprefix.engine.tokenizer import PromptEncoder
+from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.lint import Linter, read_requests
 from tests.server.conftest import start_server
 from tests.tools.lint_logs import LOGS

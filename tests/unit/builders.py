@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from hotprefix.core.hashing import UNSALTED, CacheScope
 from hotprefix.core.request import Request
 from hotprefix.sampling_params import SamplingParams
 
@@ -12,7 +13,7 @@ _fresh = itertools.count(1)
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4, start_token: int | None = None,
                  prompt: list[int] | None = None, priority: int = 0, eos: frozenset[int] = frozenset(),
-                 cache_salt: str | None = None, cache_salt_offset: int = 0, pin_prefix: bool = False,
+                 cache_scope: CacheScope = UNSALTED, pin_prefix: bool = False,
                  **params) -> Request:
     """A request whose prompt is start_token, start_token + 1, ... (by default a
     range no other request shares) unless prompt is given."""
@@ -20,5 +21,4 @@ def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4, s
         start_token = 100_000 * next(_fresh)
     ids = prompt if prompt is not None else list(range(start_token, start_token + num_prompt_tokens))
     return Request(request_id, ids, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=eos,
-                   priority=priority, cache_salt=cache_salt, cache_salt_offset=cache_salt_offset,
-                   pin_prefix=pin_prefix)
+                   priority=priority, cache_scope=cache_scope, pin_prefix=pin_prefix)

@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hotprefix.core.hashing import CacheScope
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from tests.unit.builders import make_request
 
@@ -36,12 +37,12 @@ class KVMachine(RuleBasedStateMachine):
             lo = i * BS
             hi = min(lo + BS, req.num_computed_tokens)
             if hi > lo:
-                self.contents[b.block_id] = (req.cache_salt, tuple(toks[lo:hi]))
+                self.contents[b.block_id] = (req.cache_scope.salt, tuple(toks[lo:hi]))
 
     @rule(prompt=prompts, salt=st.sampled_from([None, "x"]))
     def allocate(self, prompt, salt):
         self.n += 1
-        req = make_request(f"r{self.n}", 0, prompt=prompt, cache_salt=salt, max_tokens=50)
+        req = make_request(f"r{self.n}", 0, prompt=prompt, cache_scope=CacheScope(salt), max_tokens=50)
         hits = self.kv.get_computed_blocks(req)
         for i, b in enumerate(hits):  # a hit must hold exactly this request's tokens
             assert self.contents[b.block_id] == (salt, tuple(prompt[i * BS:(i + 1) * BS]))
@@ -104,7 +105,7 @@ class KVMachine(RuleBasedStateMachine):
         req.num_computed_tokens = 0
         hits = self.kv.get_computed_blocks(req)
         for i, b in enumerate(hits):
-            assert self.contents[b.block_id] == (req.cache_salt, tuple(req.all_token_ids[i * BS:(i + 1) * BS]))
+            assert self.contents[b.block_id] == (req.cache_scope.salt, tuple(req.all_token_ids[i * BS:(i + 1) * BS]))
         if self.kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits) is None:
             del self.running[req.request_id]
             return

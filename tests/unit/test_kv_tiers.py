@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hotprefix.config import SchedulerConfig
 from hotprefix.core.block_pool import IntegrityError
+from hotprefix.core.hashing import CacheScope
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.kv_tiers import KVTiers, SlotState, Source
 from hotprefix.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -268,7 +269,8 @@ class TierMachine(RuleBasedStateMachine):
     def add(self, prompt, salt, max_tokens):
         if len(self.s.requests) < 6:
             self.n += 1
-            self.s.add_request(make_request(f"r{self.n}", 0, prompt=prompt, cache_salt=salt, max_tokens=max_tokens))
+            self.s.add_request(make_request(f"r{self.n}", 0, prompt=prompt, cache_scope=CacheScope(salt),
+                                                max_tokens=max_tokens))
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hotprefix.config import SchedulerConfig
-from hotprefix.core.hashing import BlockHasher, make_hash_fn, root_hash
+from hotprefix.core.hashing import BlockHasher, CacheScope, make_hash_fn, root_hash
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import RequestStatus
@@ -126,34 +126,34 @@ def test_output_blocks_become_cached_as_they_fill():
 def test_salts_isolate_and_offset_salts_share_the_public_part():
     s = sched(num_blocks=32)
     user = [5, 6, 7, 8, 9]
-    s.add_request(make_request("t1", 0, prompt=SYS + user, cache_salt="tenant-1", max_tokens=1))
+    s.add_request(make_request("t1", 0, prompt=SYS + user, cache_scope=CacheScope("tenant-1"), max_tokens=1))
     run_to_end(s)
     # Same tokens, other salt: no hit at all.
-    s.add_request(make_request("t2", 0, prompt=SYS + user, cache_salt="tenant-2", max_tokens=1))
+    s.add_request(make_request("t2", 0, prompt=SYS + user, cache_scope=CacheScope("tenant-2"), max_tokens=1))
     assert plan(run_step(s))[0][1] == 0
     # Same salt: hits.
-    s.add_request(make_request("t1b", 0, prompt=SYS + user, cache_salt="tenant-1", max_tokens=1))
+    s.add_request(make_request("t1b", 0, prompt=SYS + user, cache_scope=CacheScope("tenant-1"), max_tokens=1))
     assert plan(run_step(s))[0][1] == 16
     # No salt: no hit on salted blocks.
     s.add_request(make_request("anon", 0, prompt=SYS + user, max_tokens=1))
     assert plan(run_step(s))[0][1] == 0
     # Public system prompt: salt from offset 12 (block 3) on. Two tenants share blocks 0-2 only.
-    s.add_request(make_request("p1", 0, prompt=SYS + user, cache_salt="A", cache_salt_offset=12, max_tokens=1))
+    s.add_request(make_request("p1", 0, prompt=SYS + user, cache_scope=CacheScope("A", 12), max_tokens=1))
     p1 = plan(run_step(s))[0]
-    s.add_request(make_request("p2", 0, prompt=SYS + user, cache_salt="B", cache_salt_offset=12, max_tokens=1))
+    s.add_request(make_request("p2", 0, prompt=SYS + user, cache_scope=CacheScope("B", 12), max_tokens=1))
     p2 = plan(run_step(s))[0]
     assert p1[1] == 12 and p2[1] == 12  # both hit the unsalted SYS blocks left by "anon"
     assert p1[3][:3] == p2[3][:3] and p1[3][3] != p2[3][3]
     # An offset inside a block rounds down: offset 13 salts block 3 as well.
-    h13 = BlockHasher(BS).hashes_of(SYS + user, "A", 13)
-    h12 = BlockHasher(BS).hashes_of(SYS + user, "A", 12)
+    h13 = BlockHasher(BS).hashes_of(SYS + user, CacheScope("A", 13))
+    h12 = BlockHasher(BS).hashes_of(SYS + user, CacheScope("A", 12))
     assert h13 == h12
 
 
 def test_hashes_are_identical_across_instances_for_sha256_only():
     toks = list(range(40))
     a, b = BlockHasher(16, "sha256"), BlockHasher(16, "sha256")
-    assert a.hashes_of(toks, "s", 16) == b.hashes_of(toks, "s", 16)
+    assert a.hashes_of(toks, CacheScope("s", 16)) == b.hashes_of(toks, CacheScope("s", 16))
     assert len(a.hashes_of(toks)) == 2
     # Chained: the second block's hash depends on the first block's tokens.
     other = [99] + toks[1:]

@@ -16,8 +16,8 @@ import threading
 from functools import cached_property
 from typing import Any
 
-from hotprefix.engine.tool_prompt import with_tools
 from hotprefix.errors import InvalidRequestError
+from hotprefix.tokenizers.tool_prompt import with_tools
 
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
