@@ -88,6 +88,8 @@ class ForeignFlags:
         "with every backend", ("--guided-decoding-backend", "--structured-outputs-config.backend"), takes_value=True)
     enable_prompt_tokens_details: bool = no_effect("usage.prompt_tokens_details.cached_tokens is always reported")
     enable_auto_tool_choice: bool = no_effect("tool_choice auto is always on")
+    disable_uvicorn_access_log: bool = no_effect("uvicorn's access log is always off here; --request-log writes "
+                                                 "one line per finished request")
 
     def __post_init__(self) -> None:
         for d, value, rule in self._given():
