@@ -111,8 +111,10 @@ class Declared:
 
     @property
     def keywords(self) -> tuple[str, ...]:
-        """The LLM() keywords that set it: the field's name and its long flag names."""
-        return tuple(dict.fromkeys([self.name, *(n[2:].replace("-", "_") for n in self.names if n.startswith("--"))]))
+        """The LLM() keywords that set it: the field's name and its long flag names (not
+        a --disable-X switch's: its name says the opposite of the field's value)."""
+        flags = () if self.flag.negate else (n[2:].replace("-", "_") for n in self.names if n.startswith("--"))
+        return tuple(dict.fromkeys([self.name, *flags]))
 
     def convert(self, value: Any) -> Any:
         """value, in the user's unit, as the field's. Raises ConfigError."""

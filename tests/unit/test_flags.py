@@ -109,6 +109,11 @@ def test_two_keywords_for_one_field_and_unknown_keywords():
     assert kwargs == {"no_such": 1}  # what LLM() refuses with TypeError
 
 
+def test_a_disable_switch_is_no_keyword_of_its_field():
+    kwargs = {"disable_log_stats": True, "log_stats": False}
+    assert take_keywords(kwargs, ServerConfig) == {"log_stats": False} and kwargs == {"disable_log_stats": True}
+
+
 def test_vllm_keywords_with_no_effect_are_named_or_refused():
     foreign = build(ForeignFlags, take_keywords({"trust_remote_code": True, "pipeline_parallel_size": 1,
                                                  "quantization": None}, ForeignFlags))
