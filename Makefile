@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup serve test test-services lint bench clean
+.PHONY: setup serve test test-services lint bench docs clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ test-services:
 # Benchmarks (minutes; not part of the tests): results and the machine/commit go to docs/bench/.
 bench: setup
 	bash benchmarks/run_all.sh
+
+# The --help blocks of docs/cli.md and docs/server.md, from the flag declarations (a test checks them).
+docs: setup
+	$(PY) scripts/cli_docs.py
 
 lint: setup
 	$(VENV)/bin/ruff check hotprefix tests

@@ -1,16 +1,27 @@
 """Frozen configuration, one dataclass per concern.
 
-Values that are only known at start-up (the number of KV blocks, the model's
-shape) live in plans built from these configs, never by mutating them.
+Each field that a flag sets is declared once, here, with `flag(...)` (hotprefix/flags.py):
+its help, --help section, unit and choices; the `serve` and `generate` parsers and
+`LLM(**kwargs)` are built from these declarations. A field holds the engine's unit
+(bytes, seconds); its flag and LLM keyword take the user's (GiB, minutes) and the
+declaration's Unit converts. Values that are only known at start-up (the number of KV
+blocks, the model's shape) live in plans built from these configs, never by mutating them.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
+
+from hotprefix.flags import GIB, SIZE, ConfigError, Unit, flag
+from hotprefix.flags import FlagGroup as G
+from hotprefix.flags import parse_size as parse_size  # (re-exported: where callers import them from)
+from hotprefix.server_config import KEEP_ALIVE_S as KEEP_ALIVE_S
+from hotprefix.server_config import AdmissionConfig as AdmissionConfig
+from hotprefix.server_config import ServerConfig as ServerConfig
+from hotprefix.vllm_flags import DTYPE_ALIASES, human_int
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -40,7 +51,10 @@ class PreemptionMode(str, Enum):
 
 
 class QuantizedMatmul(str, Enum):
-    """How GGUF block weights multiply on the CPU (see ModelConfig)."""
+    """How GGUF block weights multiply on the CPU: int8 quantizes activations per 32 values
+    (256 for the K-quants: llama.cpp's methods, ~0.5-2% relative error per product, 2-8x
+    faster with AVX2 or AVX-512 VNNI); float32 keeps them (the dequantized weights' float32
+    product); auto is int8 where the kernel build has AVX2 or AVX-512 VNNI, else float32."""
 
     AUTO = "auto"
     INT8 = "int8"
@@ -70,18 +84,12 @@ class AttentionBackend(str, Enum):
     TRITON = "triton"
 
 
-SCHEDULING_POLICIES = tuple(m.value for m in SchedulingPolicy)
-LOAD_FORMATS = tuple(m.value for m in LoadFormat)
-ATTENTION_BACKENDS = tuple(m.value for m in AttentionBackend)
-QUANTIZED_MATMUL = tuple(m.value for m in QuantizedMatmul)
-
-
-def as_mode(cls: type[Enum], flag: str, value: object) -> Enum:
+def as_mode(cls: type[Enum], name: str, value: object) -> Enum:
     """value as a member of the mode Enum cls. Raises ConfigError naming the flag."""
     try:
         return cls(value)
     except ValueError:
-        raise ConfigError(f"{flag} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
+        raise ConfigError(f"{name} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
 
 
 def cache_root() -> Path:
@@ -90,70 +98,54 @@ def cache_root() -> Path:
     return Path(os.environ.get("HOTPREFIX_CACHE", Path.home() / ".cache" / "hotprefix"))
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the option and the value."""
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_size(text: str | int | float) -> int:
-    """Parse a memory size such as ``"4GiB"``, ``"512MB"`` or ``1073741824`` into bytes.
-
-    Raises ConfigError on anything that is not a non-negative size.
-    """
-    if isinstance(text, (int, float)):
-        if text < 0:
-            raise ConfigError(f"memory size must be non-negative, got {text}")
-        return int(text)
-    m = _SIZE_RE.match(text)
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ConfigError(f"cannot parse memory size {text!r} (examples: 4GiB, 512MB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+def _graph_sizes(values: str | list | tuple) -> tuple[int, ...]:
+    """--cuda-graph-sizes as batch sizes (space-, comma-separated or a JSON list). Raises ConfigError."""
+    if not isinstance(values, (str, list)) or not all(isinstance(v, str) for v in values):
+        return tuple(values)
+    text = " ".join([values] if isinstance(values, str) else values).replace(",", " ").strip()
+    try:
+        return tuple(int(x) for x in text.removeprefix("[").removesuffix("]").split())
+    except ValueError:
+        raise ConfigError(f"--cuda-graph-sizes must be batch sizes such as 1 2 4 8, got {text!r}") from None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model to load and in what precision.
+    """Which model to load, in what precision, and which path its steps take."""
 
-    model: a HF folder, a .gguf file, a hub id, or None for the bundled default.
-    dtype: compute dtype; "auto" means float32 on CPU (bf16 is very slow there)
-    and the checkpoint's dtype on CUDA.
-    quantized_matmul: how a GGUF's block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-    Q6_K) are multiplied on the CPU: "int8" quantizes activations to int8 per 32 values (per
-    256 for the K-quants: llama.cpp's methods, ~0.5-2% relative error per product, 2-8x
-    faster with AVX2 or AVX-512 VNNI); "float32" keeps
-    activations in float32 (results equal the dequantized weights' float32 product);
-    "auto" is int8 where the kernel build has AVX2 or AVX-512 VNNI, else float32.
-    generation_config: where default sampling parameters come from (vLLM's flag):
-    "auto", the model folder's generation_config.json (temperature, top_p, top_k,
-    min_p, repetition_penalty, max_new_tokens); "vllm", none (the API's defaults);
-    or a folder holding a generation_config.json.
-    download_dir: where a hub model is downloaded (default: huggingface_hub's cache).
-    load_format: LoadFormat (dummy: random weights of the model's shape).
-    attention_backend: AttentionBackend.
-    enforce_eager: never replay CUDA graphs (decode steps run eagerly, as prefill always does).
-    cuda_graph_sizes: the decode batch sizes captured as CUDA graphs (a step pads up to the
-    next one); empty: 1, 2, 4, 8, then every multiple of 8 up to --max-num-seqs (vLLM's).
-    """
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    revision: str | None = None
-    download_dir: str | None = None
-    seed: int = 0
-    quantized_matmul: QuantizedMatmul = QuantizedMatmul.AUTO
-    generation_config: str = "auto"
-    load_format: LoadFormat = LoadFormat.AUTO
-    attention_backend: AttentionBackend = AttentionBackend.AUTO
-    enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] = ()
+    model: str | None = flag(None, "HF model folder, .gguf file or hub id", group=G.MODEL,
+                             shown="the bundled SmolLM2-135M-Instruct GGUF")
+    tokenizer: str | None = flag(None, "tokenizer folder or hub id", group=G.MODEL, shown="the model's")
+    dtype: str = flag("auto", "compute dtype; auto = float32 on CPU, half precision on CUDA (half = float16, "
+                      "float = float32)", group=G.MODEL,
+                      choices=MODEL_DTYPES + tuple(DTYPE_ALIASES), unit=Unit(lambda v: DTYPE_ALIASES.get(v, v)))
+    device: str = flag("auto", "auto, cpu or cuda[:N]", group=G.MODEL)
+    max_model_len: int | None = flag(None, "longest prompt + output in tokens, e.g. 4096, 4k (4,000) or 4K (4,096)",
+                                     group=G.MODEL, type=human_int, shown="the model's context length")
+    revision: str | None = flag(None, "hub revision to download", group=G.MODEL)
+    download_dir: str | None = flag(None, "where a hub model is downloaded", group=G.MODEL, shown="the HF cache")
+    seed: int = flag(0, "seed of the shared sampler generator", group=G.MODEL)
+    quantized_matmul: QuantizedMatmul = flag(
+        QuantizedMatmul.AUTO, "GGUF block weights on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): int8 = "
+        "int8 activations (llama.cpp's method, fastest), float32 = exact float32 activations (also widens Q2_K/Q3_K "
+        "to float32); auto = int8 where the CPU has AVX2 or AVX-512 VNNI", group=G.MODEL)
+    generation_config: str = flag("auto", "default sampling parameters: auto (the model folder's "
+                                  "generation_config.json), vllm (none: the API's defaults) or a folder holding a "
+                                  "generation_config.json", group=G.MODEL)
+    load_format: LoadFormat = flag(LoadFormat.AUTO, "dummy: random weights of the model's shape, no weight files (a "
+                                   "config.json folder, a GGUF's header, or a named shape as `hotprefix size` takes, "
+                                   "e.g. llama-3.1-8b)", group=G.MODEL)
+    attention_backend: AttentionBackend = flag(
+        AttentionBackend.AUTO, "how attention reads the paged KV: triton (kernels, CUDA), torch (gather + SDPA), cpu "
+        "(C kernels); auto = triton on CUDA when installed, cpu on the CPU", group=G.MODEL)
+    enforce_eager: bool = flag(False, "run decode steps eagerly instead of replaying CUDA graphs (triton backend on "
+                               "CUDA)", group=G.MODEL)
+    cuda_graph_sizes: tuple[int, ...] = flag(
+        (), "decode batch sizes captured as CUDA graphs (a step pads up to the next one): 1 2 4 8, 1,2,4,8 or "
+        "[1, 2, 4]", group=G.MODEL, nargs="+", metavar="N", unit=Unit(_graph_sizes),
+        shown="1, 2, 4 and every multiple of 8 up to --max-num-seqs")
+    tensor_parallel_size: int = flag(1, "must be 1: one engine per device (run several behind `hotprefix gateway`)",
+                                     group=G.MODEL, names=("-tp", "--tensor-parallel-size"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantized_matmul",
@@ -170,6 +162,9 @@ class ModelConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: hotprefix runs one engine per "
+                              "device; run one server per device behind `hotprefix gateway` instead")
 
     def context_length(self, model_context: int) -> int:
         """The longest prompt + output served: --max-model-len, else the model's own context."""
@@ -181,35 +176,36 @@ DISK_STAGING_BYTES = 512 << 20
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool.
+    """The paged KV pool and the tiers below it. Sizes are bytes here; the flags and LLM
+    keywords of swap_space, kv_offloading_size and kv_disk_size take GiB (or "512MiB")."""
 
-    kv_cache_memory: bytes for KV on CPU (None: a default of 1 GiB).
-    gpu_memory_utilization: share of the GPU's memory for weights + activations + KV.
-    num_blocks_override: fix the number of blocks (tests; small pools).
-    enable_prefix_caching: share full blocks between requests by chained hash.
-    max_pinned_fraction: the most of the pool that pinned prefixes may hold.
-    swap_space: bytes of host memory for swap-mode preemption (allocated only in that mode).
-    kv_offloading_size: bytes of host memory for the host KV tier (0: none; see core/kv_tiers.py).
-    kv_disk_dir: a directory for the disk KV tier (None: none); it survives restarts.
-    kv_disk_size: the most bytes the disk tier's files may take.
-    kv_disk_write: which computed blocks the disk tier writes (DiskWritePolicy).
-    kv_disk_insecure: use a --kv-disk-dir that others may write (refused otherwise).
-    """
-
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    max_pinned_fraction: float = 0.2
-    swap_space: int = 4 << 30
-    kv_offloading_size: int = 0
-    kv_disk_dir: str | None = None
-    kv_disk_size: int = 16 << 30
-    kv_disk_write: DiskWritePolicy = DiskWritePolicy.ALL
-    kv_disk_insecure: bool = False
+    block_size: int = flag(16, "tokens per KV block", group=G.MODEL)
+    kv_cache_dtype: str = flag("auto", "KV storage dtype; fp8 halves the memory of fp16", group=G.MODEL,
+                               choices=KV_CACHE_DTYPES)
+    kv_cache_memory: int | None = flag(None, "bytes of KV cache on CPU, e.g. 2GiB or 2147483648", group=G.MODEL,
+                                       names=("--kv-cache-memory", "--kv-cache-memory-bytes"), unit=SIZE,
+                                       shown="1GiB")
+    gpu_memory_utilization: float = flag(0.9, "share of GPU memory for weights, activations and KV (CUDA only)",
+                                         group=G.MODEL)
+    num_blocks_override: int | None = flag(None, "fix the number of KV blocks (for testing)", group=G.MODEL,
+                                           names=("--num-gpu-blocks-override",))
+    enable_prefix_caching: bool = flag(True, "share the KV blocks of common prompt prefixes between requests",
+                                       group=G.MODEL, negatable=True)
+    prefix_caching_hash_algo: str = flag("sha256", "block hash: sha256 (same on every server) or xxhash (faster, "
+                                         "seeded per process)", group=G.MODEL, choices=("sha256", "xxhash"))
+    max_pinned_fraction: float = flag(0.2, "the most of the KV pool that pinned prefixes may hold", group=G.MODEL)
+    swap_space: int = flag(4 << 30, "GiB of host memory for --preemption-mode swap (allocated only in that mode)",
+                           group=G.MODEL, unit=GIB)
+    kv_offloading_size: int = flag(0, "GiB of host memory for a KV tier below the pool: evicted blocks go there; "
+                                   "0 = off", group=G.MODEL, unit=GIB)
+    kv_disk_dir: str | None = flag(None, "a directory for a disk KV tier: computed blocks are written behind, and a "
+                                   "restarted server finds them", group=G.MODEL, shown="off")
+    kv_disk_size: int = flag(16 << 30, "GiB the disk KV tier may take", group=G.MODEL, unit=GIB)
+    kv_disk_write: DiskWritePolicy = flag(DiskWritePolicy.ALL, "which blocks the disk KV tier writes: all computed "
+                                          "ones (a prefix seen once survives a restart), or only those hit again "
+                                          "(no cost on traffic that shares nothing)", group=G.MODEL)
+    kv_disk_insecure: bool = flag(False, "use a --kv-disk-dir that other users may write or own (refused otherwise: "
+                                  "its files become other requests' KV)", group=G.MODEL)
 
     @property
     def host_tier_bytes(self) -> int:
@@ -247,26 +243,24 @@ DEFAULT_BATCHED_TOKENS = 2048
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How many requests and tokens one engine step may take, in what order,
-    and what happens when KV blocks run out.
+    """How many requests and tokens one engine step may take, in what order, and what
+    happens when KV blocks run out. Without chunked prefill a prompt (or a preempted
+    prompt with its output) must fit one step whole (see `resolved`). How many requests
+    may wait is the server's admission limit (AdmissionConfig), not the scheduler's."""
 
-    max_num_batched_tokens: the step's token budget; None: 2048, or without chunked
-    prefill max(2048, max_model_len) (vLLM's rule), since a prompt (or a preempted
-    prompt with its output) must then fit one step whole (see `resolved`).
-    long_prefill_token_threshold: if > 0, no request computes more than this
-    many tokens in one step (long prompts cannot crowd out decodes); needs
-    chunked prefill.
-    preemption_mode: recompute (free and recompute) or swap (copy to host memory).
-    How many requests may wait is the server's admission limit
-    (ServerConfig.max_num_queued_requests), not the scheduler's.
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    long_prefill_token_threshold: int = 0
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    max_num_seqs: int = flag(64, "most requests running in one step", group=G.SCHEDULER)
+    max_num_batched_tokens: int | None = flag(
+        None, "token budget of one step", group=G.SCHEDULER,
+        shown=f"{DEFAULT_BATCHED_TOKENS}; without chunked prefill max({DEFAULT_BATCHED_TOKENS}, --max-model-len)")
+    enable_chunked_prefill: bool = flag(True, "split long prompts over several steps within the token budget",
+                                        group=G.SCHEDULER, negatable=True)
+    scheduling_policy: SchedulingPolicy = flag(SchedulingPolicy.FCFS, "fcfs: arrival order; priority: lowest request "
+                                               "`priority` first, ties by arrival", group=G.SCHEDULER)
+    long_prefill_token_threshold: int = flag(0, "if > 0, the most tokens one request computes in a step (long "
+                                             "prompts cannot crowd out decodes; needs chunked prefill)",
+                                             group=G.SCHEDULER)
+    preemption_mode: PreemptionMode = flag(PreemptionMode.RECOMPUTE, "when KV runs out: free a request and "
+                                           "recompute it later, or swap its KV to host memory", group=G.SCHEDULER)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", as_mode(PreemptionMode, "--preemption-mode",
@@ -306,19 +300,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class StructuredConfig:
-    """Output constraints (JSON schema, regex, choice, grammars; tools' calls): the size
-    a request's may have (grammar_limits.GrammarLimits: bytes, object properties, enum
-    and const values, nesting depth, nested regex repetition), each refused with a 400
-    naming it; and the CPU seconds compiling one may take in a worker process that is
-    killed when it runs over (grammar_sandbox.py; 0: compile in the server's process, which
-    nothing can stop)."""
+    """Output constraints (JSON schema, regex, choice, grammars; tools' calls): the size a
+    request's may have (grammar_limits.GrammarLimits), each refused with a 400 naming it;
+    and the CPU seconds compiling one may take (grammar_sandbox.py)."""
 
-    max_grammar_bytes: int = 128 << 10
-    max_grammar_properties: int = 5_000
-    max_grammar_enum_values: int = 1_000
-    max_grammar_depth: int = 32
-    max_grammar_repeat: int = 10_000
-    max_grammar_compile_seconds: float = 5.0
+    max_grammar_bytes: int = flag(128 << 10, "a constraint's size in bytes", group=G.STRUCTURED)
+    max_grammar_properties: int = flag(5_000, "object properties in a JSON schema", group=G.STRUCTURED)
+    max_grammar_enum_values: int = flag(1_000, "enum and const values in a JSON schema", group=G.STRUCTURED)
+    max_grammar_depth: int = flag(32, "nesting of a JSON schema", group=G.STRUCTURED)
+    max_grammar_repeat: int = flag(10_000, "the product of nested counted repetitions ({n}) in a regex or schema "
+                                   "pattern", group=G.STRUCTURED)
+    max_grammar_compile_seconds: float = flag(5.0, "CPU seconds compiling one constraint may take, in a worker "
+                                              "process that is killed when it runs over (0: compile in the server's "
+                                              "process, where nothing can stop it)", group=G.STRUCTURED)
 
     def __post_init__(self) -> None:
         for name in ("max_grammar_bytes", "max_grammar_properties", "max_grammar_enum_values", "max_grammar_depth",
@@ -338,126 +332,3 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """What the async engine admits (the one owner of the queue limit).
-
-    max_num_queued_requests: sequences (a request with n samples over k prompts
-    counts n x k) that may wait for their first token; a request that would pass
-    it gets 503 with Retry-After before any response starts, one larger than the
-    whole limit a 400.
-    preprocess_timeout: seconds one request's template rendering and tokenization
-    (in worker threads, never on the event loop) may take before it gets a 400.
-    preprocess_workers: those worker threads.
-    """
-
-    max_num_queued_requests: int = 1024
-    preprocess_timeout: float = 20.0
-    preprocess_workers: int = 2
-
-    def __post_init__(self) -> None:
-        if self.max_num_queued_requests < 1:
-            raise ConfigError(f"--max-num-queued-requests must be >= 1, got {self.max_num_queued_requests}")
-        if not self.preprocess_timeout > 0:
-            raise ConfigError(f"--preprocess-timeout must be > 0, got {self.preprocess_timeout}")
-        if self.preprocess_workers < 1:
-            raise ConfigError(f"preprocess_workers must be >= 1, got {self.preprocess_workers}")
-
-
-# How long an idle HTTP keep-alive connection stays open, server and gateway. Longer than
-# what clients and load balancers keep an idle connection for (httpx and the openai client
-# 5 s, aiohttp 15 s, AWS ALB 60 s): the side that closes an idle connection must be the
-# client, or a request sent as the server closes it fails ("Server disconnected without
-# sending a response"; uvicorn's own default, 5 s, equals httpx's).
-KEEP_ALIVE_S = 65.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The HTTP server around the engine.
-
-    served_model_names: the names clients may use (the first is reported and labels
-    metrics; default: the model file's or folder's name).
-    api_key: when set, /v1/* and the admin endpoints need `Authorization: Bearer <key>`.
-    request_log: a file to append one JSON line per finished request to (with each prompt's
-    keyed block-hash chain, never its text unless request_log_prompts).
-    request_log_prompts: also write each prompt's rendered text in the request log (and
-    show the start of each prefix group's first prompt on /dashboard and /prefix_groups).
-    dashboard_interval / dashboard_window: seconds between the dashboard's samples, and
-    how far back its series goes.
-    shutdown_timeout: seconds to let running requests finish after SIGTERM.
-    admission: how many sequences may wait, and the preprocessing budget (AdmissionConfig).
-    max_n: the most samples (n, best_of) one request may ask for.
-    max_request_body_bytes: a larger body gets 413 before it is parsed.
-    trust_request_chat_template: accept a request's own `chat_template` (the server runs it).
-    allowed_origins / allowed_methods / allowed_headers / allow_credentials: CORS
-    (no origins: no CORS headers at all; vLLM allows every origin by default).
-    root_path: the path prefix a proxy serves the app under.
-    ssl_keyfile / ssl_certfile / ssl_ca_certs: serve HTTPS.
-    timeout_keep_alive: seconds an idle keep-alive connection stays open (KEEP_ALIVE_S).
-    log_stats: log throughput, queue, KV usage and prefix hit rate every stats_interval s.
-    metrics_prefix: the Prometheus names' prefix ("hotprefix"; "vllm" for vLLM dashboards).
-    tool_call_parser: how tool calls are read from the model's output (server/tool_parsers.py).
-    max_logprobs: the most logprobs a request may ask for (at most 20, the sampler's limit).
-    return_tokens_as_token_ids: logprob tokens as "token_id:N" (vLLM's flag).
-    docs: serve /docs, /redoc and /openapi.json (off: --disable-fastapi-docs).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: tuple[str, ...] = ()
-    api_key: str | None = None
-    chat_template: str | None = None
-    admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
-    max_n: int = 16
-    max_request_body_bytes: int = 4 << 20
-    trust_request_chat_template: bool = False
-    request_log: str | None = None
-    request_log_prompts: bool = False
-    dashboard_interval: float = 5.0
-    dashboard_window: float = 900.0
-    shutdown_timeout: float = 30.0
-    log_level: str = "info"
-    uvicorn_log_level: str = "info"
-    allowed_origins: tuple[str, ...] = ()
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-    root_path: str = ""
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-    timeout_keep_alive: float = KEEP_ALIVE_S
-    log_stats: bool = True
-    stats_interval: float = 10.0
-    metrics_prefix: str = "hotprefix"
-    tool_call_parser: str = "hermes"
-    max_logprobs: int = 20
-    return_tokens_as_token_ids: bool = False
-    docs: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.max_logprobs <= 20:
-            raise ConfigError(f"--max-logprobs must be in 0..20 (the sampler returns at most 20), "
-                              f"got {self.max_logprobs}")
-        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
-            raise ConfigError(f"--metrics-prefix must be a Prometheus name (letters, digits, _), "
-                              f"got {self.metrics_prefix!r}")
-        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
-            raise ConfigError("give --ssl-keyfile and --ssl-certfile together")
-        if not self.stats_interval > 0:
-            raise ConfigError(f"the stats interval must be > 0, got {self.stats_interval}")
-        if not 0 < self.dashboard_interval <= self.dashboard_window <= 7 * 86400:
-            raise ConfigError("the dashboard needs 0 < its interval <= its window (--dashboard-window) <= 7 days, got "
-                              f"{self.dashboard_interval} s and {self.dashboard_window} s")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.shutdown_timeout < 0:
-            raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
-        if not self.timeout_keep_alive > 0:
-            raise ConfigError(f"--timeout-keep-alive must be > 0, got {self.timeout_keep_alive}")
-        for flag, value in (("--max-n", self.max_n), ("--max-request-body-bytes", self.max_request_body_bytes)):
-            if value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")

@@ -1,12 +1,14 @@
 """vLLM launch lines, accepted as they are: `hotprefix serve` takes what `vllm serve`
 lines commonly carry.
 
-A flag is honoured where its concept exists here (cli.py defines those, under vLLM's
-names). The rest are FOREIGN_FLAGS: accepted, and named at start-up with the reason they
-change nothing on this engine; a value that would silently change results (a LoRA
-adapter, a quantization method other than the file's own, pipeline parallelism) is
-refused with the reason instead. Also here: vLLM's human-readable integers (`4k`) and its
-`--config FILE` (a YAML file of long flag names; the command line wins).
+A flag is honoured where its concept exists here: it is declared on its config field
+(config.py, under vLLM's name, with vLLM's spellings as aliases and vLLM's units). The
+rest are declared the same way on ForeignFlags: accepted (by `hotprefix serve` and by
+`LLM()`), and named at start-up with the reason they change nothing on this engine; a
+value that would silently change results (a LoRA adapter, a quantization method other
+than the file's own, pipeline parallelism) is refused with the reason instead. Also
+here: vLLM's human-readable integers (`4k`), its dtype spellings, and its `--config FILE`
+(a YAML file of long flag names; the command line wins).
 """
 
 from __future__ import annotations
@@ -16,81 +18,101 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hotprefix.config import ConfigError
+from hotprefix.flags import ConfigError, Declared, FlagGroup, build, declared, flag, given
 
 
 @dataclass(frozen=True)
-class ForeignFlag:
-    """A `vllm serve` flag with no effect here. names: its spellings; reason: why it
-    changes nothing (logged at start when given); takes_value: it takes one value (else
-    it is a switch); harmless: the values that change nothing (None: every value);
-    refuse: why any other value is refused."""
+class NoEffect:
+    """Why a vLLM flag changes nothing here (logged at start when given); harmless: the
+    values that change nothing (None: every value); refuse: why any other value is refused."""
 
-    names: tuple[str, ...]
     reason: str
-    takes_value: bool = False
     harmless: Callable[[str], bool] | None = None
     refuse: str = ""
 
-    @property
-    def dest(self) -> str:
-        return "foreign_" + self.names[-1].lstrip("-").replace("-", "_").replace(".", "_")
+
+def no_effect(reason: str, names: tuple[str, ...] = (), takes_value: bool = False,
+              harmless: Callable[[str], bool] | None = None, refuse: str = "") -> Any:
+    """A ForeignFlags field: a switch (False: not given), or a flag that takes one value (None: not given)."""
+    return flag(None if takes_value else False, f"vLLM's; {reason or refuse}", group=FlagGroup.FOREIGN, names=names,
+                metavar="VALUE", shown="", rule=NoEffect(reason, harmless, refuse))
+
+
+def _never(value: str) -> bool:
+    return False
 
 
 _NO_PROMPT_LOGS = ("hotprefix logs no prompt or output to its log; --request-log writes one line per finished "
                    "request (prompt text only with --request-log-prompts)")
-FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
-    ForeignFlag(("--disable-log-requests",), _NO_PROMPT_LOGS),
-    ForeignFlag(("--enable-log-requests",), _NO_PROMPT_LOGS),
-    ForeignFlag(("--trust-remote-code",), "hotprefix runs no code from a model repository: it implements the "
-                                          "architectures it loads (Llama-family) itself"),
-    ForeignFlag(("-O", "--compilation-config"), "hotprefix does not use torch.compile (its CPU kernels are "
-                                                "compiled C, built once)", takes_value=True),
-    ForeignFlag(("--calculate-kv-scales",), "fp8 KV is stored with a fixed scale here (--kv-cache-dtype fp8); "
-                                            "there are no per-layer scales to calculate"),
-    ForeignFlag(("--enable-lora",), "no adapter is loaded without --lora-modules (which is refused)"),
-    ForeignFlag(("--lora-modules",), "", takes_value=True, harmless=lambda v: False,
-                refuse="LoRA adapters are not supported: answers would come from the base model alone"),
-    ForeignFlag(("-pp", "--pipeline-parallel-size"), "one pipeline stage: the whole model runs in one engine",
-                takes_value=True, harmless=lambda v: v.strip() == "1",
-                refuse="hotprefix runs one engine per device; run one server per device behind `hotprefix "
-                       "gateway` instead"),
-    ForeignFlag(("-q", "--quantization"), "the weights' format is read from the file (a GGUF's block types)",
-                takes_value=True, harmless=lambda v: v.lower() in ("gguf", "none"),
-                refuse="only GGUF block weights and unquantized safetensors are loaded; another method would "
-                       "serve other weights than the ones asked for"),
-    ForeignFlag(("--tokenizer-mode",), "the model's fast tokenizer is used (the same tokens as the slow one)",
-                takes_value=True, harmless=lambda v: v in ("auto", "hf", "slow"),
-                refuse="mistral's own tokenizer format (tekken) is not supported; its tokens would differ"),
-    ForeignFlag(("--response-role",), "chat replies have the role assistant", takes_value=True,
-                harmless=lambda v: v == "assistant",
-                refuse="chat replies always have the role assistant here; another role would change them"),
-    ForeignFlag(("--guided-decoding-backend", "--structured-outputs-config.backend"),
-                "output constraints are enforced by llguidance: a token is allowed exactly when the constraint "
-                "allows it, as with every backend", takes_value=True),
-)
+_ONE_ENGINE = "hotprefix runs one engine per device; run one server per device behind `hotprefix gateway` instead"
 
 
-def add_foreign_args(g: argparse._ArgumentGroup) -> None:
-    """Add FOREIGN_FLAGS to a parser group (absent from the namespace when not given)."""
-    for f in FOREIGN_FLAGS:
-        kind = {"metavar": "VALUE"} if f.takes_value else {"action": "store_const", "const": "true"}
-        g.add_argument(*f.names, dest=f.dest, default=argparse.SUPPRESS, help=f"vLLM's; {f.reason or f.refuse}", **kind)
+@dataclass(frozen=True)
+class ForeignFlags:
+    """The `vllm serve` flags (and `LLM()` keywords) with no effect here that were given:
+    True or a value for each given one. Raises ConfigError at construction for a value
+    that would change results."""
+
+    disable_log_requests: bool = no_effect(_NO_PROMPT_LOGS)
+    enable_log_requests: bool = no_effect(_NO_PROMPT_LOGS)
+    trust_remote_code: bool = no_effect("hotprefix runs no code from a model repository: it implements the "
+                                        "architectures it loads (Llama-family) itself")
+    compilation_config: str | None = no_effect("hotprefix does not use torch.compile (its CPU kernels are compiled "
+                                               "C, built once)", ("-O", "--compilation-config"), takes_value=True)
+    calculate_kv_scales: bool = no_effect("fp8 KV is stored with a fixed scale here (--kv-cache-dtype fp8); there "
+                                          "are no per-layer scales to calculate")
+    enable_lora: bool = no_effect("no adapter is loaded without --lora-modules (which is refused)")
+    lora_modules: str | None = no_effect("", takes_value=True, harmless=_never,
+                                         refuse="LoRA adapters are not supported: answers would come from the base "
+                                                "model alone")
+    pipeline_parallel_size: str | None = no_effect("one pipeline stage: the whole model runs in one engine",
+                                                   ("-pp", "--pipeline-parallel-size"), takes_value=True,
+                                                   harmless=lambda v: v.strip() == "1", refuse=_ONE_ENGINE)
+    quantization: str | None = no_effect("the weights' format is read from the file (a GGUF's block types)",
+                                         ("-q", "--quantization"), takes_value=True,
+                                         harmless=lambda v: v.lower() in ("gguf", "none"),
+                                         refuse="only GGUF block weights and unquantized safetensors are loaded; "
+                                                "another method would serve other weights than the ones asked for")
+    tokenizer_mode: str | None = no_effect("the model's fast tokenizer is used (the same tokens as the slow one)",
+                                           takes_value=True, harmless=lambda v: v in ("auto", "hf", "slow"),
+                                           refuse="mistral's own tokenizer format (tekken) is not supported; its "
+                                                  "tokens would differ")
+    response_role: str | None = no_effect("chat replies have the role assistant", takes_value=True,
+                                          harmless=lambda v: v == "assistant",
+                                          refuse="chat replies always have the role assistant here; another role "
+                                                 "would change them")
+    guided_decoding_backend: str | None = no_effect(
+        "output constraints are enforced by llguidance: a token is allowed exactly when the constraint allows it, as "
+        "with every backend", ("--guided-decoding-backend", "--structured-outputs-config.backend"), takes_value=True)
+    enable_prompt_tokens_details: bool = no_effect("usage.prompt_tokens_details.cached_tokens is always reported")
+    enable_auto_tool_choice: bool = no_effect("tool_choice auto is always on")
+    disable_uvicorn_access_log: bool = no_effect("uvicorn's access log is always off here; --request-log writes "
+                                                 "one line per finished request")
+
+    def __post_init__(self) -> None:
+        for d, value, rule in self._given():
+            if value is not True and rule.harmless is not None and not rule.harmless(str(value)):
+                raise ConfigError(f"{d.names[-1]} {value}: {rule.refuse}")
+
+    def _given(self) -> list[tuple[Declared, Any, NoEffect]]:
+        return [(d, getattr(self, d.name), d.flag.rule) for d in declared(ForeignFlags)
+                if getattr(self, d.name) not in (None, False)]
+
+    def lines(self) -> list[str]:
+        """The start-up lines naming each given flag and why it changes nothing."""
+        return [f"{d.names[-1]}{'' if value is True else f' {value}'}: accepted, no effect here ({rule.reason})"
+                for d, value, rule in self._given()]
+
+
+FOREIGN_FLAGS = declared(ForeignFlags)
 
 
 def check_foreign(a: argparse.Namespace) -> list[str]:
     """The start-up lines naming each given foreign flag and why it changes nothing.
     Raises ConfigError for a value that would change results."""
-    lines = []
-    for f in FOREIGN_FLAGS:
-        value = getattr(a, f.dest, None)
-        if value is None:
-            continue
-        if f.takes_value and f.harmless is not None and not f.harmless(value):
-            raise ConfigError(f"{f.names[-1]} {value}: {f.refuse}")
-        lines.append(f"{f.names[-1]}{' ' + value if f.takes_value else ''}: accepted, no effect here ({f.reason})")
-    return lines
+    return build(ForeignFlags, given(a, ForeignFlags)).lines()
 
 
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")

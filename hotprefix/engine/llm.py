@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-from hotprefix.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from hotprefix.config import EngineConfig
 from hotprefix.engine.llm_engine import LLMEngine, RequestOutput
 from hotprefix.engine.requests import CacheScope, RequestOptions
+from hotprefix.flags import build, take_keywords
 from hotprefix.sampling_params import SamplingParams
+from hotprefix.vllm_flags import ForeignFlags
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -17,26 +22,29 @@ Prompt = str | list[int]
 class LLM:
     """Generate for a batch of prompts and return when all are done.
 
-    Keyword arguments are the fields of ModelConfig, CacheConfig and
-    SchedulerConfig (e.g. block_size=16, kv_cache_dtype="fp8", max_num_seqs=8);
-    an unknown keyword raises TypeError.
+    Keyword arguments are the engine's flags (hotprefix/flags.py builds them from the
+    declarations in config.py): each field of ModelConfig, CacheConfig, SchedulerConfig
+    and StructuredConfig by its name or by its flag's long name (vLLM's: e.g.
+    block_size=16, kv_cache_dtype="fp8", num_gpu_blocks_override=64), in the flag's unit
+    (swap_space=4 and kv_offloading_size=4 are GiB, as in vLLM; "512MiB" also works;
+    kv_cache_memory is bytes or text such as "2GiB"). vLLM's keywords with no effect here
+    (trust_remote_code=True, ...) are logged as such, or refused where they would change
+    results (ConfigError). An unknown keyword raises TypeError.
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if config is not None:
             if model is not None or kwargs:
                 raise TypeError("give either config or model/keyword arguments, not both")
-            self.engine = LLMEngine(config)
-            self._ids = itertools.count()
-            return
-        groups = {}
-        for cls in (ModelConfig, CacheConfig, SchedulerConfig):
-            names = cls.__dataclass_fields__.keys()
-            groups[cls] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names},
-                              **({"model": model} if cls is ModelConfig else {}))
-        if kwargs:
-            raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(kwargs))}")
-        self.engine = LLMEngine(EngineConfig(groups[ModelConfig], groups[CacheConfig], groups[SchedulerConfig]))
+        else:
+            kwargs = {**kwargs, **({"model": model} if model is not None else {})}
+            values, foreign = take_keywords(kwargs, EngineConfig), take_keywords(kwargs, ForeignFlags)
+            if kwargs:
+                raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(kwargs))}")
+            for line in build(ForeignFlags, foreign).lines():
+                log.info("LLM(): %s", line)
+            config = build(EngineConfig, values)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property

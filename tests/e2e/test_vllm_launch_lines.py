@@ -20,7 +20,8 @@ LINE = ["--disable-log-requests", "--enable-log-requests", "--trust-remote-code"
         "--disable-fastapi-docs", "--pipeline-parallel-size", "1", "--calculate-kv-scales", "-O3",
         "--response-role", "assistant", "--return-tokens-as-token-ids", "--enable-lora",
         "--structured-outputs-config.backend", "xgrammar", "--guided-decoding-backend", "auto",
-        "--dtype", "half", "--max-model-len", "4k", "--tool-call-parser", "llama3_json"]
+        "--dtype", "half", "--max-model-len", "4k", "--tool-call-parser", "llama3_json",
+        "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--disable-uvicorn-access-log"]
 
 
 def parse(args: list[str]) -> argparse.Namespace:

@@ -50,10 +50,10 @@ def alone(folder):
     {"max_num_batched_tokens": 7},                        # chunked prefill, small chunks
     {"max_num_batched_tokens": 16, "max_num_seqs": 2},    # chunks + queueing
     {"num_blocks_override": 14, "max_num_batched_tokens": 32},  # few blocks: preemption (recompute)
-    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 1 << 20},
-    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 1 << 20,
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": "1MiB"},
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": "1MiB",
      "scheduling_policy": "priority", "enable_prefix_caching": False},
-    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 4096},
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": "4KiB"},
     {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 3},
 ])
 def test_batched_outputs_equal_running_alone(folder, alone, kw):
@@ -66,7 +66,8 @@ def test_batched_outputs_equal_running_alone(folder, alone, kw):
     if "num_blocks_override" in kw:
         assert llm.engine.scheduler.num_preemptions > 0
     if kw.get("preemption_mode") == "swap":
-        assert llm.engine.runner.num_host_blocks == kw["swap_space"] // llm.engine.runner.plan.bytes_per_block
+        swap_bytes = {"1MiB": 1 << 20, "4KiB": 4096}[kw["swap_space"]]  # (a number would be GiB, as in vLLM)
+        assert llm.engine.runner.num_host_blocks == swap_bytes // llm.engine.runner.plan.bytes_per_block
         assert llm.engine.runner.num_swapped_blocks_total > 0
     assert_pool_empty(llm)
 

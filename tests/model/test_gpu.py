@@ -45,7 +45,7 @@ def test_cuda_fp32_logits_match_transformers(model_dir, backend):
 
 @pytest.mark.parametrize("kw", [
     {},
-    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": 1 << 20},
+    {"num_blocks_override": 14, "max_num_batched_tokens": 32, "preemption_mode": "swap", "swap_space": "1MiB"},
 ])
 def test_cuda_generation_matches_cpu(model_dir, kw):
     d, _ = model_dir
