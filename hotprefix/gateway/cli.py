@@ -203,7 +203,7 @@ def cmd_usage(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(f"--since/--until must be ISO dates (2026-11-22 or 2026-11-22T10:00): {e}") from None
     prices = PriceTable.load(a.prices) if a.prices else None
-    rows = store.usage_report(a.by, since, until, prices)
+    rows = [r.to_json(a.by, prices is not None) for r in store.usage_report(a.by, since, until, prices)]
     _print(rows, a.json, [a.by, "requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens",
                           *(["spend"] if prices else [])])
     return 0

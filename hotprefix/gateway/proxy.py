@@ -34,7 +34,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -46,7 +46,7 @@ from hotprefix.gateway.budgets import Price, Scope
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.ratelimit import Limits, Refusal
 from hotprefix.gateway.routing import Backend, Router, route_key
-from hotprefix.gateway.store import Prompt, Store, UsageStatus, utcnow
+from hotprefix.gateway.store import Prompt, Store, UsageRow, UsageStatus, utcnow
 from hotprefix.gateway.tenant_api import (
     TenantChat,
     TenantCompletion,
@@ -263,7 +263,7 @@ class Proxy:
 
     # --- one request --------------------------------------------------------------------------------
 
-    async def _check_model(self, caller: Caller, model: str | None, row: dict[str, Any], t0: float) -> Price | None:
+    async def _check_model(self, caller: Caller, model: str | None, row: UsageRow, t0: float) -> Price | None:
         """The model's price. Raises GatewayError: 403 for a model the key may not use, 400
         for a model without a price when a budget of the caller is in money."""
         allowed = caller.key.models
@@ -283,9 +283,9 @@ class Proxy:
         t0 = time.monotonic()
         caller = await self.authenticate(request)
         rid = "gw-" + uuid.uuid4().hex
-        row: dict[str, Any] = {"key_id": caller.key.id, "tenant": caller.tenant.name, "endpoint": endpoint,
-                               "stream": False, "prompt_name": caller.prompt.name if caller.prompt else None,
-                               "prompt_version": caller.prompt.version if caller.prompt else None}
+        row = UsageRow(caller.key.id, caller.tenant.name, endpoint,
+                       prompt_name=caller.prompt.name if caller.prompt else None,
+                       prompt_version=caller.prompt.version if caller.prompt else None)
         try:
             try:
                 raw = parse_json_object(await request.body())  # whatever its content type says
@@ -295,7 +295,7 @@ class Proxy:
         except TenantRequestError as e:
             await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
             raise GatewayError(400, str(e), "BadRequestError", e.param) from None
-        row |= {"stream": req.stream, "model": req.model[:256] if req.model else None}
+        row = replace(row, stream=req.stream, model=req.model[:256] if req.model else None)
         price = await self._check_model(caller, req.model, row, t0)
         system = caller.prompt.text if caller.prompt else None
         body = backend_body(endpoint, req, system, 0)
