@@ -11,8 +11,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from hotprefix.gateway.budgets import PriceTable, Scope
+from hotprefix.gateway.errors import GatewayError
 from hotprefix.gateway.monitor import BackendMonitor
-from hotprefix.gateway.proxy import GatewayError, Proxy
+from hotprefix.gateway.proxy import Proxy
 from hotprefix.gateway.store import MAX_GRACE_S, USAGE_GROUPS, Store, check_budget
 
 MAX_EXPIRES_S = 10 * 365 * 86400.0  # a new key's lifetime: at most ten years

@@ -287,6 +287,12 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help="bounded load: skip a tenant's home backend when it has this many times the mean load")
     gw.add_argument("--load-min-cap", type=int, default=4, dest="min_cap",
                     help="bounded load: never skip a home backend with fewer requests in flight than this")
+    _add_gateway_limits(gw)
+    gw.set_defaults(func=cmd_gateway)
+
+
+def _add_gateway_limits(gw: argparse.ArgumentParser) -> None:
+    """The gateway's defaults for keys, its timeouts, its identity and its warm-up."""
     gw.add_argument("--default-rpm", type=int, default=None, help="requests per minute for keys that set none")
     gw.add_argument("--default-tpm", type=int, default=None, help="tokens per minute for keys that set none")
     gw.add_argument("--default-max-concurrent", type=int, default=None,
@@ -309,7 +315,6 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help="seconds a key lookup is reused (revocations by other processes apply within this)")
     gw.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="send every tenant's prompt to its backend when the backend comes up, and pin it")
-    gw.set_defaults(func=cmd_gateway)
 
 
 def _add_tenants_parser(sub: argparse._SubParsersAction) -> None:

@@ -50,27 +50,27 @@ class Caller:
 
 @dataclass
 class Outcome:
-    """What the usage row of one request says (filled in as the request goes)."""
+    """What the usage row of one request says (filled in as the request goes): how it
+    ended, the backend's, the tokens the backend reported, the stream chunks relayed."""
 
     status: UsageStatus = UsageStatus.BACKEND_ERROR
     http_status: int = 502
     backend: str | None = None
     finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
     ttft_s: float | None = None
+    reported: Tokens = Tokens()
     chunks: int = 0
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
+        """Take the counts of an OpenAI usage object the backend sent (what it holds)."""
         if not isinstance(usage, dict):
             return
-        for name in ("prompt_tokens", "completion_tokens"):
-            if isinstance(usage.get(name), int):
-                setattr(self, name, usage[name])
+        counts = {name: usage[name] for name in ("prompt_tokens", "completion_tokens")
+                  if isinstance(usage.get(name), int)}
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            self.cached_tokens = details["cached_tokens"]
+            counts["cached_tokens"] = details["cached_tokens"]
+        self.reported = replace(self.reported, **counts)
 
     def take_choices(self, choices: Any) -> None:
         for c in choices if isinstance(choices, list) else ():
@@ -81,28 +81,30 @@ class Outcome:
     def cost(self, price: Price | None, budget: Reservation | None) -> int:
         """Micro-units to charge against a money budget: the reported usage at `price`, else
         the whole reservation once a backend had the request."""
+        t = self.reported
         if price is None or budget is None:
             return 0
-        if self.prompt_tokens is None and self.completion_tokens is None:
+        if t.prompt_tokens is None and t.completion_tokens is None:
             return budget.micros if self.backend is not None else 0
-        return price.cost_micros(self.prompt_tokens or 0, self.cached_tokens or 0, self.completion_tokens or 0)
+        return price.cost_micros(t.prompt_tokens or 0, t.cached_tokens or 0, t.completion_tokens or 0)
 
     def used(self, reserved: int) -> int:
         """Tokens to charge against the key's tokens-per-minute limit: what the backend
         reported, else the whole reservation once a backend had the request."""
-        if self.prompt_tokens is None and self.completion_tokens is None:
+        t = self.reported
+        if t.prompt_tokens is None and t.completion_tokens is None:
             return reserved if self.backend is not None else 0
-        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+        return (t.prompt_tokens or 0) + (t.completion_tokens or 0)
 
     def progress(self) -> Tokens:
         """The tokens known so far (for checkpoints); completion: the chunks relayed until reported."""
-        return Tokens(self.prompt_tokens, self.cached_tokens, self.completion_tokens or self.chunks or None)
+        return replace(self.reported, completion_tokens=self.reported.completion_tokens or self.chunks or None)
 
     def end(self, latency_s: float) -> UsageEnd:
-        """The columns the request's end writes."""
+        """What the request's end writes into its row."""
+        done = self.reported.completion_tokens
         return UsageEnd(self.status, self.http_status, latency_s, self.backend, self.finish_reason, self.ttft_s,
-                        self.prompt_tokens, self.cached_tokens, self.completion_tokens
-                        if self.completion_tokens is not None else (self.chunks or None))
+                        replace(self.reported, completion_tokens=done if done is not None else (self.chunks or None)))
 
 
 @dataclass(eq=False)

@@ -130,7 +130,8 @@ def test_a_usage_row_is_started_at_admission_and_ended_once(store):
     store.start_usage(UsageRow(**base, request_id="gw-b", gateway_id="gw1"))
     store.start_usage(UsageRow(**base, request_id="gw-c", gateway_id="gw2"))
     store.heartbeat_usage({"gw-b": Tokens(prompt_tokens=40, completion_tokens=7), "gw-c": Tokens()})
-    assert store.finish_usage("gw-a", UsageEnd(UsageStatus.OK, 200, 1.5, prompt_tokens=40, completion_tokens=9))
+    assert store.finish_usage("gw-a", UsageEnd(UsageStatus.OK, 200, 1.5,
+                                                tokens=Tokens(prompt_tokens=40, completion_tokens=9)))
     assert not store.finish_usage("gw-a", UsageEnd(UsageStatus.ERROR, 500, 0.1))  # ends once
     assert store.close_orphans(gateway_id="gw1") == 1  # gw1 restarted: its running row is orphaned
     assert store.close_orphans(silent_since=utcnow() - dt.timedelta(seconds=60)) == 0  # gw2 beat just now

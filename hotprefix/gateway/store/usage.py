@@ -53,7 +53,8 @@ class Tokens:
 
 @dataclass(frozen=True)
 class UsageEnd:
-    """How a request ended: the columns its end writes into its row."""
+    """How a request ended: what its end writes into its row (every token column: None
+    where the backend reported nothing)."""
 
     status: UsageStatus
     http_status: int
@@ -61,9 +62,12 @@ class UsageEnd:
     backend: str | None = None
     finish_reason: str | None = None
     ttft_s: float | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
+    tokens: Tokens = Tokens()
+
+    def columns(self) -> dict[str, Any]:
+        out = _columns(self)
+        del out["tokens"]
+        return out | _columns(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,7 @@ class UsageStore(Database):
         with self.engine.begin() as c:
             n = c.execute(usage.update().where(usage.c.request_id == request_id,
                                                usage.c.status == UsageStatus.STARTED.value)
-                          .values({**_columns(end), "updated_at": utcnow()})).rowcount
+                          .values({**end.columns(), "updated_at": utcnow()})).rowcount
         return n == 1
 
     def heartbeat_usage(self, progress: dict[str, Tokens]) -> None:
