@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from hotprefix.engine.llm_engine import RequestOutput
+from hotprefix.engine.outputs import RequestOutput
 from hotprefix.sampling_params import TokenLogprobs
 from hotprefix.server.http_errors import error_body
 from hotprefix.server.protocol import StreamOptions, now

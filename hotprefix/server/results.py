@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hotprefix.engine.llm_engine import CompletionOutput, RequestOutput
+from hotprefix.engine.outputs import CompletionOutput, RequestOutput
 from hotprefix.sampling_params import TokenLogprobs
 from hotprefix.server.tool_parsers import ParsedCall, ToolParser, ToolStreamer, new_call_id
 
