@@ -11,8 +11,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from hotprefix.gateway.budgets import PriceTable, Scope
+from hotprefix.gateway.errors import GatewayError
 from hotprefix.gateway.monitor import BackendMonitor
-from hotprefix.gateway.proxy import GatewayError, Proxy
+from hotprefix.gateway.proxy import Proxy
 from hotprefix.gateway.store import MAX_GRACE_S, USAGE_GROUPS, Store, check_budget
 
 MAX_EXPIRES_S = 10 * 365 * 86400.0  # a new key's lifetime: at most ten years
@@ -173,8 +174,9 @@ def operations_routes(api: APIRouter, store: Store, monitor: BackendMonitor, pri
             u = None if until is None else dt.datetime.fromisoformat(until)
         except ValueError as e:
             raise GatewayError(400, f"since/until must be ISO dates: {e}", "BadRequestError", "since") from None
-        return {"group_by": group_by, "data": await _run(store.usage_report, group_by, s, u,
-                                                         prices if prices.prices else None)}
+        priced = bool(prices.prices)
+        rows = await _run(store.usage_report, group_by, s, u, prices if priced else None)
+        return {"group_by": group_by, "data": [r.to_json(group_by, priced) for r in rows]}
 
     @api.get("/backends")
     async def backends() -> dict[str, Any]:

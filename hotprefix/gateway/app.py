@@ -27,9 +27,10 @@ from hotprefix.gateway.admin import admin_router
 from hotprefix.gateway.budgets import Ledger, MemoryLedger, RedisLedger
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.dashboard import dashboard_routes
+from hotprefix.gateway.errors import GatewayError
 from hotprefix.gateway.middleware import OperatorGuard
 from hotprefix.gateway.monitor import BackendMonitor
-from hotprefix.gateway.proxy import GatewayError, Proxy
+from hotprefix.gateway.proxy import Proxy
 from hotprefix.gateway.ratelimit import Limiter
 from hotprefix.gateway.routing import Backend, Router
 from hotprefix.gateway.store import NotFound, Store, StoreError

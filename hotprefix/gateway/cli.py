@@ -203,7 +203,7 @@ def cmd_usage(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(f"--since/--until must be ISO dates (2026-11-22 or 2026-11-22T10:00): {e}") from None
     prices = PriceTable.load(a.prices) if a.prices else None
-    rows = store.usage_report(a.by, since, until, prices)
+    rows = [r.to_json(a.by, prices is not None) for r in store.usage_report(a.by, since, until, prices)]
     _print(rows, a.json, [a.by, "requests", "ok", "prompt_tokens", "cached_tokens", "completion_tokens",
                           *(["spend"] if prices else [])])
     return 0
@@ -287,6 +287,12 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help="bounded load: skip a tenant's home backend when it has this many times the mean load")
     gw.add_argument("--load-min-cap", type=int, default=4, dest="min_cap",
                     help="bounded load: never skip a home backend with fewer requests in flight than this")
+    _add_gateway_limits(gw)
+    gw.set_defaults(func=cmd_gateway)
+
+
+def _add_gateway_limits(gw: argparse.ArgumentParser) -> None:
+    """The gateway's defaults for keys, its timeouts, its identity and its warm-up."""
     gw.add_argument("--default-rpm", type=int, default=None, help="requests per minute for keys that set none")
     gw.add_argument("--default-tpm", type=int, default=None, help="tokens per minute for keys that set none")
     gw.add_argument("--default-max-concurrent", type=int, default=None,
@@ -309,7 +315,6 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help="seconds a key lookup is reused (revocations by other processes apply within this)")
     gw.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="send every tenant's prompt to its backend when the backend comes up, and pin it")
-    gw.set_defaults(func=cmd_gateway)
 
 
 def _add_tenants_parser(sub: argparse._SubParsersAction) -> None:

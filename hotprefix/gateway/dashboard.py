@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections import defaultdict
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -22,46 +23,54 @@ from fastapi.responses import HTMLResponse
 from hotprefix.gateway.budgets import Ledger, Scope
 from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.routing import route_key
-from hotprefix.gateway.store import Store, UsageStatus, utcnow
+from hotprefix.gateway.store import ActivityRow, Store, UsageStatus, utcnow
 
-ERRORS = {UsageStatus.ERROR.value, UsageStatus.BACKEND_ERROR.value, UsageStatus.TIMEOUT.value,
-          UsageStatus.INVALID.value, UsageStatus.INTERRUPTED.value}
-COUNTS = ("requests", "ok", "rate_limited", "errors", "prompt_tokens", "cached_tokens", "completion_tokens")
-
-
-def _add(acc: dict[str, int], row: dict[str, Any]) -> None:
-    """Add one grouped usage row to a tally of COUNTS. Mutates acc."""
-    n, status = row["requests"], row["status"]
-    acc["requests"] += n
-    acc["ok"] += n if status == UsageStatus.OK.value else 0
-    acc["rate_limited"] += n if status == UsageStatus.RATE_LIMITED.value else 0
-    acc["errors"] += n if status in ERRORS else 0
-    for k in ("prompt_tokens", "cached_tokens", "completion_tokens"):
-        acc[k] += row[k]
+ERRORS = {UsageStatus.ERROR, UsageStatus.BACKEND_ERROR, UsageStatus.TIMEOUT, UsageStatus.INVALID,
+          UsageStatus.INTERRUPTED}
 
 
-def _tally() -> dict[str, int]:
-    return dict.fromkeys(COUNTS, 0)
+@dataclass
+class Tally:
+    """Usage rows counted: requests, answered, refused by a limit, failed; token sums."""
 
+    requests: int = 0
+    ok: int = 0
+    rate_limited: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
-def _with_share(t: dict[str, int]) -> dict[str, Any]:
-    return {**t, "cached_share": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else None}
+    def add(self, row: ActivityRow) -> None:
+        """Count one grouped usage row. Mutates the tally."""
+        n = row.requests
+        self.requests += n
+        self.ok += n if row.status is UsageStatus.OK else 0
+        self.rate_limited += n if row.status is UsageStatus.RATE_LIMITED else 0
+        self.errors += n if row.status in ERRORS else 0
+        self.prompt_tokens += row.prompt_tokens
+        self.cached_tokens += row.cached_tokens
+        self.completion_tokens += row.completion_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "cached_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens
+                else None}
 
 
 def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: int) -> dict[str, Any]:
     """The dashboard's JSON (blocking: run it off the event loop)."""
     now = utcnow()
     rows = store.usage_activity(now - dt.timedelta(minutes=minutes), bucket_s)
-    per_key: dict[tuple[str, str], dict[str, int]] = defaultdict(_tally)
-    per_tenant: dict[str, dict[str, int]] = defaultdict(_tally)
-    for r in rows["totals"]:
-        _add(per_key[(r["tenant"], r["key_id"])], r)
-        _add(per_tenant[r["tenant"]], r)
-    series: dict[tuple[str, int], dict[str, int]] = defaultdict(_tally)
-    key_series: dict[tuple[str, int], dict[str, int]] = defaultdict(_tally)
-    for r in rows["series"]:
-        _add(series[(r["tenant"], r["bucket"])], r)
-        _add(key_series[(r["key_id"], r["bucket"])], r)
+    per_key: dict[tuple[str, str], Tally] = defaultdict(Tally)
+    per_tenant: dict[str, Tally] = defaultdict(Tally)
+    for r in rows.totals:
+        per_key[(r.tenant, r.key_id)].add(r)
+        per_tenant[r.tenant].add(r)
+    series: dict[tuple[str, int | None], Tally] = defaultdict(Tally)
+    key_series: dict[tuple[str, int | None], Tally] = defaultdict(Tally)
+    for r in rows.series:
+        series[(r.tenant, r.bucket)].add(r)
+        key_series[(r.key_id, r.bucket)].add(r)
     homes: dict[str, list[str]] = defaultdict(list)
     tenants: list[dict[str, Any]] = []
     scopes: list[Scope] = []
@@ -74,16 +83,16 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
             homes[home].append(t.name)
         records = store.list_keys(t.name)
         keys = [{"id": k.id, "name": k.name, "hint": k.hint, "active": k.active(now), "scope": f"key:{k.id}",
-                 **_with_share(per_key.get((t.name, k.id), _tally()))} for k in records]
+                 **per_key.get((t.name, k.id), Tally()).to_json()} for k in records]
         scopes += [Scope(f"key:{k.id}", k.budget) for k in records] + [Scope(f"tenant:{t.name}", t.budget)]
         tenants.append({"name": t.name, "prompt": t.prompt_name, "home_backend": home, "scope": f"tenant:{t.name}",
-                        **_with_share(per_tenant.get(t.name, _tally())), "keys": keys})
+                        **per_tenant.get(t.name, Tally()).to_json(), "keys": keys})
     return {
         "time": now.isoformat() + "Z", "minutes": minutes, "bucket_s": bucket_s, "tenants": tenants,
         "scopes": scopes,
-        "series": [{"tenant": tenant, "t": b, **_with_share(v)} for (tenant, b), v in sorted(series.items(),
+        "series": [{"tenant": tenant, "t": b, **v.to_json()} for (tenant, b), v in sorted(series.items(),
                                                                                           key=lambda kv: kv[0][1])],
-        "key_series": [{"key": k, "t": b, **_with_share(v)} for (k, b), v in sorted(key_series.items(),
+        "key_series": [{"key": k, "t": b, **v.to_json()} for (k, b), v in sorted(key_series.items(),
                                                                                  key=lambda kv: kv[0][1])],
         "backends": [{"url": b.url, "healthy": b.healthy, "kind": b.kind.value, "model": b.model,
                       "inflight": b.inflight, "last_error": b.last_error, "home_of": sorted(homes.get(b.url, []))}

@@ -16,7 +16,8 @@ What a request becomes on its way to a backend (see tenant_api):
   content never becomes special tokens on hotprefix at all);
 - streams always ask the backend for usage on every chunk, so a client that
   disconnects is billed for exactly the tokens the gateway received; chunks and
-  fields the client did not ask for are removed before they reach it.
+  fields the client did not ask for are removed before they reach it (relay.py
+  passes the answer on).
 
 A client that goes away, streaming or not, closes the upstream connection, so
 the backend aborts too. A backend that does not answer within --backend-timeout
@@ -33,8 +34,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -44,9 +44,11 @@ from fastapi.responses import Response
 from hotprefix.gateway import keys as K
 from hotprefix.gateway.budgets import Price, Scope
 from hotprefix.gateway.config import GatewayConfig
+from hotprefix.gateway.errors import GatewayError
 from hotprefix.gateway.ratelimit import Limits, Refusal
+from hotprefix.gateway.relay import Upstream, answer, relay
 from hotprefix.gateway.routing import Backend, Router, route_key
-from hotprefix.gateway.store import Prompt, Store, UsageStatus, utcnow
+from hotprefix.gateway.store import Prompt, Store, UsageRow, UsageStatus, utcnow
 from hotprefix.gateway.tenant_api import (
     TenantChat,
     TenantCompletion,
@@ -70,15 +72,6 @@ REFUSALS = {Refusal.TOO_LARGE: "this request needs at least {least} tokens, more
             Refusal.TOKENS: "rate limit of {tpm} tokens per minute reached",
             Refusal.CONCURRENCY: "limit of {max_concurrent} concurrent requests reached",
             Refusal.BUDGET: "the budget of {detail} is spent for this period"}
-
-
-class GatewayError(Exception):
-    """An error answered to the client as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
 
 
 def prompt_token_bound(body: dict[str, Any]) -> int:
@@ -106,25 +99,6 @@ def tokenize_bodies(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]
     return [{"prompt": t, "split_special_tokens": True} for t in (p if isinstance(p, list) else [p])]
 
 
-def trim_chunk(obj: dict[str, Any], want_usage: bool, want_continuous: bool) -> dict[str, Any] | None:
-    """A stream chunk as the client asked for it: the gateway always asks the
-    backend for usage on every chunk; None drops the chunk."""
-    if not obj.get("choices") and "usage" in obj:
-        return obj if want_usage else None  # the final usage-only chunk
-    if "usage" in obj and not want_continuous:
-        obj = dict(obj)
-        if want_usage:
-            obj["usage"] = None
-        else:
-            del obj["usage"]
-    return obj
-
-
-def sse_error(message: str, status: int = 502) -> str:
-    return "data: " + json.dumps({"error": {"message": message, "type": "BadGatewayError", "param": None,
-                                            "code": status}}) + "\n\n"
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -132,22 +106,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-@dataclass(eq=False)
-class Upstream:
-    """A backend's response being read, counted in the backend's in-flight load
-    until closed (once)."""
-
-    resp: httpx.Response
-    backend: Backend
-    closed: bool = False
-
-    async def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.backend.inflight -= 1
-            await self.resp.aclose()
 
 
 @dataclass
@@ -263,7 +221,7 @@ class Proxy:
 
     # --- one request --------------------------------------------------------------------------------
 
-    async def _check_model(self, caller: Caller, model: str | None, row: dict[str, Any], t0: float) -> Price | None:
+    async def _check_model(self, caller: Caller, model: str | None, row: UsageRow, t0: float) -> Price | None:
         """The model's price. Raises GatewayError: 403 for a model the key may not use, 400
         for a model without a price when a budget of the caller is in money."""
         allowed = caller.key.models
@@ -283,9 +241,9 @@ class Proxy:
         t0 = time.monotonic()
         caller = await self.authenticate(request)
         rid = "gw-" + uuid.uuid4().hex
-        row: dict[str, Any] = {"key_id": caller.key.id, "tenant": caller.tenant.name, "endpoint": endpoint,
-                               "stream": False, "prompt_name": caller.prompt.name if caller.prompt else None,
-                               "prompt_version": caller.prompt.version if caller.prompt else None}
+        row = UsageRow(caller.key.id, caller.tenant.name, endpoint,
+                       prompt_name=caller.prompt.name if caller.prompt else None,
+                       prompt_version=caller.prompt.version if caller.prompt else None)
         try:
             try:
                 raw = parse_json_object(await request.body())  # whatever its content type says
@@ -295,7 +253,7 @@ class Proxy:
         except TenantRequestError as e:
             await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
             raise GatewayError(400, str(e), "BadRequestError", e.param) from None
-        row |= {"stream": req.stream, "model": req.model[:256] if req.model else None}
+        row = replace(row, stream=req.stream, model=req.model[:256] if req.model else None)
         price = await self._check_model(caller, req.model, row, t0)
         system = caller.prompt.text if caller.prompt else None
         body = backend_body(endpoint, req, system, 0)
@@ -334,9 +292,9 @@ class Proxy:
         async def work() -> Response:
             up = await self._send(endpoint, body, caller, flight)
             if req.stream and up.resp.status_code == 200:
-                return ClosingStreamingResponse(self._relay(request, up, req, flight), flight.end_soon,
+                return ClosingStreamingResponse(relay(request, up, req.stream_options, flight), flight.end_soon,
                                                 media_type="text/event-stream", headers=headers)
-            return await self._answer(up, flight, headers)
+            return await answer(up, flight, headers, self.cfg.backend_timeout)
 
         task = asyncio.ensure_future(work())
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -398,85 +356,3 @@ class Proxy:
             backend.inflight -= 1
             raise
         return Upstream(resp, backend)
-
-    async def _answer(self, up: Upstream, flight: InFlight, headers: dict[str, str]) -> Response:
-        """A non-streamed answer, read whole and passed on."""
-        o = flight.outcome
-        try:
-            data = await up.resp.aread()
-        except httpx.TimeoutException:
-            o.status, o.http_status = UsageStatus.TIMEOUT, 504
-            raise GatewayError(504, f"the backend did not finish within {self.cfg.backend_timeout:g}s",
-                               "GatewayTimeoutError") from None
-        except httpx.HTTPError as e:
-            raise GatewayError(502, f"the backend failed mid-answer: {type(e).__name__}", "BadGatewayError") from None
-        finally:
-            await up.close()
-        o.http_status = up.resp.status_code
-        o.status = UsageStatus.OK if o.http_status == 200 else UsageStatus.ERROR
-        o.ttft_s = time.monotonic() - flight.t0
-        try:
-            parsed = json.loads(data)
-            if o.http_status == 200 and isinstance(parsed, dict):
-                o.take_usage(parsed.get("usage"))
-                o.take_choices(parsed.get("choices"))
-        except ValueError:
-            pass
-        await flight.end()
-        return Response(data, status_code=o.http_status, headers=headers,
-                        media_type=up.resp.headers.get("content-type", "application/json"))
-
-    async def _relay(self, request: Request, up: Upstream, req: TenantChat | TenantCompletion,
-                     flight: InFlight) -> AsyncIterator[str]:
-        """The backend's SSE stream, trimmed to what the client asked for. A watcher
-        notices a disconnect even while the backend sends nothing, and closes the
-        upstream connection so that the backend aborts too."""
-        opts = req.stream_options
-        want_usage, want_continuous = bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
-        o = flight.outcome
-        o.status, o.http_status = UsageStatus.CLIENT_ABORTED, 200
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            await wait_disconnect(request)
-            gone.set()
-            await up.close()
-            flight.end_soon()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        done = False
-        try:
-            async for line in up.resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line[6:].strip() == "[DONE]":
-                    done = True
-                    continue
-                try:
-                    obj = json.loads(line[6:])
-                except ValueError:
-                    continue
-                if not isinstance(obj, dict):
-                    continue
-                o.take_usage(obj.get("usage"))
-                o.take_choices(obj.get("choices"))
-                if obj.get("choices"):
-                    o.chunks += 1
-                    o.ttft_s = o.ttft_s or time.monotonic() - flight.t0
-                obj = trim_chunk(obj, want_usage, want_continuous)
-                if obj is not None:
-                    yield f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-            o.status = UsageStatus.OK if done else UsageStatus.BACKEND_ERROR
-            await up.close()
-            await flight.end()
-            yield "data: [DONE]\n\n" if done else sse_error("the backend ended the stream early")
-        except httpx.HTTPError as e:
-            if gone.is_set():  # the watcher closed the upstream under us: the client's abort
-                return
-            o.status = UsageStatus.TIMEOUT if isinstance(e, httpx.TimeoutException) else UsageStatus.BACKEND_ERROR
-            await up.close()
-            await flight.end()
-            yield sse_error(f"the backend failed mid-stream: {type(e).__name__}")
-        finally:
-            watcher.cancel()
-            await up.close()

@@ -22,12 +22,12 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hotprefix.gateway.budgets import Ledger, MemoryLedger, Price, Reservation, Scope
 from hotprefix.gateway.ratelimit import Decision, Limiter, Limits, Refusal
-from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, UsageStatus, utcnow
+from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, Tokens, UsageEnd, UsageRow, UsageStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +50,27 @@ class Caller:
 
 @dataclass
 class Outcome:
-    """What the usage row of one request says (filled in as the request goes)."""
+    """What the usage row of one request says (filled in as the request goes): how it
+    ended, the backend's, the tokens the backend reported, the stream chunks relayed."""
 
     status: UsageStatus = UsageStatus.BACKEND_ERROR
     http_status: int = 502
     backend: str | None = None
     finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
     ttft_s: float | None = None
+    reported: Tokens = Tokens()
     chunks: int = 0
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
+        """Take the counts of an OpenAI usage object the backend sent (what it holds)."""
         if not isinstance(usage, dict):
             return
-        for name in ("prompt_tokens", "completion_tokens"):
-            if isinstance(usage.get(name), int):
-                setattr(self, name, usage[name])
+        counts = {name: usage[name] for name in ("prompt_tokens", "completion_tokens")
+                  if isinstance(usage.get(name), int)}
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            self.cached_tokens = details["cached_tokens"]
+            counts["cached_tokens"] = details["cached_tokens"]
+        self.reported = replace(self.reported, **counts)
 
     def take_choices(self, choices: Any) -> None:
         for c in choices if isinstance(choices, list) else ():
@@ -81,31 +81,30 @@ class Outcome:
     def cost(self, price: Price | None, budget: Reservation | None) -> int:
         """Micro-units to charge against a money budget: the reported usage at `price`, else
         the whole reservation once a backend had the request."""
+        t = self.reported
         if price is None or budget is None:
             return 0
-        if self.prompt_tokens is None and self.completion_tokens is None:
+        if t.prompt_tokens is None and t.completion_tokens is None:
             return budget.micros if self.backend is not None else 0
-        return price.cost_micros(self.prompt_tokens or 0, self.cached_tokens or 0, self.completion_tokens or 0)
+        return price.cost_micros(t.prompt_tokens or 0, t.cached_tokens or 0, t.completion_tokens or 0)
 
     def used(self, reserved: int) -> int:
         """Tokens to charge against the key's tokens-per-minute limit: what the backend
         reported, else the whole reservation once a backend had the request."""
-        if self.prompt_tokens is None and self.completion_tokens is None:
+        t = self.reported
+        if t.prompt_tokens is None and t.completion_tokens is None:
             return reserved if self.backend is not None else 0
-        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+        return (t.prompt_tokens or 0) + (t.completion_tokens or 0)
 
-    def progress(self) -> dict[str, Any]:
-        """The token columns known so far (for checkpoints)."""
-        return {k: v for k, v in (("prompt_tokens", self.prompt_tokens), ("cached_tokens", self.cached_tokens),
-                                  ("completion_tokens", self.completion_tokens or self.chunks or None))
-                if v is not None}
+    def progress(self) -> Tokens:
+        """The tokens known so far (for checkpoints); completion: the chunks relayed until reported."""
+        return replace(self.reported, completion_tokens=self.reported.completion_tokens or self.chunks or None)
 
-    def columns(self, latency_s: float) -> dict[str, Any]:
-        return {"status": self.status.value, "http_status": self.http_status, "backend": self.backend,
-                "finish_reason": self.finish_reason, "ttft_s": self.ttft_s, "latency_s": latency_s,
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "completion_tokens": self.completion_tokens if self.completion_tokens is not None
-                else (self.chunks or None)}
+    def end(self, latency_s: float) -> UsageEnd:
+        """What the request's end writes into its row."""
+        done = self.reported.completion_tokens
+        return UsageEnd(self.status, self.http_status, latency_s, self.backend, self.finish_reason, self.ttft_s,
+                        replace(self.reported, completion_tokens=done if done is not None else (self.chunks or None)))
 
 
 @dataclass(eq=False)
@@ -158,7 +157,7 @@ class Accounting:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    async def admit(self, caller: Caller, request_id: str, row: dict[str, Any], want: int, least: int,
+    async def admit(self, caller: Caller, request_id: str, row: UsageRow, want: int, least: int,
                     t0: float, prompt: int = 0, price: Price | None = None) -> tuple[Decision, InFlight | None]:
         """Reserve in the budgets, then ask the limiter (for no more than the budgets
         granted); if admitted, write the `started` row. If that fails, the reservations
@@ -174,8 +173,8 @@ class Accounting:
             return decision, None
         flight = InFlight(self._start_end, request_id, caller, decision.granted, t0, budget.reservation, price)
         try:
-            await asyncio.to_thread(self.store.start_usage, row | {
-                "request_id": request_id, "gateway_id": self.gateway_id, "reserved_tokens": decision.granted})
+            await asyncio.to_thread(self.store.start_usage, replace(
+                row, request_id=request_id, gateway_id=self.gateway_id, reserved_tokens=decision.granted))
         except Exception as e:
             log.exception("could not write the usage row of request %s: refusing it", request_id)
             try:
@@ -187,13 +186,13 @@ class Accounting:
         self.inflight[request_id] = flight
         return decision, flight
 
-    async def record_refused(self, caller: Caller, row: dict[str, Any], status: UsageStatus, http_status: int,
+    async def record_refused(self, caller: Caller, row: UsageRow, status: UsageStatus, http_status: int,
                              t0: float) -> None:
         """The row of a request refused before admission (never raises: logged)."""
         self.counters.finished(caller.tenant.name, status.value)
         try:
-            await asyncio.to_thread(self.store.record_usage, row | {
-                "status": status.value, "http_status": http_status, "latency_s": time.monotonic() - t0})
+            await asyncio.to_thread(self.store.record_usage, replace(
+                row, status=status, http_status=http_status, latency_s=time.monotonic() - t0))
         except Exception:
             log.exception("could not write the usage row of a refused %s request", caller.tenant.name)
 
@@ -210,7 +209,7 @@ class Accounting:
         except Exception:  # the reservation then stays counted: the budget errs on the safe side
             log.exception("could not settle request %s with the budgets", f.request_id)
         try:
-            await asyncio.to_thread(self.store.finish_usage, f.request_id, o.columns(time.monotonic() - f.t0))
+            await asyncio.to_thread(self.store.finish_usage, f.request_id, o.end(time.monotonic() - f.t0))
         except Exception:  # the row stays `started` and is closed as interrupted later
             log.exception("could not complete the usage row of request %s", f.request_id)
         self.counters.finished(k.tenant.name, o.status.value)

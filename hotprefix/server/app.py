@@ -24,8 +24,9 @@ from hotprefix.server.error_handlers import install_error_handlers
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.middleware import ApiKeyGuard
 from hotprefix.server.prefix_log import LogKey, PrefixGroups, PrefixRecorder
+from hotprefix.server.request_log import KVShape, RequestLog
 from hotprefix.server.routes import ServerContext, cache_router, openai_router, ops_router, tokens_router
-from hotprefix.server.serving import RequestLog, Serving, ServingOptions
+from hotprefix.server.serving import Serving, ServingOptions
 from hotprefix.server.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,7 @@ def prefix_recorder(engine: AsyncEngine, cfg: ServerConfig) -> PrefixRecorder | 
     info = engine.cache_info()
     if info["enable_prefix_caching"] != "True":
         return None
-    kv = {"block_size": engine.block_size, "blocks": int(info["num_gpu_blocks"]),
-          "host_blocks": int(info["num_cpu_blocks"])}
+    kv = KVShape(engine.block_size, int(info["num_gpu_blocks"]), int(info["num_cpu_blocks"]))
     return PrefixRecorder(LogKey.for_log(cfg.request_log), PrefixGroups(engine.block_size), kv,
                           cfg.request_log_prompts)
 

@@ -1,75 +1,56 @@
-"""OpenAI's response shapes for /v1/completions and /v1/chat/completions: choices
-(streamed and final) and logprob blocks. One streamed-choice loop serves both
-endpoints; they differ in how a piece of text and a logprob block are written."""
+"""OpenAI's wire formats for /v1/completions and /v1/chat/completions: typed choices
+(server/results.py) written as JSON bodies and SSE chunks, with their logprob blocks.
+One writer serves both endpoints; they differ in how a piece of text, a whole answer
+and a logprob block are written."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
-from hotprefix.engine.llm_engine import CompletionOutput, RequestOutput
+from hotprefix.engine.outputs import RequestOutput
 from hotprefix.sampling_params import TokenLogprobs
-from hotprefix.server.tool_parsers import ToolParser, ToolStreamer, new_call_id
+from hotprefix.server.http_errors import error_body
+from hotprefix.server.protocol import StreamOptions, now
+from hotprefix.server.results import Answer, Choice, Done, Failed, Step, StreamEvent
 
 
-class ChoiceFormat:
+class OpenAIFormat:
     """The choices of one response. token_text: a token id's text; top: alternatives
-    per logprob entry; logprobs: whether the client asked for logprobs. Streaming
-    keeps per-sample text offsets (for completions' text_offset)."""
+    per logprob entry."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, token_text: Callable[[int], str], top: int, logprobs: bool) -> None:
+    def __init__(self, token_text: Callable[[int], str], top: int) -> None:
         self.token_text = token_text
         self.top = top
-        self.logprobs = logprobs
-        self._emitted: dict[tuple[int, int], int] = {}
 
-    def piece(self, text: str) -> dict[str, Any]:
+    def piece(self, c: Choice) -> dict[str, Any]:
+        """The body of a streamed choice."""
         raise NotImplementedError
 
-    def logprob_block(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    def whole(self, c: Choice) -> dict[str, Any]:
+        """The body of a non-streamed choice."""
+        raise NotImplementedError
+
+    def logprob_block(self, lps: tuple[TokenLogprobs, ...] | list[TokenLogprobs], offset: int) -> dict[str, Any]:
         raise NotImplementedError
 
     def head(self, n: int) -> list[dict[str, Any]] | None:
         """The choices of a first chunk sent before any token (None: no such chunk)."""
         return None
 
-    def stream_choices(self, i: int, out: RequestOutput, n: int) -> list[dict[str, Any]]:
-        """The choices one step adds to prompt i's n samples (none for a sample with nothing new)."""
-        choices = []
-        for j, o in enumerate(out.outputs):
-            new = out.new_token_ids[j]
-            ending = out.finished and o.finished
-            body = self.delta(i * n + j, out.deltas[j], ending)
-            if body is None and not ending and not (self.logprobs and new):
-                continue
-            c: dict[str, Any] = {"index": i * n + j, **(body or self.piece("")), "logprobs": None,
-                                 "finish_reason": None, "stop_reason": None}
-            if self.logprobs and new:
-                c["logprobs"] = self.logprob_block((o.logprobs or [])[-len(new):], self._emitted.get((i, j), 0))
-            self._emitted[(i, j)] = self._emitted.get((i, j), 0) + len(out.deltas[j])
-            if out.finished:
-                c["finish_reason"], c["stop_reason"] = self.finish_reason(i * n + j, o), o.stop_reason
-            choices.append(c)
-        return choices
+    def choice(self, c: Choice, streamed: bool) -> dict[str, Any]:
+        return {"index": c.index, **(self.piece(c) if streamed else self.whole(c)),
+                "logprobs": None if c.logprobs is None else self.logprob_block(c.logprobs, c.offset),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def delta(self, index: int, text: str, ending: bool) -> dict[str, Any] | None:
-        """What a step adds to choice `index`, or None when it adds nothing to send."""
-        return self.piece(text) if text else None
-
-    def finish_reason(self, index: int, o: CompletionOutput) -> str | None:
-        return o.finish_reason
-
-    def final_choice(self, index: int, o: CompletionOutput, prefix: str = "") -> dict[str, Any]:
-        """A non-streamed choice; prefix: the echoed prompt (completions)."""
-        return {"index": index, **self.whole(prefix + o.text),
-                "logprobs": self.logprob_block(o.logprobs or [], len(prefix)) if self.logprobs else None,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-
-    def whole(self, text: str) -> dict[str, Any]:
-        return self.piece(text)
+    def response(self, answer: Answer, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The JSON body of a non-streamed answer with its choices written."""
+        return {"id": answer.request_id, "object": self.object_name, "created": now(), "model": answer.model,
+                "choices": choices, "usage": answer.usage.openai()}
 
     def with_prompt_logprobs(self, choice: dict[str, Any], out: RequestOutput, k: int | None) -> dict[str, Any]:
         """The choice with vLLM's `prompt_logprobs` when the request asked (k not None):
@@ -88,14 +69,17 @@ class ChoiceFormat:
         return {**choice, "prompt_logprobs": entries}
 
 
-class CompletionFormat(ChoiceFormat):
+class CompletionFormat(OpenAIFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def piece(self, text: str) -> dict[str, Any]:
-        return {"text": text}
+    def piece(self, c: Choice) -> dict[str, Any]:
+        return {"text": c.text or ""}
 
-    def logprob_block(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    def whole(self, c: Choice) -> dict[str, Any]:
+        return {"text": c.text or ""}
+
+    def logprob_block(self, lps: tuple[TokenLogprobs, ...] | list[TokenLogprobs], offset: int) -> dict[str, Any]:
         toks = [self.token_text(lp.sampled.token_id) for lp in lps]
         offsets, pos = [], offset
         for s in toks:
@@ -118,65 +102,68 @@ class CompletionFormat(ChoiceFormat):
                 "text_offset": [0] + rest["text_offset"] + generated["text_offset"]}
 
 
-class ChatFormat(ChoiceFormat):
-    """Chat choices; with a tool parser (tools given, tool_choice not "none"), tool calls
-    in the text become `tool_calls` (streamed as OpenAI streams them: one delta a
-    call, with its id, name and arguments) and the finish reason `tool_calls`."""
+class ChatFormat(OpenAIFormat):
+    """Chat choices; tool calls (see results.Choices) as `tool_calls`, streamed as OpenAI
+    streams them: one delta a call, with its id, name and arguments."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, token_text: Callable[[int], str], top: int, logprobs: bool,
-                 tools: ToolParser | None = None) -> None:
-        super().__init__(token_text, top, logprobs)
-        self.tools = tools
-        self._streamers: dict[int, ToolStreamer] = {}
-        self._calls: dict[int, int] = {}  # calls sent per choice
-
-    def final_choice(self, index: int, o: CompletionOutput, prefix: str = "") -> dict[str, Any]:
-        choice = super().final_choice(index, o, prefix)
-        if self.tools is not None:
-            content, calls = self.tools.parse(o.text)
-            if calls:
-                choice["message"] = {"role": "assistant", "content": content,
-                                     "tool_calls": [c.to_openai(new_call_id()) for c in calls]}
-                if o.finish_reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-        return choice
-
-    def delta(self, index: int, text: str, ending: bool) -> dict[str, Any] | None:
-        if self.tools is None:
-            return super().delta(index, text, ending)
-        streamer = self._streamers.setdefault(index, self.tools.streamer())
-        events = streamer.feed(text) + (streamer.finish() if ending else [])
-        content = "".join(e for kind, e in events if kind == "content")
-        calls = [e for kind, e in events if kind == "call"]
-        if not content and not calls:
-            return None
-        body: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            first = self._calls.get(index, 0)
-            self._calls[index] = first + len(calls)
-            body["tool_calls"] = [{"index": first + k, **c.to_openai(new_call_id())} for k, c in enumerate(calls)]
+    def piece(self, c: Choice) -> dict[str, Any]:
+        if not c.calls:
+            return {"delta": {"content": c.text or ""}}
+        body: dict[str, Any] = {"content": c.text} if c.text else {}
+        body["tool_calls"] = [{"index": c.first_call + k, **call.openai()} for k, call in enumerate(c.calls)]
         return {"delta": body}
 
-    def finish_reason(self, index: int, o: CompletionOutput) -> str | None:
-        return "tool_calls" if self._calls.get(index) and o.finish_reason == "stop" else o.finish_reason
-
-    def piece(self, text: str) -> dict[str, Any]:
-        return {"delta": {"content": text}}
-
-    def whole(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+    def whole(self, c: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if c.calls:
+            message["tool_calls"] = [call.openai() for call in c.calls]
+        return {"message": message}
 
     def head(self, n: int) -> list[dict[str, Any]]:
         return [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for j in range(n)]
 
-    def logprob_block(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    def logprob_block(self, lps: tuple[TokenLogprobs, ...] | list[TokenLogprobs], offset: int) -> dict[str, Any]:
         def entry(tok: str, lp: float) -> dict[str, Any]:
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
         return {"content": [{**entry(self.token_text(lp.sampled.token_id), lp.sampled.logprob),
                              "top_logprobs": [entry(self.token_text(a.token_id), a.logprob)
                                               for a in lp.top[:self.top]]} for lp in lps]}
+
+
+class OpenAIStream:
+    """A stream's events as OpenAI's server-sent events: the format's head (if any), a
+    chunk per step, then a usage chunk if asked (`stream_options`), then [DONE]; a
+    failure ends the stream with one error event and [DONE]."""
+
+    def __init__(self, fmt: OpenAIFormat, request_id: str, model: str, n: int,
+                 options: StreamOptions | None) -> None:
+        self.fmt, self.n, self.options = fmt, n, options
+        self.base = {"id": request_id, "object": fmt.chunk_object_name, "created": now(), "model": model}
+
+    @staticmethod
+    def event(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        head = self.fmt.head(self.n)
+        return [] if head is None else [self.event({**self.base, "choices": head})]
+
+    def write(self, ev: StreamEvent) -> list[str]:
+        opts = self.options
+        if isinstance(ev, Step):
+            obj = {**self.base, "choices": [self.fmt.choice(c, True) for c in ev.choices]}
+            if opts and opts.include_usage:
+                obj["usage"] = ev.usage.openai() if opts.continuous_usage_stats else None
+            return [self.event(obj)]
+        if isinstance(ev, Done):
+            usage = [self.event({**self.base, "choices": [], "usage": ev.usage.openai()})] \
+                if opts and opts.include_usage else []
+            return [*usage, "data: [DONE]\n\n"]
+        assert isinstance(ev, Failed)
+        kind = ("BadRequestError", 400) if ev.own else ("InternalServerError", 500)
+        return [self.event(error_body(ev.message, *kind)), "data: [DONE]\n\n"]

@@ -27,6 +27,7 @@ from typing import Any
 from hotprefix.config import ConfigError
 from hotprefix.engine.outputs import RequestOutput
 from hotprefix.engine.requests import CacheScope
+from hotprefix.server.request_log import KVShape, PrefixEntry
 from hotprefix.sizing import max_cached_blocks
 
 DIGEST_BYTES = 8
@@ -149,22 +150,18 @@ class PrefixRecorder:
 
     key: LogKey
     groups: PrefixGroups
-    kv: dict[str, int]
+    kv: KVShape
     with_text: bool = False
 
-    def entry(self, out: RequestOutput, scope: CacheScope, text: str | None) -> dict[str, Any]:
+    def entry(self, out: RequestOutput, scope: CacheScope, text: str | None) -> PrefixEntry:
         """The log entry of one engine request (its prompt); a finished one also feeds
-        the live view. `blocks` is None for one that did not finish (its hashes are unknown)."""
+        the live view. Its `blocks` are None when it did not finish (its hashes are unknown)."""
         tokens = len(out.prompt_token_ids)
-        row: dict[str, Any] = {"tokens": tokens, "cached": out.num_cached_tokens,
-                               "completion": len(out.outputs[0].token_ids) if out.outputs else 0,
-                               "blocks": None, "salt": None}
-        if scope.salt is not None:
-            row["salt"] = self.key.digest(scope.salt.encode())
-            row["salt_offset"] = scope.offset
+        blocks = None
         if out.finished:
-            row["blocks"] = self.key.digests(out.block_hashes)
-            self.groups.observe(row["blocks"], tokens, out.num_cached_tokens, text if self.with_text else None)
-        if self.with_text and text is not None:
-            row["text"] = text
-        return row
+            blocks = tuple(self.key.digests(out.block_hashes))
+            self.groups.observe(list(blocks), tokens, out.num_cached_tokens, text if self.with_text else None)
+        salt = None if scope.salt is None else self.key.digest(scope.salt.encode())
+        return PrefixEntry(tokens, out.num_cached_tokens, len(out.outputs[0].token_ids) if out.outputs else 0,
+                           blocks, salt, scope.offset if salt is not None else 0,
+                           text if self.with_text else None)

@@ -1,8 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`) over
 the chat path: a request becomes a chat completion (messages, tools, output format),
-served by serving.Serving.chat (one owner for templates, tools, constraints and
-parsing), and its answer or its stream of chunks becomes a Response object or
-Responses' typed stream events.
+submitted by serving.Serving.start_chat (one owner for templates, tools, constraints
+and parsing); its typed answer, or its stream of typed events (server/results.py),
+is written here as a Response object or Responses' typed stream events: a third wire
+format beside OpenAI's completions and chat (openai_format.py).
 
 `previous_response_id` continues a stored response: with `store` (the default) a
 response's conversation (its input and its output items) is kept in memory, the newest
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import Request
@@ -24,7 +25,8 @@ from pydantic import Field
 
 from hotprefix.errors import InvalidRequestError
 from hotprefix.server.protocol import ChatCompletionRequest, Strict
-from hotprefix.server.responses import ClosingStreamingResponse
+from hotprefix.server.results import Choice, Done, Failed, StreamEvent, Usage
+from hotprefix.server.serving import Serving
 from hotprefix.server.tool_parsers import new_item_id
 
 STORED_RESPONSES = 1024  # conversations kept for previous_response_id (the newest)
@@ -102,12 +104,10 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
         else body.input
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history \
         + to_messages(items)
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
+    chat: dict[str, Any] = {"model": body.model, "messages": messages,
                             "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
                             "top_p": body.top_p, "seed": body.seed, "user": body.user,
                             "parallel_tool_calls": body.parallel_tool_calls}
-    if body.stream:
-        chat["stream_options"] = {"include_usage": True}
     if body.top_logprobs:
         chat |= {"logprobs": True, "top_logprobs": body.top_logprobs}
     if body.tools:
@@ -135,24 +135,24 @@ def _chat_tool(t: dict[str, Any], i: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat answer's message as Responses output items: a message with its text, and
-    a function_call item per tool call."""
+def output_items(choice: Choice, msg_id: str | None = None) -> list[dict[str, Any]]:
+    """An answer as Responses output items: a message with its text (when it has text),
+    and a function_call item per tool call."""
     items = []
-    if message.get("content"):
-        items.append({"type": "message", "id": new_item_id("msg"), "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
-    for call in message.get("tool_calls") or ():
-        items.append({"type": "function_call", "id": new_item_id("fc"), "call_id": call["id"],
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                      "status": "completed"})
+    if choice.text:
+        items.append({"type": "message", "id": msg_id or new_item_id("msg"), "status": "completed",
+                      "role": "assistant", "content": [{"type": "output_text", "text": choice.text,
+                                                        "annotations": []}]})
+    for call in choice.calls:
+        items.append({"type": "function_call", "id": new_item_id("fc"), "call_id": call.id, "name": call.name,
+                      "arguments": call.arguments, "status": "completed"})
     return items
 
 
 def response_object(rid: str, body: ResponsesRequest, model: str, output: list[dict[str, Any]],
-                    finish_reason: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+                    finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
     """The Response object (status completed, or incomplete when max_output_tokens ran out)."""
-    u = usage or {}
+    u = usage or Usage(0, 0, 0)
     incomplete = finish_reason == "length"
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "incomplete" if incomplete else "completed",
@@ -162,12 +162,9 @@ def response_object(rid: str, body: ResponsesRequest, model: str, output: list[d
             "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id, "store": body.store,
             "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "output": output,
-            "usage": {"input_tokens": u.get("prompt_tokens", 0),
-                      "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {}).get(
-                          "cached_tokens", 0)},
-                      "output_tokens": u.get("completion_tokens", 0),
-                      "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": u.get("total_tokens", 0)}}
+            "usage": {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": u.total_tokens}}
 
 
 class ResponseStore:
@@ -209,94 +206,91 @@ class ResponseStore:
         return kept is not None
 
 
-async def stream_events(chunks: AsyncIterator[str], rid: str, body: ResponsesRequest, model: str,
-                        on_done: Any) -> AsyncIterator[str]:
-    """The chat stream's chunks (`data: {...}` lines) as Responses stream events."""
-    seq = 0
+class ResponsesStream:
+    """A chat's stream of typed events as Responses' stream events (serving.StreamWriter):
+    response.created and in_progress, the message's text deltas, a function_call item
+    per tool call, then response.completed (or incomplete); `on_done(choice, response)`
+    gets the whole answer first. A failure is one `error` event."""
 
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n"
+    def __init__(self, rid: str, body: ResponsesRequest, model: str,
+                 on_done: Callable[[Choice, dict[str, Any]], None]) -> None:
+        self.rid, self.body, self.model, self.on_done = rid, body, model, on_done
+        self.seq, self.msg_id, self.opened = 0, new_item_id("msg"), False
+        self.text, self.calls, self.finish = "", [], None
 
-    head = response_object(rid, body, model, [], None, None) | {"status": "in_progress"}
-    yield event("response.created", response=head)
-    yield event("response.in_progress", response=head)
-    try:
-        async for ev in _translated(chunks, rid, body, model, on_done, event):
-            yield ev
-    finally:
-        await chunks.aclose()  # (the chat stream's own cleanup runs now, not when collected)
+    def event(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **fields})}\n\n"
 
+    def start(self) -> list[str]:
+        head = response_object(self.rid, self.body, self.model, [], None, None) | {"status": "in_progress"}
+        return [self.event("response.created", response=head), self.event("response.in_progress", response=head)]
 
-async def _translated(chunks: Any, rid: str, body: ResponsesRequest, model: str, on_done: Any,
-                      event: Any) -> AsyncIterator[str]:
-    msg_id, text, calls, finish, usage = new_item_id("msg"), "", [], None, None
-    opened = False
-    async for raw in chunks:
-        if not raw.startswith("data: {"):
-            continue
-        chunk = json.loads(raw[6:])
-        if "error" in chunk:
-            err = chunk["error"]
-            yield event("error", code=str(err.get("code")), message=err.get("message"), param=err.get("param"))
-            return
-        usage = chunk.get("usage") or usage
-        for c in chunk.get("choices") or ():
-            delta = c.get("delta") or {}
-            finish = c.get("finish_reason") or finish
-            if delta.get("content"):
-                if not opened:
-                    opened = True
-                    item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant",
-                            "content": []}
-                    yield event("response.output_item.added", output_index=0, item=item)
-                    yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
-                text += delta["content"]
-                yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                            delta=delta["content"])
-            calls += delta.get("tool_calls") or []
-    message = {"content": text or None, "tool_calls": [{"id": c["id"], "type": "function", "function": c["function"]}
-                                                       for c in calls] or None}
-    output = output_items(message)
-    if opened:
-        output[0]["id"] = msg_id
-        yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text)
-        yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
-                    part=output[0]["content"][0])
-        yield event("response.output_item.done", output_index=0, item=output[0])
-    for i, item in enumerate(output[1 if opened else 0:], 1 if opened else 0):
-        yield event("response.output_item.added", output_index=i, item=item | {"status": "in_progress"})
-        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                    arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=i, item=item)
-    final = response_object(rid, body, model, output, finish, usage)
-    on_done(message, final)
-    yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    def write(self, ev: StreamEvent) -> list[str]:
+        if isinstance(ev, Failed):
+            return [self.event("error", code=str(400 if ev.own else 500), message=ev.message, param=None)]
+        if isinstance(ev, Done):
+            return self._done(ev.usage)
+        out = []
+        for c in ev.choices:  # (one: a Responses request has one sample)
+            self.finish = c.finish_reason or self.finish
+            self.calls += c.calls
+            if c.text:
+                out += self._text(c.text)
+        return out
+
+    def _text(self, delta: str) -> list[str]:
+        out = []
+        if not self.opened:
+            self.opened = True
+            item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
+            out += [self.event("response.output_item.added", output_index=0, item=item),
+                    self.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": []})]
+        self.text += delta
+        return out + [self.event("response.output_text.delta", item_id=self.msg_id, output_index=0,
+                                 content_index=0, delta=delta)]
+
+    def _done(self, usage: Usage) -> list[str]:
+        choice = Choice(0, self.text or None, tuple(self.calls), finish_reason=self.finish)
+        output = output_items(choice, self.msg_id)
+        out = []
+        if self.opened:
+            out += [self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                               text=self.text),
+                    self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                               part=output[0]["content"][0]),
+                    self.event("response.output_item.done", output_index=0, item=output[0])]
+        for i, item in enumerate(output[1 if self.opened else 0:], 1 if self.opened else 0):
+            out += [self.event("response.output_item.added", output_index=i, item=item | {"status": "in_progress"}),
+                    self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                               arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=i, item=item)]
+        final = response_object(self.rid, self.body, self.model, output, self.finish, usage)
+        self.on_done(choice, final)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return out + [self.event(kind, response=final)]
 
 
-async def create(serving: Any, store: ResponseStore, body: ResponsesRequest, raw: Request, model: str) -> Any:
+async def create(serving: Serving, store: ResponseStore, body: ResponsesRequest, raw: Request, model: str) -> Any:
     """POST /v1/responses: the answer as a Response object, or its stream of events."""
     chat = to_chat(body, store.history(body.previous_response_id))
     rid = new_item_id("resp")
     keep_from = 1 if body.instructions else 0  # the instructions are per request: not carried on
 
-    def done(message: dict[str, Any], response: dict[str, Any]) -> None:
+    def done(choice: Choice, response: dict[str, Any]) -> None:
         if body.store:
             msgs = [m.model_dump(exclude_none=True) for m in chat.messages][keep_from:]
-            answer = {"role": "assistant", "content": message.get("content")}
-            if message.get("tool_calls"):
-                answer["tool_calls"] = message["tool_calls"]
+            answer: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if choice.calls:
+                answer["tool_calls"] = [c.openai() for c in choice.calls]
             store.keep(rid, msgs + [answer], response)
 
-    answer = await serving.chat(chat, raw, model)
-    if not body.stream:
-        data = json.loads(answer.body)
-        choice = data["choices"][0]
-        response = response_object(rid, body, model, output_items(choice["message"]), choice["finish_reason"],
-                                   data.get("usage"))
-        done(choice["message"], response)
-        return JSONResponse(response)
-    return ClosingStreamingResponse(stream_events(answer.body_iterator, rid, body, model, done), answer.on_close,
-                                    media_type="text/event-stream")
+    run = await serving.start_chat(chat, model)
+    if body.stream:
+        return serving.stream(run, ResponsesStream(rid, body, model, done))
+    answer = await serving.answer(run, raw)
+    (choice,) = answer.choices
+    response = response_object(rid, body, model, output_items(choice), choice.finish_reason, answer.usage)
+    done(choice, response)
+    return JSONResponse(response)

@@ -1,25 +1,27 @@
-"""Handlers for /v1/completions and /v1/chat/completions.
+"""Handlers for /v1/completions and /v1/chat/completions (and the chat that /v1/responses
+stands for).
 
-Both go the same way: check the request, build sampling params, submit one
-engine request per prompt (each with n samples; the engine renders and
-tokenizes off the event loop), then either stream SSE chunks or collect the
-final outputs while watching for a client disconnect. Any way a request ends
-(finished, failed, client gone, even before the first byte) is logged and
-counted exactly once, and an unfinished request is aborted so its blocks return
-to the pool. An error that belongs to one request (RequestFailedError) ends that
-request alone: a 500, or an error event in its stream.
+Both go the same way: check the request, build sampling params, submit one engine
+request per prompt (each with n samples; the engine renders and tokenizes off the
+event loop), then either stream or collect the final outputs while watching for a
+client disconnect. What they produce is typed (server/results.py): an Answer, or a
+stream of events, which a wire format writes (openai_format for the OpenAI endpoints,
+responses_api for Responses). Any way a request ends (finished, failed, client gone,
+even before the first byte) is logged and counted exactly once (request_log.LogRow),
+and an unfinished request is aborted so its blocks return to the pool. An error that
+belongs to one request (RequestFailedError) ends that request alone: a 500, or an error
+event in its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -29,63 +31,62 @@ from hotprefix.engine.async_engine import AsyncEngine, CacheScope, ChatPrompt, P
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError, RequestFailedError
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
-from hotprefix.server.http_errors import error_body
 from hotprefix.server.metrics import ServerMetrics
-from hotprefix.server.openai_format import ChatFormat, ChoiceFormat, CompletionFormat
+from hotprefix.server.openai_format import ChatFormat, CompletionFormat, OpenAIStream
 from hotprefix.server.prefix_log import PrefixRecorder
 from hotprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
     SamplingFields,
-    now,
     random_id,
 )
+from hotprefix.server.request_log import LogRow, LogStatus, RequestLog
 from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
+from hotprefix.server.results import Answer, Choices, Done, Failed, Step, StreamEvent, Usage
 from hotprefix.server.tool_parsers import PARSERS
 
 log = logging.getLogger("hotprefix.requests")
 
 
-class RequestLog:
-    """One line per finished request, to the log and optionally as JSON lines to a file."""
-
-    def __init__(self, path: str | None) -> None:
-        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the app
-
-    def write(self, row: dict[str, Any]) -> None:
-        log.info("request %(request_id)s %(status)s: prompt=%(prompt_tokens)d cached=%(cached_tokens)d "
-                 "completion=%(completion_tokens)d ttft=%(ttft_s)s latency=%(latency_s).3fs finish=%(finish_reason)s",
-                 row)
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
-class LogStatus(str, Enum):
-    """How a request ended, in its request-log line."""
-
-    OK = "ok"
-    ERROR = "error"
-    CLIENT_DISCONNECTED = "client_disconnected"
-
-
 @dataclass
-class Tracker:
-    """What one HTTP request has seen of its engine requests (for usage, metrics and the log)."""
+class Run:
+    """One HTTP request's engine requests (`streams`, one per prompt, n samples each),
+    the choices they make, and what it has seen of them (for usage, metrics and the log)."""
 
     request_id: str
     endpoint: str
     user: str | None
     model: str  # the served name the client used (echoed in responses)
+    streams: list[RequestStream]
+    choices: Choices
+    n: int = 1
+    cache_scope: CacheScope = field(default_factory=CacheScope)
     start: float = field(default_factory=time.monotonic)
     last: dict[str, RequestOutput] = field(default_factory=dict)
     last_token_at: dict[str, float] = field(default_factory=dict)
+    generated: int = 0  # tokens the outputs seen so far brought (an unfinished output's token list may be ahead)
     done: bool = False  # the log line is written
-    cache_scope: CacheScope = field(default_factory=CacheScope)
+
+    def usage(self) -> Usage:
+        return Usage(sum(len(s.prompt_token_ids) for s in self.streams), self.generated,
+                     sum(out.num_cached_tokens for out in self.last.values()))
+
+    def answer(self, finals: list[RequestOutput], prefixes: list[str] | None = None) -> Answer:
+        """The typed answer of the final outputs (per prompt); prefixes: echoed prompts."""
+        choices = [self.choices.whole(i * self.n + o.index, o, prefixes[i] if prefixes else "")
+                   for i, out in enumerate(finals) for o in out.outputs]
+        return Answer(self.request_id, self.model, choices, finals, self.usage())
+
+
+class StreamWriter(Protocol):
+    """A wire format of a stream: its text before any event, and each event's."""
+
+    def start(self) -> list[str]:
+        ...
+
+    def write(self, ev: StreamEvent) -> list[str]:
+        ...
 
 
 def tenant_of(scope: CacheScope) -> str | None:
@@ -173,65 +174,57 @@ class Serving:
         """A token's text in logprobs (or "token_id:N", --return-tokens-as-token-ids)."""
         return f"token_id:{token_id}" if self.options.tokens_as_ids else self.engine.token_text(token_id)
 
-    def _observe(self, t: Tracker, out: RequestOutput) -> None:
+    def _observe(self, run: Run, out: RequestOutput) -> None:
         stamp = time.monotonic()
-        prev = t.last_token_at.get(out.request_id)
+        prev = run.last_token_at.get(out.request_id)
         if prev is not None and any(out.new_token_ids):
             self.metrics.observe_token_gap(stamp - prev)
         if any(out.new_token_ids):
-            t.last_token_at[out.request_id] = stamp
-        t.last[out.request_id] = out
+            run.last_token_at[out.request_id] = stamp
+        run.last[out.request_id] = out
+        run.generated += sum(len(ids) for ids in out.new_token_ids)
         if out.finished:
             self.metrics.observe_finished(out)
 
-    def _finish(self, t: Tracker, streams: list[RequestStream], status: LogStatus) -> None:
+    def _finish(self, run: Run, status: LogStatus) -> None:
         """Abort what is unfinished, count aborted ones, write the log line (once)."""
-        if t.done:
+        if run.done:
             return
-        t.done = True
-        for s in streams:
+        run.done = True
+        for s in run.streams:
             if not s.finished:
                 s.close()
-                last = t.last.get(s.request_id)
+                last = run.last.get(s.request_id)
                 if last is not None:
                     for o in last.outputs:
                         o.finish_reason = o.finish_reason or "abort"
                     self.metrics.observe_finished(last)
-        outs = list(t.last.values())
+        self.request_log.write(self._log_row(run, status))
+
+    def _log_row(self, run: Run, status: LogStatus) -> LogRow:
+        outs = list(run.last.values())
         first = [o.first_token_time for o in outs if o.first_token_time is not None]
         reasons = sorted({o.finish_reason or "abort" for out in outs for o in out.outputs})
-        row = {
-            "time": time.time(), "request_id": t.request_id, "endpoint": t.endpoint, "model": t.model,
-            "user": t.user, "status": status.value,
-            "prompt_tokens": sum(len(s.prompt_token_ids) for s in streams),
-            "cached_tokens": sum(o.num_cached_tokens for o in outs),
-            "completion_tokens": sum(len(o.token_ids) for out in outs for o in out.outputs),
-            "ttft_s": round(min(first) - min(o.arrival_time for o in outs), 4) if first else None,
-            "latency_s": time.monotonic() - t.start,
-            "finish_reason": ",".join(reasons) if reasons else None,
-        }
-        if self.prefix is not None:
-            text = self.engine.prompt_text if self.prefix.with_text else None
-            row["kv"] = self.prefix.kv
-            row["prefix"] = [self.prefix.entry(o, t.cache_scope,
-                                               text(o.prompt_token_ids) if text else None) for o in outs]
-        self.request_log.write(row)
+        usage = run.usage()
+        row = LogRow(time.time(), run.request_id, run.endpoint, run.model, run.user, status, usage.prompt_tokens,
+                     usage.cached_tokens, usage.completion_tokens,
+                     round(min(first) - min(o.arrival_time for o in outs), 4) if first else None,
+                     time.monotonic() - run.start, ",".join(reasons) if reasons else None)
+        if self.prefix is None:
+            return row
+        text = self.engine.prompt_text if self.prefix.with_text else None
+        return replace(row, kv=self.prefix.kv, prefix=tuple(
+            self.prefix.entry(o, run.cache_scope, text(o.prompt_token_ids) if text else None)
+            for o in outs))
 
-    def usage(self, streams: list[RequestStream], t: Tracker) -> dict[str, Any]:
-        prompt = sum(len(s.prompt_token_ids) for s in streams)
-        completion = sum(len(o.token_ids) for out in t.last.values() for o in out.outputs)
-        cached = sum(out.num_cached_tokens for out in t.last.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    async def _collect(self, streams: list[RequestStream], t: Tracker, raw: Request) -> list[RequestOutput]:
+    async def _collect(self, run: Run, raw: Request) -> list[RequestOutput]:
         """Final outputs of every stream. Raises RequestFailedError when the engine
         failed one of them; aborts them all if the client goes away (or this is
         cancelled); however it ends, every stream is closed and the request logged."""
         async def consume(s: RequestStream) -> RequestOutput:
             final = None
             async for out in s:
-                self._observe(t, out)
+                self._observe(run, out)
                 if (err := failure(out)) is not None:
                     raise err
                 final = out
@@ -240,7 +233,7 @@ class Serving:
             return final
 
         status = LogStatus.CLIENT_DISCONNECTED
-        work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
+        work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in run.streams)))
         watch = asyncio.ensure_future(wait_disconnect(raw))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -253,7 +246,11 @@ class Serving:
         finally:
             watch.cancel()
             work.cancel()
-            self._finish(t, streams, status)
+            self._finish(run, status)
+
+    async def answer(self, run: Run, raw: Request) -> Answer:
+        """The run's typed answer, once every stream finished (see _collect). Raises RequestFailedError."""
+        return run.answer(await self._collect(run, raw))
 
     async def _merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all streams as they come, tagged with the stream's index."""
@@ -282,53 +279,41 @@ class Serving:
             for task in tasks:
                 task.cancel()
 
-    def _sse(self, streams: list[RequestStream], t: Tracker, body: SamplingFields,
-             fmt: ChoiceFormat) -> ClosingStreamingResponse:
-        """Stream chunks as server-sent events: fmt's head (if any), the choices each
-        step adds, then a usage chunk if asked, then [DONE]. A failure ends the
-        stream with one error event and [DONE]."""
-        opts = body.stream_options
-        base = {"id": t.request_id, "object": fmt.chunk_object_name, "created": now(), "model": t.model}
+    async def events(self, run: Run) -> AsyncIterator[StreamEvent]:
+        """The run's typed events as its outputs come (see results.py): a Step for each
+        output that adds a choice, then Done, or Failed when the engine failed it. However
+        it ends, the run is finished (unfinished streams aborted, the request logged once)."""
+        status = LogStatus.CLIENT_DISCONNECTED
+        try:
+            async for i, out in self._merge(run.streams):
+                self._observe(run, out)
+                if (err := failure(out)) is not None:
+                    raise err
+                choices = run.choices.step(i, out, run.n)
+                if choices:
+                    yield Step(i, choices, run.usage())
+            yield Done(run.usage())
+            status = LogStatus.OK
+        except Exception as e:  # an engine failure after the response started: report it in-band
+            status = LogStatus.ERROR
+            log.warning("stream %s failed: %s", run.request_id, e)
+            yield Failed(str(e), isinstance(e, RequestFailedError) and e.own)  # own: the same request fails anywhere
+        finally:
+            self._finish(run, status)
 
-        def event(obj: dict[str, Any]) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def stream(self, run: Run, writer: StreamWriter) -> ClosingStreamingResponse:
+        """The run's events as server-sent events, written by `writer`; a client that goes
+        away (even before the first byte) aborts the run."""
+        async def sse() -> AsyncIterator[str]:
+            for text in writer.start():
+                yield text
+            async with aclosing(self.events(run)) as events:
+                async for ev in events:
+                    for text in writer.write(ev):
+                        yield text
 
-        async def gen() -> AsyncIterator[str]:
-            status = LogStatus.CLIENT_DISCONNECTED
-            try:
-                if (head := fmt.head(body.n)) is not None:
-                    yield event({**base, "choices": head})
-                async for i, out in self._merge(streams):
-                    self._observe(t, out)
-                    if (err := failure(out)) is not None:
-                        raise err
-                    choices = fmt.stream_choices(i, out, body.n)
-                    if not choices:
-                        continue
-                    obj = {**base, "choices": choices}
-                    if opts and opts.include_usage:
-                        obj["usage"] = self.usage(streams, t) if opts.continuous_usage_stats else None
-                    yield event(obj)
-                if opts and opts.include_usage:
-                    yield event({**base, "choices": [], "usage": self.usage(streams, t)})
-                yield "data: [DONE]\n\n"
-                status = LogStatus.OK
-            except Exception as e:  # an engine failure after the response started: report it in-band
-                status = LogStatus.ERROR
-                log.warning("stream %s failed: %s", t.request_id, e)
-                own = isinstance(e, RequestFailedError) and e.own  # its grammar: the same request fails anywhere
-                yield event(error_body(str(e), *(("BadRequestError", 400) if own else ("InternalServerError", 500))))
-                yield "data: [DONE]\n\n"
-            finally:
-                self._finish(t, streams, status)
-
-        return ClosingStreamingResponse(gen(), lambda: self._finish(t, streams, LogStatus.CLIENT_DISCONNECTED),
+        return ClosingStreamingResponse(sse(), lambda: self._finish(run, LogStatus.CLIENT_DISCONNECTED),
                                         media_type="text/event-stream")
-
-    def _respond(self, t: Tracker, fmt: ChoiceFormat, choices: list[dict[str, Any]],
-                 streams: list[RequestStream]) -> JSONResponse:
-        return JSONResponse({"id": t.request_id, "object": fmt.object_name, "created": now(), "model": t.model,
-                             "choices": choices, "usage": self.usage(streams, t)})
 
     # -- /v1/completions -------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request, model: str) -> Any:
@@ -338,20 +323,23 @@ class Serving:
         scope = CacheScope(body.cache_salt, body.cache_salt_offset)
         streams = await self._submit(body, scope, prompts, body.max_tokens, body.logprobs, body.add_special_tokens,
                                      rid, body.split_special_tokens)
-        t = Tracker(rid, "completions", body.user, model, cache_scope=scope)
-        fmt = CompletionFormat(self._token_text, body.logprobs or 0, body.logprobs is not None)
+        run = Run(rid, "completions", body.user, model, streams, Choices(None, body.logprobs is not None), body.n,
+                  scope)
+        fmt = CompletionFormat(self._token_text, body.logprobs or 0)
         if body.stream:
-            return self._sse(streams, t, body, fmt)
-        finals = await self._collect(streams, t, raw)
+            return self.stream(run, OpenAIStream(fmt, rid, model, body.n, body.stream_options))
+        finals = await self._collect(run, raw)
+        prefixes = [(p if isinstance(p, str) else await self.engine.detokenize(p)) if body.echo else ""
+                    for p in prompts]
+        answer = run.answer(finals, prefixes)
         choices = []
-        for i, (p, out) in enumerate(zip(prompts, finals)):
-            prefix = (p if isinstance(p, str) else await self.engine.detokenize(p)) if body.echo else ""
-            for o in out.outputs:
-                c = fmt.final_choice(i * body.n + o.index, o, prefix)
-                if body.echo and body.logprobs is not None:  # the prompt's tokens first, then the generated ones
-                    c["logprobs"] = fmt.echoed(out.prompt_token_ids, out.prompt_logprobs, c["logprobs"])
-                choices.append(fmt.with_prompt_logprobs(c, out, body.prompt_logprobs))
-        return self._respond(t, fmt, choices, streams)
+        for c in answer.choices:
+            out = finals[c.index // body.n]
+            choice = fmt.choice(c, streamed=False)
+            if body.echo and body.logprobs is not None:  # the prompt's tokens first, then the generated ones
+                choice["logprobs"] = fmt.echoed(out.prompt_token_ids, out.prompt_logprobs, choice["logprobs"])
+            choices.append(fmt.with_prompt_logprobs(choice, out, body.prompt_logprobs))
+        return JSONResponse(fmt.response(answer, choices))
 
     def _tool_grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
         """tool_choice "required" or a named function: the output is constrained to valid
@@ -364,14 +352,17 @@ class Serving:
         return StructuredOutput(StructuredKind.GRAMMAR, grammar)
 
     # -- /v1/chat/completions ------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
+    async def start_chat(self, body: ChatCompletionRequest, model: str) -> Run:
+        """Check and submit a chat request (its answer then comes from `answer` or `events`).
+        Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
         body.check()
         if body.chat_template is not None and not self.options.trust_request_chat_template:
             raise InvalidRequestError("a request's own chat_template is refused: the server runs it; start the "
                                       "server with --trust-request-chat-template to allow it", "chat_template")
         rid = body.request_id or random_id("chatcmpl")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        if body.calls_tools() and PARSERS[self.options.tool_parser].keeps_special_tokens:
+        parser = PARSERS[self.options.tool_parser] if body.calls_tools() else None
+        if parser is not None and parser.keeps_special_tokens:
             body.skip_special_tokens = False  # the format's marker is a special token (as vLLM's parser does)
         prompt = ChatPrompt([m.for_template() for m in body.messages], body.add_generation_prompt,
                             body.continue_final_message, body.chat_template or self.options.chat_template,
@@ -380,12 +371,16 @@ class Serving:
         scope = CacheScope(body.cache_salt, body.cache_salt_offset)
         streams = await self._submit(body, scope, [prompt], body.limit(), k if body.logprobs else None, False, rid,
                                      structured=self._tool_grammar(body, tools))
-        t = Tracker(rid, "chat.completions", body.user, model, cache_scope=scope)
-        fmt = ChatFormat(self._token_text, k, bool(body.logprobs),
-                         PARSERS[self.options.tool_parser] if body.calls_tools() else None)
+        return Run(rid, "chat.completions", body.user, model, streams, Choices(parser, bool(body.logprobs)), body.n,
+                   scope)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
+        run = await self.start_chat(body, model)
+        fmt = ChatFormat(self._token_text, body.top_logprobs or 0)
         if body.stream:
-            return self._sse(streams, t, body, fmt)
-        (final,) = await self._collect(streams, t, raw)
-        choices = [fmt.with_prompt_logprobs(fmt.final_choice(o.index, o), final, body.prompt_logprobs)
-                   for o in final.outputs]
-        return self._respond(t, fmt, choices, streams)
+            return self.stream(run, OpenAIStream(fmt, run.request_id, model, body.n, body.stream_options))
+        answer = await self.answer(run, raw)
+        (final,) = answer.outputs
+        return JSONResponse(fmt.response(answer, [fmt.with_prompt_logprobs(fmt.choice(c, streamed=False), final,
+                                                                           body.prompt_logprobs)
+                                                  for c in answer.choices]))

@@ -1,13 +1,18 @@
-"""A replay of requests through the prefix cache, with the engine's own pool.
+"""A replay of requests through the prefix cache, by the engine's own admission code.
 
-Requests run one after another, as a sequential replay of a log sends them. Each
-looks up the longest run of its leading full blocks that is cached (capped so its
-last prompt token is computed), then the host tier for the blocks that follow,
-takes blocks for its prompt and output from the pool (the engine's BlockPool:
-least recently released first, a request's last blocks released first), enters
-its full blocks in the cache, and releases them. Evicted blocks go to the host
-tier (the engine's HostTier index). With no device size the cache is unbounded.
-A disk tier is not modelled: with one, the prediction is a lower bound.
+Requests run one after another, as a sequential replay of a log sends them, through
+the engine's Scheduler and KVCacheManager (with a host tier, KVTiers) of the size
+given: a step admits a request (its longest cached run of leading full blocks in the
+pool, capped so its last prompt token is computed, then the host tier's blocks that
+follow; blocks for its prompt, least recently released first), a second step computes
+its output tokens (which a replay knows already), and it finishes, releasing its blocks
+last first; blocks evicted on the way go to the host tier. Nothing here decides what
+is cached: the engine does. The requests carry the hashes of their blocks (a log's are
+keyed); tokens beyond those hashes are stand-ins no real prompt has, so such blocks
+take room but never hit. A request whose KV cannot fit the pool at all is refused, as
+the engine refuses it. With no device size the cache is unbounded (nothing is ever
+evicted: the hits are the longest runs of blocks seen before, within the same cap). A
+disk tier is not modelled: with one, the prediction is a lower bound.
 """
 
 from __future__ import annotations
@@ -15,9 +20,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hotprefix.core.block_pool import BlockPool
-from hotprefix.core.kv_tiers import HostTier, SlotState, Source
+from hotprefix.config import SchedulerConfig
+from hotprefix.core.block_pool import IntegrityError
+from hotprefix.core.kv_cache_manager import KVCacheManager
+from hotprefix.core.kv_tiers import KVTiers
+from hotprefix.core.outputs import ModelRunnerOutput
+from hotprefix.core.request import Request
+from hotprefix.core.scheduler import Scheduler
+from hotprefix.sampling_params import SamplingParams
 from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
+
+MAX_STEP_TOKENS = 1 << 30  # a step's token budget: a prompt, or a request's output, in one step
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,24 @@ def replay(reqs: Sequence[SimRequest], block_size: int, size: CacheSize = CacheS
     """Run reqs in order through a cache of the given size (see the module doc)."""
     if size.device_blocks is None:
         return _unbounded(reqs, block_size)
-    return _Pool(size, block_size).run(reqs)
+    engine = _Engine(size.device_blocks, size.host_blocks, block_size)
+    out = Replay()
+    seen: set[bytes] = set()
+    for i, r in enumerate(reqs):
+        out.shared_blocks.append(_leading(r.hashes, seen))
+        hit = engine.run(i, r)
+        out.too_big += hit is None
+        out.hits.append(hit or 0)
+        seen.update(r.hashes[:r.computed_tokens // block_size])
+    return out
+
+
+def _leading(hashes: Sequence[bytes], seen: set[bytes]) -> int:
+    """How many leading hashes are in `seen`."""
+    n = 0
+    while n < len(hashes) and hashes[n] in seen:
+        n += 1
+    return n
 
 
 def _unbounded(reqs: Sequence[SimRequest], block_size: int) -> Replay:
@@ -83,87 +113,39 @@ def _unbounded(reqs: Sequence[SimRequest], block_size: int) -> Replay:
     out = Replay()
     for r in reqs:
         cap = min(max_cached_blocks(r.prompt_tokens, block_size), len(r.hashes))
-        n = 0
-        while n < len(r.hashes) and r.hashes[n] in seen:
-            n += 1
+        n = _leading(r.hashes, seen)
         out.shared_blocks.append(n)
         out.hits.append(min(n, cap) * block_size)
         seen.update(r.hashes[:r.computed_tokens // block_size])
     return out
 
 
-class _Pool:
-    """The engine's pool and host index, driven as the scheduler drives them for one
-    request at a time (core/kv_cache_manager.py, core/scheduler.py._admit)."""
+class _Engine:
+    """The engine's scheduler and KV cache manager (with a host tier), without a model:
+    the replay samples nothing, the tokens are known."""
 
-    def __init__(self, size: CacheSize, block_size: int) -> None:
-        self.bs = block_size
-        self.pool = BlockPool(size.device_blocks or 1)
-        self.host = HostTier(size.host_blocks) if size.host_blocks else None
-        if self.host is not None:
-            self.pool.evictions = []
-        self.seen: set[bytes] = set()
+    def __init__(self, device_blocks: int, host_blocks: int, block_size: int) -> None:
+        self.kv = KVCacheManager(device_blocks, block_size, tiers=KVTiers(host_blocks) if host_blocks else None)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=MAX_STEP_TOKENS), self.kv)
 
-    def run(self, reqs: Sequence[SimRequest]) -> Replay:
-        out = Replay()
-        for r in reqs:
-            n = 0
-            while n < len(r.hashes) and r.hashes[n] in self.seen:
-                n += 1
-            out.shared_blocks.append(n)
-            hit = self._one(r)
-            if hit is None:
-                out.too_big += 1
-                hit = 0
-            out.hits.append(hit)
-            self.seen.update(r.hashes[:r.computed_tokens // self.bs])
-        return out
-
-    def _one(self, r: SimRequest) -> int | None:
-        cap = min(max_cached_blocks(r.prompt_tokens, self.bs), len(r.hashes))
-        hits = []
-        for h in r.hashes[:cap]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
-        loaded = self._host_run(r.hashes[len(hits):cap])
-        need = blocks_for_tokens(r.computed_tokens, self.bs) - len(hits)
-        if need + sum(1 for b in hits if b.ref_cnt == 0) > self.pool.num_free_blocks:
-            self._unlock()
+    def run(self, index: int, r: SimRequest) -> int | None:
+        """Serve one request (whose blocks have `r.hashes`) to its end; the prompt tokens
+        it found cached, or None when the engine would refuse it (its KV cannot fit the
+        pool: LLMEngine's check)."""
+        if blocks_for_tokens(r.computed_tokens, self.kv.block_size) > self.kv.num_blocks:
             return None
-        self.pool.touch(hits)
-        blocks = hits + (self.pool.allocate(need) or [])
-        self._offload()
-        for i in range(len(hits), min(r.computed_tokens // self.bs, len(r.hashes))):
-            self.pool.cache_block(blocks[i], r.hashes[i])
-        self.pool.free(reversed(blocks))
-        return (len(hits) + loaded) * self.bs
+        stand_in = -1 - index  # no real token: blocks past the known hashes never match another request's
+        params = SamplingParams(max_tokens=max(r.output_tokens, 1))
+        req = Request(f"replay-{index}", [stand_in] * r.prompt_tokens, params, block_hashes=list(r.hashes))
+        self.scheduler.add_request(req)
+        self._step(req, stand_in)  # admitted: the prompt
+        if not req.status.finished:  # the output, at once: the replay knows its tokens
+            req.output_token_ids.extend([stand_in] * (r.output_tokens - 2))
+            self._step(req, stand_in)
+        if not req.status.finished or req.num_cached_tokens is None:
+            raise IntegrityError(f"replay request {index} did not run to its end in two steps")
+        return req.num_cached_tokens
 
-    def _host_run(self, hashes: Sequence[bytes]) -> int:
-        """How many blocks continue the device hits in the host tier (locked, as the engine locks them)."""
-        if self.host is None:
-            return 0
-        n = 0
-        for h in hashes:
-            e = self.host.get(h)
-            if e is None:
-                break
-            self.host.locked.add(e.slot)
-            n += 1
-        return n
-
-    def _offload(self) -> None:
-        """Evicted device blocks go to the host tier (KVTiers.offload), then the step ends."""
-        if self.host is None:
-            return
-        for _, h in self.pool.take_evictions():
-            if self.host.get(h) is None:
-                e = self.host.put(h, SlotState.READY, Source.HOST)
-                if e is not None:
-                    self.host.locked.add(e.slot)
-        self._unlock()
-
-    def _unlock(self) -> None:
-        if self.host is not None:
-            self.host.locked.clear()
+    def _step(self, req: Request, token: int) -> None:
+        sched = self.scheduler.schedule()
+        self.scheduler.update(sched, ModelRunnerOutput(sampled_token_ids={req.request_id: token}))

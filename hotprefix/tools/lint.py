@@ -26,6 +26,7 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHasher, CacheScope
+from hotprefix.server.request_log import LogRow, LogRowError, PrefixEntry
 from hotprefix.sizing import max_cached_blocks
 from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
@@ -115,30 +116,29 @@ class Linter:
         return LintRequest(body, ids, self.encoder.decode(ids), SimRequest(hashes, len(ids), output_tokens),
                            measured)
 
-    def from_log(self, entry: dict[str, Any]) -> LintRequest:
-        """One prompt of a request-log row (its `prefix` entry). With its text (and a text
-        that tokenizes back to as many tokens), a body the fix can edit; else hashes only."""
-        tokens, out, cached = int(entry["tokens"]), int(entry.get("completion") or 1), int(entry.get("cached") or 0)
-        text = entry.get("text")
-        group = entry["blocks"][0] if entry["blocks"] and tokens >= self.block_size else None
-        if isinstance(text, str):
-            body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
-            if entry.get("salt"):
-                body |= {"cache_salt": entry["salt"], "cache_salt_offset": int(entry.get("salt_offset") or 0)}
-            r = self.prepare(body, out, cached)
-            if r.tokens == tokens:
+    def from_log(self, entry: PrefixEntry) -> LintRequest:
+        """One prompt of a request-log row. With its text (and a text that tokenizes back
+        to as many tokens), a body the fix can edit; else hashes only."""
+        out = entry.completion or 1
+        group = entry.blocks[0] if entry.blocks and entry.tokens >= self.block_size else None
+        if entry.text is not None:
+            body: dict[str, Any] = {"prompt": entry.text, "add_special_tokens": False}
+            if entry.salt:
+                body |= {"cache_salt": entry.salt, "cache_salt_offset": entry.salt_offset}
+            r = self.prepare(body, out, entry.cached)
+            if r.tokens == entry.tokens:
                 return replace(r, logged_group=group)
-        hashes = [bytes.fromhex(h) for h in entry["blocks"]]
-        return LintRequest(None, None, None, SimRequest(hashes, tokens, out), cached, group)
+        hashes = [bytes.fromhex(h) for h in entry.blocks or ()]
+        return LintRequest(None, None, None, SimRequest(hashes, entry.tokens, out), entry.cached, group)
 
-    def from_log_entries(self, entries: list[dict[str, Any]]) -> list[LintRequest]:
+    def from_log_entries(self, entries: list[PrefixEntry]) -> list[LintRequest]:
         """The prompts of a request log: all by their text when every one has a text that
         tokenizes back to its logged length, else all by their logged hashes (a replay
         cannot mix the two: the log's hashes are keyed)."""
         reqs = [self.from_log(e) for e in entries]
         if all(r.body is not None for r in reqs):
             return reqs
-        return [self.from_log({k: v for k, v in e.items() if k != "text"}) for e in entries]
+        return [self.from_log(replace(e, text=None)) for e in entries]
 
     # -- analysis ------------------------------------------------------------------------
     def run(self, reqs: list[LintRequest], size: CacheSize | None = None) -> Replay:
@@ -344,61 +344,41 @@ class LogInput:
     arrival order, and the cache the server had, if the log says)."""
 
     bodies: list[dict[str, Any]]
-    entries: list[dict[str, Any]]
+    entries: list[PrefixEntry]
     block_size: int | None = None
     size: CacheSize | None = None
 
 
 def read_requests(path: Path) -> LogInput:
-    """OpenAI request bodies, or `hotprefix serve --request-log` rows, one per line.
-    Raises ConfigError naming the line of a row that is neither."""
+    """OpenAI request bodies, or `hotprefix serve --request-log` rows (request_log.LogRow),
+    one per line. Raises ConfigError naming the line of a row that is neither."""
     bodies: list[dict[str, Any]] = []
-    rows: list[tuple[float, int, dict[str, Any]]] = []
-    for i, row in iter_objects(path):
-        if "prefix" in row:
-            if not _valid_log_row(row):
-                raise ConfigError(f"{path}:{i}: a request-log row whose `prefix` or times are malformed")
-            rows.append((float(row.get("time") or 0) - float(row.get("latency_s") or 0), i, row))
-        elif "request_id" in row and "prompt_tokens" in row:
+    rows: list[tuple[float, int, LogRow]] = []
+    for i, obj in iter_objects(path):
+        if "prefix" in obj:
+            try:
+                row = LogRow.from_json(obj)
+            except LogRowError as e:
+                raise ConfigError(f"{path}:{i}: {e}") from None
+            rows.append((row.arrival, i, row))
+        elif "request_id" in obj and "prompt_tokens" in obj:
             raise ConfigError(f"{path}:{i}: a request-log row without block hashes (a server without prefix "
                               "caching, or older than this lint)")
-        elif "messages" in row or "prompt" in row:
-            bodies.append(row)
+        elif "messages" in obj or "prompt" in obj:
+            bodies.append(obj)
         else:
             raise ConfigError(f"{path}:{i}: neither `messages` nor `prompt`")
     if bodies and rows:
         raise ConfigError(f"{path}: mixes request bodies and request-log rows")
     if not bodies and not rows:
         raise ConfigError(f"{path}: no requests")
-    entries = [e for _, _, row in sorted(rows, key=lambda t: t[:2]) for e in row["prefix"] if e.get("blocks")
-               is not None]
+    entries = [e for _, _, row in sorted(rows, key=lambda t: t[:2]) for e in row.prefix or ()
+               if e.blocks is not None]
     if rows and not entries:
         raise ConfigError(f"{path}: no request-log row carries block hashes")
-    kv = next((row.get("kv") for _, _, row in rows if row.get("kv")), None)
-    size = None if kv is None else CacheSize(int(kv["blocks"]), int(kv.get("host_blocks") or 0), "from the log")
-    return LogInput(bodies, entries, int(kv["block_size"]) if kv else None, size)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _valid_log_row(row: dict[str, Any]) -> bool:
-    """Whether a log row has the shape the server writes (so a damaged line is named, not a traceback)."""
-    def hexes(blocks: Any) -> bool:
-        return blocks is None or (isinstance(blocks, list) and all(
-            isinstance(b, str) and len(b) % 2 == 0 and all(c in "0123456789abcdef" for c in b) for b in blocks))
-
-    entries = row.get("prefix")
-    times_ok = all(isinstance(row.get(k, 0), (int, float)) for k in ("time", "latency_s"))
-    kv = row.get("kv")
-    kv_ok = kv is None or (isinstance(kv, dict) and all(_is_int(kv.get(k, 0)) for k in ("block_size", "blocks",
-                                                                                       "host_blocks"))
-                           and kv.get("block_size", 0) >= 1 and kv.get("blocks", 0) >= 1)
-    return times_ok and kv_ok and isinstance(entries, list) and all(
-        isinstance(e, dict) and _is_int(e.get("tokens")) and e["tokens"] >= 1 and _is_int(e.get("cached", 0))
-        and _is_int(e.get("completion", 0)) and hexes(e.get("blocks")) and isinstance(e.get("text", ""), str)
-        and isinstance(e.get("salt") or "", str) and _is_int(e.get("salt_offset", 0)) for e in entries)
+    kv = next((row.kv for _, _, row in rows if row.kv is not None), None)
+    size = None if kv is None else CacheSize(kv.blocks, kv.host_blocks, "from the log")
+    return LogInput(bodies, entries, kv.block_size if kv else None, size)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -35,7 +35,7 @@ def store(tmp_path):
 
 
 def finished(store: Store, key_id: str | None = None) -> list[dict]:
-    return [r for r in store.usage_rows(key_id) if r["status"] != "started"]
+    return [r for r in store.usage_rows(key_id) if r.status != "started"]
 
 
 def burst(urls: list[str], key: str, n: int) -> list[httpx.Response]:
@@ -73,7 +73,7 @@ def test_a_burst_of_200_never_admits_more_tokens_than_the_limit(store, mode, req
         assert admitted <= TPM + refill, (admitted, TPM, refill)
         wait_until(lambda: len(finished(store, rec.id)) == 200, what="200 usage rows")
         rows = finished(store, rec.id)
-        assert sorted(r["status"] for r in rows) == sorted(
+        assert sorted(r.status for r in rows) == sorted(
             ["ok"] * codes.count(200) + ["rate_limited"] * codes.count(429))
     finally:
         for gw in gws:
@@ -137,13 +137,13 @@ def test_kill_9_with_100_streams_in_flight_loses_no_row(tmp_path):
         time.sleep(1.0)  # a few heartbeats: every row has checkpointed its two chunks
         gw.send_signal(signal.SIGKILL)
         gw.wait(timeout=10)
-        assert len([r for r in store.usage_rows() if r["status"] == "started"]) == 100
+        assert len([r for r in store.usage_rows() if r.status == "started"]) == 100
         gw = gateway_process(env, backend, port, "gw-under-test")  # restarted: closes its own orphans
-        wait_until(lambda: not [r for r in store.usage_rows() if r["status"] == "started"], what="orphans closed")
+        wait_until(lambda: not [r for r in store.usage_rows() if r.status == "started"], what="orphans closed")
         seen = {r["request_id"] for r in httpx.get(backend + "/_requests").json() if r["endpoint"] == "chat"}
         rows = store.usage_rows()
-        assert {r["request_id"] for r in rows} == seen and len(rows) == 100
-        assert {(r["status"], r["completion_tokens"], r["reserved_tokens"] > 0) for r in rows} == {
+        assert {r.request_id for r in rows} == seen and len(rows) == 100
+        assert {(r.status, r.completion_tokens, r.reserved_tokens > 0) for r in rows} == {
             ("interrupted", 2, True)}
         for t in threads:
             t.join(timeout=30)
@@ -166,7 +166,7 @@ def test_a_backend_that_drops_after_its_headers_is_a_502_with_its_row_and_lease_
             events = [x for x in s.iter_lines() if x.startswith("data: ")]
         assert "failed" in events[-1] or "ended the stream early" in events[-1]
         rows = finished(store, rec.id)
-        assert [(r["status"], r["backend"]) for r in rows] == [("backend_error", fake.url)] * 2
+        assert [(r.status, r.backend) for r in rows] == [("backend_error", fake.url)] * 2
         # the one concurrency lease came back each time
         ok = httpx.post(gw.url + "/v1/chat/completions", headers=h, timeout=30,
                         json={"messages": [{"role": "user", "content": "hi"}]})
@@ -183,7 +183,7 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it_at_the_backend(store)
         rec_ = fake.app.state.records[-1]
         wait_until(lambda: rec_["status"] == "aborted", what="the backend to see the client leave")
         wait_until(lambda: len(finished(store, rec.id)) == 1, what="the row")
-        assert finished(store, rec.id)[0]["status"] == "client_aborted"
+        assert finished(store, rec.id)[0].status == "client_aborted"
         r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200  # the lease was released
@@ -201,7 +201,7 @@ def test_a_slow_backend_is_a_504_not_a_dead_backend_and_is_not_sent_again(store)
         assert sum(len(f.app.state.records) for f in fakes) == 1  # never replayed to the other backend
         assert all(b.healthy for b in gw.app.state.router.backends)
         (row,) = finished(store, rec.id)
-        assert (row["status"], row["http_status"]) == ("timeout", 504)
+        assert (row.status, row.http_status) == ("timeout", 504)
     finally:
         gw.stop()
         for f in fakes:
@@ -237,7 +237,7 @@ def test_a_failing_limiter_at_the_end_loses_no_row_and_a_failing_store_refuses(s
     with gateway_over_fake(store, limiter=SettleFails(lease_s=1.0)) as (fake, gw):
         assert httpx.post(gw.url + "/v1/chat/completions", headers=h, json=body, timeout=30).status_code == 200
         (row,) = finished(store, rec.id)
-        assert row["status"] == "ok" and row["completion_tokens"] == 512  # the explicit default max_tokens
+        assert row.status == "ok" and row.completion_tokens == 512  # the explicit default max_tokens
         # the unsettled lease ends by itself after lease_s
         wait_until(lambda: httpx.post(gw.url + "/v1/chat/completions", headers=h, json=body,
                                       timeout=30).status_code == 200, what="the lease to expire")

@@ -151,14 +151,14 @@ def test_a_burst_never_spends_past_the_key_or_tenant_budget(store, mode, request
         sent = [r for r in fake.app.state.records if r["endpoint"] == "completions"]
         # what the backend was allowed to do never passes the budget
         assert sum(r["usage"]["prompt_tokens"] + r["body"]["max_tokens"] for r in sent) <= 1500
-        wait_until(lambda: all(r["status"] != "started" for r in store.usage_rows()) and
+        wait_until(lambda: all(r.status != "started" for r in store.usage_rows()) and
                    len(store.usage_rows()) == 60, what="usage rows")
-        used = sum(r["prompt_tokens"] + r["completion_tokens"] for r in store.usage_rows() if r["status"] == "ok")
+        used = sum(r.prompt_tokens + r.completion_tokens for r in store.usage_rows() if r.status == "ok")
         spent = {b["scope"]: b for b in httpx.get(gws[0].url + "/admin/budgets", headers=ADMIN_H).json()["data"]}
         assert spent[f"key:{rec.id}"]["tokens_spent"] == used <= 1500
-        cost = sum(PRICES.get("fake-model").cost_micros(r["prompt_tokens"], r["cached_tokens"],
-                                                        r["completion_tokens"])
-                   for r in store.usage_rows() if r["status"] == "ok")
+        cost = sum(PRICES.get("fake-model").cost_micros(r.prompt_tokens, r.cached_tokens,
+                                                        r.completion_tokens)
+                   for r in store.usage_rows() if r.status == "ok")
         assert spent["tenant:acme"]["spend"] == pytest.approx(cost / 1e6) and cost <= 5_000_000
     finally:
         for gw in gws:
@@ -185,12 +185,12 @@ def test_a_client_that_vanishes_mid_stream_is_charged_what_it_received(store):
                 got += [line] if line.startswith("data: ") else []
                 if len(got) == 3:
                     break
-        wait_until(lambda: [x["status"] for x in store.usage_rows(rec.id)] == ["client_aborted"], what="the row")
+        wait_until(lambda: [x.status for x in store.usage_rows(rec.id)] == ["client_aborted"], what="the row")
         (row,) = store.usage_rows(rec.id)
-        assert row["completion_tokens"] == 3
+        assert row.completion_tokens == 3
         spent = {b["scope"]: b for b in httpx.get(gw.url + "/admin/budgets", headers=ADMIN_H).json()["data"]}
-        assert spent[f"key:{rec.id}"]["tokens_spent"] == row["prompt_tokens"] + 3  # not the 400 reserved
-        cost = PRICES.get("fake-model").cost_micros(row["prompt_tokens"], row["cached_tokens"], 3)
+        assert spent[f"key:{rec.id}"]["tokens_spent"] == row.prompt_tokens + 3  # not the 400 reserved
+        cost = PRICES.get("fake-model").cost_micros(row.prompt_tokens, row.cached_tokens, 3)
         assert spent["tenant:acme"]["spend"] == pytest.approx(cost / 1e6)
         # what was reserved for the abandoned stream is free again: a request for the rest is granted whole
         left = 1000 - spent[f"key:{rec.id}"]["tokens_spent"]
@@ -227,8 +227,8 @@ def test_money_budgets_models_and_spend_reports(store, tmp_path):
     assert other.status_code == 403 and "may not use model 'gpt-x'" in other.json()["error"]["message"]
     assert unpriced.status_code == 400 and "no price" in unpriced.json()["error"]["message"]
     assert codes[0] == 200 and codes[-1] == 429  # 0.25 pays for a few requests, then the budget is spent
-    ok = [r for r in store.usage_rows() if r["status"] == "ok"]
-    cost = sum(PRICES.get("fake-model").cost_micros(r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"])
+    ok = [r for r in store.usage_rows() if r.status == "ok"]
+    cost = sum(PRICES.get("fake-model").cost_micros(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
                for r in ok)
     assert cost <= 250_000
     row = next(r for r in by_model if r["model"] == "fake-model")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from hotprefix.gateway.store import utcnow
+from hotprefix.gateway.store import UsageRow, utcnow
 from tests.browser import Browser
 from tests.gateway.conftest import ADMIN, SECRET, gateway_over_fake, tenant_store, wait_until
 
@@ -34,7 +34,7 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
         bad = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {k3}"},
                          json={"messages": "not a list"})
         assert codes == [200, 200, 200, 200, 429, 200] and bad.status_code == 400
-        wait_until(lambda: all(r["status"] != "started" for r in store.usage_rows()) and len(store.usage_rows()) == 7,
+        wait_until(lambda: all(r.status != "started" for r in store.usage_rows()) and len(store.usage_rows()) == 7,
                    what="usage rows")
         denied = httpx.get(gw.url + "/admin/dashboard")
         data = httpx.get(gw.url + "/admin/dashboard", headers=ADMIN_H).json()
@@ -67,17 +67,17 @@ def test_the_dashboard_shows_each_tenant_and_key(tmp_path):
     assert (beta["requests"], beta["ok"], beta["rate_limited"], beta["errors"]) == (2, 1, 0, 1)
     keys = {k["id"]: k for t in data["tenants"] for k in t["keys"]}
     assert (keys[r1.id]["requests"], keys[r2.id]["rate_limited"], keys[r3.id]["errors"]) == (3, 1, 1)
-    usage = {u["key"]: u for u in store.usage_report("key")}
+    usage = {u.group: u for u in store.usage_report("key")}
     for kid, k in keys.items():  # the dashboard's numbers are the usage rows'
         assert (k["requests"], k["prompt_tokens"], k["completion_tokens"]) == \
-            (usage[kid]["requests"], usage[kid]["prompt_tokens"], usage[kid]["completion_tokens"])
+            (usage[kid].requests, usage[kid].prompt_tokens, usage[kid].completion_tokens)
     assert sum(p["requests"] for p in data["series"]) == 7
     per_key = {}
     for p in data["key_series"]:
         per_key[p["key"]] = per_key.get(p["key"], 0) + p["requests"]
     assert per_key == {r1.id: 3, r2.id: 2, r3.id: 2}
-    acme_used = sum(r["prompt_tokens"] + r["completion_tokens"] for r in store.usage_rows()
-                    if r["tenant"] == "acme" and r["status"] == "ok")
+    acme_used = sum(r.prompt_tokens + r.completion_tokens for r in store.usage_rows()
+                    if r.tenant == "acme" and r.status == "ok")
     assert acme["budget"]["tokens_spent"] == acme_used and acme["budget"]["max_budget_tokens"] == 100_000
     assert beta["budget"] is None and keys[r1.id]["budget"] is None
     (backend,) = data["backends"]
@@ -97,13 +97,12 @@ def test_activity_groups_by_key_status_and_time_bucket(store):
     now = utcnow()
     for i, (key, status, minutes_ago) in enumerate([("a", "ok", 1), ("a", "ok", 1), ("a", "rate_limited", 1),
                                                     ("b", "ok", 3), ("b", "error", 90)]):
-        store.record_usage({"created_at": now - dt.timedelta(minutes=minutes_ago), "key_id": key, "tenant": "t",
-                            "endpoint": "chat", "stream": False, "status": status, "http_status": 200,
-                            "latency_s": 0.1, "prompt_tokens": 10 * (i + 1), "cached_tokens": i,
-                            "completion_tokens": 1})
+        store.record_usage(UsageRow(key, "t", "chat", status=status, http_status=200, latency_s=0.1,
+                                    prompt_tokens=10 * (i + 1), cached_tokens=i, completion_tokens=1,
+                                    created_at=now - dt.timedelta(minutes=minutes_ago)))
     act = store.usage_activity(now - dt.timedelta(minutes=60), 60)
-    totals = {(r["key_id"], r["status"]): (r["requests"], r["prompt_tokens"]) for r in act["totals"]}
+    totals = {(r.key_id, r.status): (r.requests, r.prompt_tokens) for r in act.totals}
     assert totals == {("a", "ok"): (2, 30), ("a", "rate_limited"): (1, 30), ("b", "ok"): (1, 40)}
-    buckets = sorted({r["bucket"] for r in act["series"]})
+    buckets = sorted({r.bucket for r in act.series})
     assert len(buckets) == 2 and all(b % 60 == 0 for b in buckets)
     assert buckets[1] - buckets[0] in (120, 180)  # 1 and 3 minutes ago, in whole-minute buckets

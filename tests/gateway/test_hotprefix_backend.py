@@ -123,8 +123,8 @@ def test_usage_rows_equal_the_backend_request_log(logged_server, store):
         rows = store.usage_rows(rec.id)
         assert len(rows) == 3
         for row, b in zip(rows, logged):
-            assert (row["prompt_tokens"], row["cached_tokens"], row["completion_tokens"], row["finish_reason"]) == (
+            assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens, row.finish_reason) == (
                 b["prompt_tokens"], b["cached_tokens"], b["completion_tokens"], b["finish_reason"])
-        assert [r["stream"] for r in rows] == [False, True, False]
+        assert [r.stream for r in rows] == [False, True, False]
     finally:
         gw.stop()

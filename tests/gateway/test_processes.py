@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from hotprefix.gateway.store import Store
+from hotprefix.gateway.store import Store, UsageRow
 from tests.gateway.conftest import start_fake, wait_until
 from tests.server.conftest import free_port
 
@@ -110,9 +110,8 @@ def test_tenants_keys_and_usage_commands(env, tmp_path):
     store = Store(env["HOTPREFIX_DATABASE_URL"])
     db = open(store.engine.url.database, "rb").read()
     assert key[6:-4].encode() not in db and rotated["key"][6:-4].encode() not in db
-    store.record_usage({"key_id": rotated["id"], "tenant": "acme", "endpoint": "chat", "stream": False,
-                        "status": "ok", "http_status": 200, "prompt_tokens": 12, "cached_tokens": 8,
-                        "completion_tokens": 3, "latency_s": 0.2})
+    store.record_usage(UsageRow(rotated["id"], "acme", "chat", status="ok", http_status=200, prompt_tokens=12,
+                                cached_tokens=8, completion_tokens=3, latency_s=0.2))
     usage = json.loads(cli(env, "usage", "--by", "key", "--json").stdout)
     assert usage == [{"key": rotated["id"], "requests": 1, "ok": 1, "prompt_tokens": 12, "cached_tokens": 8,
                       "completion_tokens": 3}]

@@ -65,7 +65,7 @@ def test_client_cache_salt_and_bad_bodies_are_refused(setup):
         r = post(gw, key, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert len(fake.app.state.records) == n  # nothing reached the backend
-    assert [(r["status"], r["http_status"]) for r in store.usage_rows(rec.id)] == [("invalid", 400)] * 3
+    assert [(r.status, r.http_status) for r in store.usage_rows(rec.id)] == [("invalid", 400)] * 3
 
 
 def test_authentication(setup):
@@ -104,7 +104,7 @@ def test_openai_client_through_the_gateway(setup):
 
 def usage_rows(store, key_id):
     """The key's finished rows of admitted requests."""
-    return [r for r in store.usage_rows(key_id) if r["status"] not in ("rate_limited", "started")]
+    return [r for r in store.usage_rows(key_id) if r.status not in ("rate_limited", "started")]
 
 
 def test_usage_rows_equal_the_backend_usage(setup):
@@ -134,14 +134,14 @@ def test_usage_rows_equal_the_backend_usage(setup):
     rows = usage_rows(store, rec.id)
     for row, backend in zip(rows, sent):
         u = backend["usage"]
-        assert (row["prompt_tokens"], row["completion_tokens"], row["cached_tokens"]) == (
+        assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (
             u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]), row
-        assert row["backend"] == fake.url and row["tenant"] == "acme" and row["prompt_name"] == "acme"
-        assert row["prompt_version"] == 1 and row["ttft_s"] is not None and row["latency_s"] >= row["ttft_s"]
-    assert [r["status"] for r in rows] == ["ok"] * 4 + ["client_aborted"]
-    assert [r["stream"] for r in rows] == [False, False, True, True, True]
-    assert [r["finish_reason"] for r in rows] == ["length"] * 4 + [None]
-    assert rows[4]["completion_tokens"] == 3
+        assert row.backend == fake.url and row.tenant == "acme" and row.prompt_name == "acme"
+        assert row.prompt_version == 1 and row.ttft_s is not None and row.latency_s >= row.ttft_s
+    assert [r.status for r in rows] == ["ok"] * 4 + ["client_aborted"]
+    assert [r.stream for r in rows] == [False, False, True, True, True]
+    assert [r.finish_reason for r in rows] == ["length"] * 4 + [None]
+    assert rows[4].completion_tokens == 3
 
 
 def test_backend_errors_are_recorded_and_passed_on(setup):
@@ -151,7 +151,7 @@ def test_backend_errors_are_recorded_and_passed_on(setup):
     assert r.status_code == 503 and "HTTP 500" in r.json()["error"]["message"]
     wait_until(lambda: len(store.usage_rows(rec.id)) == 1, what="the usage row")
     row = store.usage_rows(rec.id)[0]
-    assert (row["status"], row["http_status"], row["prompt_tokens"]) == ("backend_error", 502, None)
+    assert (row.status, row.http_status, row.prompt_tokens) == ("backend_error", 502, None)
 
 
 def test_fifty_concurrent_clients_never_exceed_the_limits(setup):
@@ -170,7 +170,7 @@ def test_fifty_concurrent_clients_never_exceed_the_limits(setup):
     refused = next(r for r in got if r.status_code == 429)
     assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert refused.json()["error"]["type"] == "RateLimitError"
-    statuses = [r["status"] for r in store.usage_rows(rec.id)]
+    statuses = [r.status for r in store.usage_rows(rec.id)]
     assert statuses.count("ok") == codes.count(200) and statuses.count("rate_limited") == codes.count(429)
 
 
@@ -229,7 +229,7 @@ def test_admin_api(setup):
     post(gw, rotated["key"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
     assert last(fake)["body"]["messages"][0]["content"] == "Delta prompt v2."
     usage = httpx.get(gw.url + "/admin/usage?group_by=key", headers=h).json()
-    assert usage["data"] == store.usage_report("key")
+    assert usage["data"] == [r.to_json("key", False) for r in store.usage_report("key")]
     assert httpx.get(gw.url + "/admin/usage?group_by=region", headers=h).status_code == 400
     backends = httpx.get(gw.url + "/admin/backends", headers=h).json()["data"]
     assert backends[0]["url"] == fake.url and backends[0]["healthy"] and backends[0]["kind"] == "openai"

@@ -82,8 +82,8 @@ def test_killing_a_backend_moves_its_tenants_to_the_others(tmp_path):
                                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, timeout=30)
                     assert r.status_code == 200, r.text
                 rows = store.usage_rows()
-                assert rows[-1]["backend"] == rows[-2]["backend"]  # both on one backend
-                where[t] = rows[-1]["backend"]
+                assert rows[-1].backend == rows[-2].backend  # both on one backend
+                where[t] = rows[-1].backend
             return where
 
         before = run_round()
@@ -142,7 +142,7 @@ def test_a_backend_that_comes_back_is_warmed_and_gets_its_tenants_back(tmp_path)
         key = store.create_key(SECRET, next(t for t in tenants if home[t] == victim_url))[0]
         r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                        json={"messages": [{"role": "user", "content": "back?"}]}, timeout=30)
-        assert r.status_code == 200 and store.usage_rows()[-1]["backend"] == victim_url
+        assert r.status_code == 200 and store.usage_rows()[-1].backend == victim_url
     finally:
         gw.stop()
         for _, p in procs:

@@ -10,7 +10,17 @@ import sqlalchemy as sa
 
 from hotprefix.gateway import keys as K
 from hotprefix.gateway.budgets import PriceTable
-from hotprefix.gateway.store import MIGRATIONS, Store, StoreError, UsageStatus, utcnow
+from hotprefix.gateway.store import (
+    MIGRATIONS,
+    Store,
+    StoreError,
+    Tokens,
+    UsageEnd,
+    UsageGroup,
+    UsageRow,
+    UsageStatus,
+    utcnow,
+)
 from tests.gateway.conftest import SECRET
 
 
@@ -90,19 +100,16 @@ def test_revoke_expire_and_rotate(store):
 
 def test_usage_report_groups(store):
     day1, day2 = dt.datetime(2026, 11, 20, 10), dt.datetime(2026, 11, 21, 23, 59)
-    base = {"endpoint": "chat", "stream": False, "http_status": 200, "latency_s": 0.1}
     rows = [("k1", "acme", day1, "ok", 10, 4, 5), ("k1", "acme", day2, "ok", 20, 16, 7),
             ("k2", "beta", day2, "client_aborted", 30, 0, 2), ("k2", "beta", day2, "rate_limited", None, None, None)]
     for kid, tenant, at, status, p, c, o in rows:
-        store.record_usage(base | {"key_id": kid, "tenant": tenant, "created_at": at, "status": status,
-                                   "prompt_tokens": p, "cached_tokens": c, "completion_tokens": o})
-    assert store.usage_report("tenant") == [
-        {"tenant": "acme", "requests": 2, "ok": 2, "prompt_tokens": 30, "cached_tokens": 20, "completion_tokens": 12},
-        {"tenant": "beta", "requests": 2, "ok": 0, "prompt_tokens": 30, "cached_tokens": 0, "completion_tokens": 2}]
-    assert [(r["day"], r["requests"], r["prompt_tokens"]) for r in store.usage_report("day")] == [
+        store.record_usage(UsageRow(kid, tenant, "chat", status=status, http_status=200, latency_s=0.1,
+                                    prompt_tokens=p, cached_tokens=c, completion_tokens=o, created_at=at))
+    assert store.usage_report("tenant") == [UsageGroup("acme", 2, 2, 30, 20, 12), UsageGroup("beta", 2, 0, 30, 0, 2)]
+    assert [(r.group, r.requests, r.prompt_tokens) for r in store.usage_report("day")] == [
         ("2026-11-20", 1, 10), ("2026-11-21", 3, 50)]
-    assert [r["key"] for r in store.usage_report("key", since=dt.datetime(2026, 11, 21))] == ["k1", "k2"]
-    assert store.usage_report("key", until=dt.datetime(2026, 11, 21)) == [
+    assert [r.group for r in store.usage_report("key", since=dt.datetime(2026, 11, 21))] == ["k1", "k2"]
+    assert [r.to_json("key", False) for r in store.usage_report("key", until=dt.datetime(2026, 11, 21))] == [
         {"key": "k1", "requests": 1, "ok": 1, "prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 5}]
     with pytest.raises(StoreError):
         store.usage_report("region")
@@ -110,31 +117,40 @@ def test_usage_report_groups(store):
     with store.engine.begin() as c:
         c.exec_driver_sql("UPDATE usage SET model = 'm1' WHERE tenant = 'acme'")
     prices = PriceTable.from_dict({"m1": {"input": 1.0, "cached_input": 0.5, "output": 2.0}})
-    by_model = {r["model"]: (r["requests"], r["spend"]) for r in store.usage_report("model", prices=prices)}
+    by_model = {r.group: (r.requests, r.spend) for r in store.usage_report("model", prices=prices)}
     assert by_model["m1"] == (2, pytest.approx(((30 - 20) * 1.0 + 20 * 0.5 + 12 * 2.0) / 1e6))
     assert by_model["None"] == (2, None)
-    spend = {r["tenant"]: r["spend"] for r in store.usage_report("tenant", prices=prices)}
+    spend = {r.group: r.spend for r in store.usage_report("tenant", prices=prices)}
     assert spend == {"acme": pytest.approx(44e-6), "beta": None}
 
 
 def test_a_usage_row_is_started_at_admission_and_ended_once(store):
     base = {"key_id": "key_1", "tenant": "acme", "endpoint": "chat", "stream": True, "reserved_tokens": 600}
-    store.start_usage(base | {"request_id": "gw-a", "gateway_id": "gw1"})
-    store.start_usage(base | {"request_id": "gw-b", "gateway_id": "gw1"})
-    store.start_usage(base | {"request_id": "gw-c", "gateway_id": "gw2"})
-    store.heartbeat_usage({"gw-b": {"prompt_tokens": 40, "completion_tokens": 7}, "gw-c": {}})
-    assert store.finish_usage("gw-a", {"status": "ok", "http_status": 200, "prompt_tokens": 40,
-                                       "completion_tokens": 9, "latency_s": 1.5})
-    assert not store.finish_usage("gw-a", {"status": "error", "http_status": 500})  # ends once
+    store.start_usage(UsageRow(**base, request_id="gw-a", gateway_id="gw1"))
+    store.start_usage(UsageRow(**base, request_id="gw-b", gateway_id="gw1"))
+    store.start_usage(UsageRow(**base, request_id="gw-c", gateway_id="gw2"))
+    store.heartbeat_usage({"gw-b": Tokens(prompt_tokens=40, completion_tokens=7), "gw-c": Tokens()})
+    assert store.finish_usage("gw-a", UsageEnd(UsageStatus.OK, 200, 1.5,
+                                                tokens=Tokens(prompt_tokens=40, completion_tokens=9)))
+    assert not store.finish_usage("gw-a", UsageEnd(UsageStatus.ERROR, 500, 0.1))  # ends once
     assert store.close_orphans(gateway_id="gw1") == 1  # gw1 restarted: its running row is orphaned
     assert store.close_orphans(silent_since=utcnow() - dt.timedelta(seconds=60)) == 0  # gw2 beat just now
     assert store.close_orphans(silent_since=utcnow() + dt.timedelta(seconds=1)) == 1
-    rows = {r["request_id"]: r for r in store.usage_rows()}
-    got = [(rows[k]["status"], rows[k]["prompt_tokens"], rows[k]["completion_tokens"])
-           for k in ("gw-a", "gw-b", "gw-c")]
-    assert got == [("ok", 40, 9), ("interrupted", 40, 7), ("interrupted", None, None)]
-    assert all(r["reserved_tokens"] == 600 for r in rows.values())
-    assert {s.value for s in UsageStatus} >= {r["status"] for r in rows.values()}
+    rows = {r.request_id: r for r in store.usage_rows()}
+    got = [(rows[k].status, rows[k].prompt_tokens, rows[k].completion_tokens) for k in ("gw-a", "gw-b", "gw-c")]
+    assert got == [(UsageStatus.OK, 40, 9), (UsageStatus.INTERRUPTED, 40, 7), (UsageStatus.INTERRUPTED, None, None)]
+    assert all(r.reserved_tokens == 600 and r.stream and isinstance(r.created_at, dt.datetime)
+               for r in rows.values())
+
+
+def test_a_usage_row_has_exactly_the_columns_of_the_table():
+    from dataclasses import fields
+
+    from hotprefix.gateway.schema import usage
+
+    assert {f.name for f in fields(UsageRow)} == set(usage.c.keys())
+    with pytest.raises(ValueError, match="'done' is not a valid UsageStatus"):
+        UsageRow("k", "t", "chat", status="done")
 
 
 def test_migrations_0002_and_0003_upgrade_a_database_with_rows(tmp_path):
@@ -148,13 +164,12 @@ def test_migrations_0002_and_0003_upgrade_a_database_with_rows(tmp_path):
     with st.engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "0001")
-    st.record_usage({"key_id": "k", "tenant": "t", "endpoint": "chat", "stream": False, "status": "ok",
-                     "http_status": 200, "latency_s": 0.1})
+    st.record_usage(UsageRow("k", "t", "chat", status="ok", http_status=200, latency_s=0.1))
     with st.engine.begin() as conn:  # a tenant as 0001 had them (0003 adds its budget columns)
         conn.exec_driver_sql("INSERT INTO tenants (name, prompt_name, created_at) VALUES ('t', NULL, "
                              "'2026-01-01 00:00:00')")
     assert st.migrate() == "0003" and st.schema_diff() == []
     (row,) = st.usage_rows()
-    assert row["status"] == "ok" and row["request_id"] is None
+    assert row.status is UsageStatus.OK and row.request_id is None
     t = st.tenant("t")
     assert (t.max_budget_tokens, t.max_budget, t.budget_duration) == (None, None, None) and not t.budget.active

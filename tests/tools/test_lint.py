@@ -205,6 +205,32 @@ def test_pool_replay_evicts_least_recently_released_last_blocks_first():
     assert replay([big], bs, size).too_big == 1
 
 
+def test_the_unbounded_replay_is_the_engine_with_a_pool_that_never_evicts():
+    """The unbounded cache is computed without a pool; the engine's scheduler with a pool
+    large enough that nothing is evicted gives the same hits (outputs' blocks included)."""
+    rng, bs = random.Random(11), 4
+    reqs = []
+    for i in range(60):
+        shared, own = rng.randint(0, 5), rng.randint(0, 3)
+        hashes = [b"g%d-%d" % (i % 3, k) for k in range(shared)] + [b"r%d-%d" % (i, k) for k in range(own)]
+        reqs.append(SimRequest(hashes, (shared + own) * bs + rng.randint(1, bs - 1), rng.choice([1, 2, 7])))
+    never_evicts = CacheSize(device_blocks=sum(-(-r.computed_tokens // bs) for r in reqs))
+    unbounded, engine = replay(reqs, bs), replay(reqs, bs, never_evicts)
+    assert engine.hits == unbounded.hits and engine.shared_blocks == unbounded.shared_blocks
+    assert sum(unbounded.hits) > 0 and engine.too_big == 0
+
+
+def test_the_replay_runs_the_engine_admission_with_its_host_tier():
+    """A request's blocks past its known hashes (its output) are cached by the engine too:
+    evicted (last block first), they take host-tier slots, and a host tier of two slots
+    then no longer holds the first prompt block a later request needs."""
+    bs = 2
+    x = SimRequest([b"x0", b"x1"], 4, output_tokens=3)  # computes 6 tokens: x0, x1 and one output block
+    y = SimRequest([b"y0", b"y1", b"y2"], 6)
+    assert replay([x, y, x], bs, CacheSize(device_blocks=3, host_blocks=3)).hits == [0, 0, 2]
+    assert replay([x, y, x], bs, CacheSize(device_blocks=3, host_blocks=2)).hits == [0, 0, 0]
+
+
 def test_prediction_matches_a_real_server_within_2_points(linter, tiny_llama):
     """Bodies (not a server log) replayed to a real server, as sent and fixed; lint's
     prediction for a pool the size of the server's."""

@@ -6,6 +6,7 @@ that never evicts. lint reads the server's own request log (hashes, and text wit
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -54,7 +55,7 @@ def replay(model: Path, num_blocks: int, bodies: list[dict], log: Path) -> float
 
 def lint_log(encoder: PromptEncoder, log: Path, strip_text: bool = False) -> tuple[dict, list[dict]]:
     data = read_requests(log)
-    entries = [{k: v for k, v in e.items() if k != "text"} for e in data.entries] if strip_text else data.entries
+    entries = [replace(e, text=None) for e in data.entries] if strip_text else data.entries
     linter = Linter(encoder, data.block_size, size=data.size)
     return linter.report(linter.from_log_entries(entries))
 

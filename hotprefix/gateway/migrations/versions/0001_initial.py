@@ -13,6 +13,11 @@ depends_on = None
 
 
 def upgrade() -> None:
+    _create_tenants_and_keys()
+    _create_usage()
+
+
+def _create_tenants_and_keys() -> None:
     op.create_table(
         "system_prompts",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -45,6 +50,9 @@ def upgrade() -> None:
         sa.Column("tpm", sa.Integer, nullable=True),
         sa.Column("max_concurrent", sa.Integer, nullable=True),
     )
+
+
+def _create_usage() -> None:
     op.create_table(
         "usage",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),

@@ -1,0 +1,213 @@
+"""The request log (`serve --request-log FILE`): one JSON line per finished request.
+
+The server writes it (serving.Serving builds a LogRow when a request ends, once;
+prefix_log.PrefixRecorder adds a PrefixEntry per prompt) and `hotprefix lint` reads
+it, both through the types of this module: it owns the row's fields, their JSON and
+their validation.
+
+A row: the unix time it ended, the request's id, endpoint, served model name and user,
+how it ended (LogStatus), its prompt, cached and completion tokens, time to first
+token, latency and finish reasons; with prefix caching, `kv` (the cache the server has:
+lint replays that size) and `prefix` (per prompt: its tokens, cached tokens and
+completion tokens, its keyed block-hash chain, the salt's digest and offset, and its
+text with --request-log-prompts). Rows written by earlier versions of this server
+have the same JSON and read the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+log = logging.getLogger("hotprefix.requests")
+
+REPLAYED = "`prefix` or times"  # what lint replays: the prompts' chains, the cache, the order of arrival
+_MISSING = object()
+
+
+class LogStatus(str, Enum):
+    """How a request ended, in its request-log line."""
+
+    OK = "ok"
+    ERROR = "error"
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+class LogRowError(ValueError):
+    """A JSON object that is not a request-log row; the message is one line that names
+    the field (lint prefixes the file and line)."""
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _positive(x: Any) -> bool:
+    return _count(x) and x >= 1
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _hex_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(b, str) and len(b) % 2 == 0 and all(
+        c in "0123456789abcdef" for c in b) for b in x)
+
+
+def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str, group: str,
+           default: Any = _MISSING, where: str = "") -> Any:
+    """obj[name] if ok(it), else default when it is absent. Raises LogRowError naming it."""
+    if name not in obj and default is not _MISSING:
+        return default
+    value = obj.get(name, _MISSING)
+    if value is _MISSING or not ok(value):
+        shown = "missing" if value is _MISSING else f"{json.dumps(value)[:40]}"
+        verb = "are" if group == REPLAYED else "is"
+        raise LogRowError(f"a request-log row whose {group} {verb} malformed: {where}{name} must be {what}, "
+                          f"got {shown}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The prefix cache the server had: its block size, pool blocks and host-tier blocks."""
+
+    block_size: int
+    blocks: int
+    host_blocks: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> KVShape:
+        """Raises LogRowError."""
+        kv = _field({"kv": obj}, "kv", lambda x: isinstance(x, dict), "an object", REPLAYED)
+        return cls(_field(kv, "block_size", _positive, "an integer >= 1", REPLAYED, where="kv."),
+                   _field(kv, "blocks", _positive, "an integer >= 1", REPLAYED, where="kv."),
+                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv."))
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """One prompt of a request: its tokens, the tokens the cache gave it, the tokens it
+    generated (its first sample's), the keyed digests of its full blocks (prompt, then
+    output; None when it did not finish: its hashes are unknown), the keyed digest of its
+    cache salt and the salt's offset, and its rendered text (only with --request-log-prompts)."""
+
+    tokens: int
+    cached: int
+    completion: int
+    blocks: tuple[str, ...] | None
+    salt: str | None = None
+    salt_offset: int = 0
+    text: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": self.tokens, "cached": self.cached, "completion": self.completion,
+                               "blocks": None if self.blocks is None else list(self.blocks), "salt": self.salt}
+        if self.salt is not None:
+            out["salt_offset"] = self.salt_offset
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "prefix[0].") -> PrefixEntry:
+        """Raises LogRowError."""
+        e = _field({"entry": obj}, "entry", lambda x: isinstance(x, dict), "an object", REPLAYED, where=where)
+
+        def get(name: str, ok: Callable[[Any], bool], what: str, default: Any = _MISSING) -> Any:
+            return _field(e, name, ok, what, REPLAYED, default, where)
+
+        blocks = get("blocks", lambda x: x is None or _hex_list(x), "null or a list of hex digests", None)
+        return cls(get("tokens", _positive, "an integer >= 1"),
+                   get("cached", _count, "an integer >= 0", 0), get("completion", _count, "an integer >= 0", 0),
+                   None if blocks is None else tuple(blocks),
+                   get("salt", lambda x: x is None or isinstance(x, str), "null or a string", None),
+                   get("salt_offset", _count, "an integer >= 0", 0), get("text", lambda x: isinstance(x, str),
+                                                                         "a string", None))
+
+
+@dataclass(frozen=True)
+class LogRow:
+    """One finished request (see the module doc). kv and prefix: with prefix caching only."""
+
+    time: float
+    request_id: str
+    endpoint: str
+    model: str
+    user: str | None
+    status: LogStatus
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    latency_s: float
+    finish_reason: str | None
+    kv: KVShape | None = None
+    prefix: tuple[PrefixEntry, ...] | None = None
+
+    @property
+    def arrival(self) -> float:
+        """When the request arrived (unix time): rows are written in the order requests end."""
+        return self.time - self.latency_s
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"time": self.time, "request_id": self.request_id, "endpoint": self.endpoint, "model": self.model,
+               "user": self.user, "status": self.status.value, "prompt_tokens": self.prompt_tokens,
+               "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+               "ttft_s": self.ttft_s, "latency_s": self.latency_s, "finish_reason": self.finish_reason}
+        if self.kv is not None:
+            out["kv"] = self.kv.to_json()
+        if self.prefix is not None:
+            out["prefix"] = [e.to_json() for e in self.prefix]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> LogRow:
+        """The row a JSON object holds. Raises LogRowError naming the first malformed field
+        (what lint replays first: the prompts' entries, the cache, the times)."""
+        entries = _field(obj, "prefix", lambda x: isinstance(x, list), "a list", REPLAYED, None)
+        prefix = None if entries is None else tuple(PrefixEntry.from_json(e, f"prefix[{i}].")
+                                                    for i, e in enumerate(entries))
+        kv = None if obj.get("kv") is None else KVShape.from_json(obj["kv"])
+        times = {name: _field(obj, name, _number, "a number", REPLAYED) for name in ("time", "latency_s")}
+
+        def get(name: str, ok: Callable[[Any], bool], what: str) -> Any:
+            return _field(obj, name, ok, what, f"`{name}`")
+
+        def text(name: str, optional: bool = False) -> Any:
+            return get(name, lambda x: isinstance(x, str) or (optional and x is None),
+                       "null or a string" if optional else "a string")
+
+        status = get("status", lambda x: x in {s.value for s in LogStatus},
+                     "one of " + ", ".join(s.value for s in LogStatus))
+        return cls(times["time"], text("request_id"), text("endpoint"), text("model"), text("user", True),
+                   LogStatus(status), *(get(f"{k}_tokens", _count, "an integer >= 0")
+                                        for k in ("prompt", "cached", "completion")),
+                   get("ttft_s", lambda x: x is None or _number(x), "null or a number"), times["latency_s"],
+                   text("finish_reason", True), kv, prefix)
+
+
+class RequestLog:
+    """One line per finished request, to the log and optionally as JSON lines to a file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the app
+
+    def write(self, row: LogRow) -> None:
+        log.info("request %s %s: prompt=%d cached=%d completion=%d ttft=%s latency=%.3fs finish=%s",
+                 row.request_id, row.status.value, row.prompt_tokens, row.cached_tokens, row.completion_tokens,
+                 row.ttft_s, row.latency_s, row.finish_reason)
+        if self.file is not None:
+            self.file.write(json.dumps(row.to_json()) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

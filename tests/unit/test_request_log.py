@@ -1,0 +1,70 @@
+"""The request-log row: one type writes it (the server) and reads it (`hotprefix lint`); rows
+as the server has always written them read the same; a malformed one is a one-line error
+naming its field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hotprefix.config import ConfigError
+from hotprefix.server.request_log import KVShape, LogRow, LogRowError, LogStatus, PrefixEntry
+from hotprefix.tools.lint import read_requests
+
+# Two rows exactly as the server wrote them before the row was a type: with prefix caching
+# (a salted prompt with its text, and an unfinished one), and without.
+WRITTEN = [
+    '{"time": 1779000000.5, "request_id": "cmpl-1", "endpoint": "completions", "model": "tiny", "user": "alice", '
+    '"status": "ok", "prompt_tokens": 25, "cached_tokens": 16, "completion_tokens": 3, "ttft_s": 0.0123, '
+    '"latency_s": 0.25, "finish_reason": "length", "kv": {"block_size": 4, "blocks": 256, "host_blocks": 8}, '
+    '"prefix": [{"tokens": 20, "cached": 16, "completion": 3, "blocks": ["00ff", "a1b2"], "salt": "c0ffee", '
+    '"salt_offset": 8, "text": "hello"}, {"tokens": 5, "cached": 0, "completion": 0, "blocks": null, '
+    '"salt": null}]}',
+    '{"time": 1779000001, "request_id": "chatcmpl-2", "endpoint": "chat.completions", "model": "tiny", '
+    '"user": null, "status": "client_disconnected", "prompt_tokens": 9, "cached_tokens": 0, '
+    '"completion_tokens": 0, "ttft_s": null, "latency_s": 0.01, "finish_reason": "abort"}',
+]
+
+
+def test_rows_the_server_wrote_read_and_write_back_the_same():
+    first, second = (LogRow.from_json(json.loads(line)) for line in WRITTEN)
+    assert first.kv == KVShape(4, 256, 8) and first.status is LogStatus.OK and first.user == "alice"
+    assert first.prefix == (PrefixEntry(20, 16, 3, ("00ff", "a1b2"), "c0ffee", 8, "hello"),
+                            PrefixEntry(5, 0, 0, None))
+    assert first.arrival == 1779000000.25
+    assert (second.kv, second.prefix, second.ttft_s) == (None, None, None)
+    assert second.status is LogStatus.CLIENT_DISCONNECTED
+    assert [json.dumps(r.to_json()) for r in (first, second)] == WRITTEN
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"status": "done"}, "whose `status` is malformed: status must be one of ok, error, client_disconnected, "
+                         'got "done"'),
+    ({"prompt_tokens": -1}, "whose `prompt_tokens` is malformed: prompt_tokens must be an integer >= 0, got -1"),
+    ({"user": 7}, "whose `user` is malformed: user must be null or a string, got 7"),
+    ({"prefix": [{"tokens": 3, "blocks": ["0g"]}]}, "whose `prefix` or times are malformed: prefix[0].blocks "
+                                                    'must be null or a list of hex digests, got ["0g"]'),
+    ({"kv": {"blocks": 4}}, "whose `prefix` or times are malformed: kv.block_size must be an integer >= 1, "
+                            "got missing"),
+])
+def test_a_malformed_row_is_one_line_naming_its_field(change, message, tmp_path):
+    row = json.loads(WRITTEN[0]) | change
+    with pytest.raises(LogRowError) as e:
+        LogRow.from_json(row)
+    assert str(e.value) == "a request-log row " + message
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ConfigError) as e:
+        read_requests(path)
+    assert str(e.value) == f"{path}:1: a request-log row {message}"
+
+
+def test_lint_reads_the_rows_in_arrival_order(tmp_path):
+    late = json.loads(WRITTEN[0]) | {"request_id": "cmpl-3", "time": 1779000002.0, "latency_s": 0.1}
+    late["prefix"] = [{"tokens": 8, "cached": 4, "completion": 1, "blocks": ["ee"], "salt": None}]
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps(late) + "\n" + WRITTEN[0] + "\n")
+    data = read_requests(path)
+    assert [e.tokens for e in data.entries] == [20, 8]  # the unfinished prompt has no chain: not replayed
+    assert data.block_size == 4 and (data.size.device_blocks, data.size.host_blocks) == (256, 8)
