@@ -20,9 +20,10 @@ GREEDY = SamplingParams(temperature=0)
 LAYERED = AttentionPaths(fused_decode=False)
 
 
-def runner_for(path, block_size: int = 8, blocks: int = 64) -> ModelRunner:
+def runner_for(path, block_size: int = 8, blocks: int = 64, kv: str = "auto") -> ModelRunner:
     r = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
-                    CacheConfig(block_size=block_size, num_blocks_override=blocks), SchedulerConfig())
+                    CacheConfig(block_size=block_size, num_blocks_override=blocks, kv_cache_dtype=kv),
+                    SchedulerConfig())
     assert r.strategy(FusedDecode) is not None, "int8 mode with a C compiler always builds the fused path"
     return r
 
@@ -39,7 +40,7 @@ def decode_step(prompts: list[list[int]], tables: list[list[int]]) -> SchedulerO
 
 def pool(runner: ModelRunner) -> list[torch.Tensor]:
     """A copy of every layer's K and V, as bits (the pool starts as uninitialised memory, NaNs included)."""
-    return [t.clone().view(torch.int32) for layer in runner.kv_cache.layers for t in (layer.k, layer.v)]
+    return [t.clone().view(torch.uint8) for layer in runner.kv_cache.layers for t in (layer.k, layer.v)]
 
 
 def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
@@ -48,7 +49,7 @@ def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
     layered = runner.all_logits(step, LAYERED)
     after_layered = pool(runner)
     for live, saved in zip((t for layer in runner.kv_cache.layers for t in (layer.k, layer.v)), before):
-        live.view(torch.int32).copy_(saved)  # as it was: the fused run must write the step's keys and values
+        live.view(torch.uint8).copy_(saved)  # as it was: the fused run must write the step's keys and values
     fused = runner.all_logits(step)
     after_fused = pool(runner)
     assert fused.equal(layered), float((fused - layered).abs().max())
@@ -56,9 +57,11 @@ def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
     assert not all(a.equal(b) for a, b in zip(before, after_layered))  # the step did write keys and values
 
 
-def test_default_model_fused_step_is_the_layered_step_bit_for_bit():
-    """SmolLM2 (Q4_1 and Q8_0 blocks): one sequence, then four of different lengths."""
-    runner = runner_for(default_model_path(), block_size=16, blocks=64)
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])
+def test_default_model_fused_step_is_the_layered_step_bit_for_bit(kv):
+    """SmolLM2 (Q4_1 and Q8_0 blocks): one sequence, then four of different lengths; with a
+    float32 pool and with fp8 ones (written and read in C by both paths)."""
+    runner = runner_for(default_model_path(), block_size=16, blocks=64, kv=kv)
     prompts = [[(7 * i + 3 * j) % 4000 + 100 for j in range(n)] for i, n in enumerate((9, 30, 17, 64))]
     tables = [[4 * i + b for b in range(4)] for i in range(4)]
     prefill(runner, prompts, tables)

@@ -143,3 +143,36 @@ def test_kv_write_stores_every_token_and_head_at_its_slot(lib):
     plain.write(slots, k, v)
     assert torch.equal(fast.k, plain.k) and torch.equal(fast.v, plain.v)
     assert torch.equal(fast.k[:, slots].transpose(0, 1), k) and fast.k.count_nonzero() == t * kvh * d
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_writes_are_torchs_cast_and_reads_are_its_dequantization(lib, dtype):
+    """hp_kv_write_fp8 stores value / scale rounded exactly as torch's cast rounds (ties,
+    subnormals, the largest finite value, overflow to NaN or infinity, -0.0); hp_attend
+    reads a byte as its value times the scale, as LayerKV.read does."""
+    edge = [0.0, -0.0, 1.0, 0.1, -3.3, 447.9, 448.0, 464.0, 479.9, 480.0, 1e6, 57344.0, 61440.0, 1e-3, 2 ** -9,
+            2 ** -10, 3 * 2 ** -11, 2 ** -16, 2 ** -17, 1.5 * 2 ** -16, float("inf"), -float("inf"), 0.7265625,
+            float("nan")]
+    vals = torch.cat([torch.tensor(edge), torch.randn(4000, generator=torch.Generator().manual_seed(3)) * 40,
+                      torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 1e-3])
+    n = vals.numel() // 16 * 16
+    k = vals[:n].view(-1, 1, 16)  # [T, KVH=1, D=16]
+    for scale in (1.0, 0.37):
+        fast = LayerKV(0, torch.zeros(1, k.shape[0], 16, dtype=dtype), torch.zeros(1, k.shape[0], 16, dtype=dtype),
+                       scale, scale)
+        plain = LayerKV(0, torch.zeros(1, k.shape[0], 16, dtype=dtype), torch.zeros(1, k.shape[0], 16, dtype=dtype),
+                        scale, scale)
+        slots = torch.arange(k.shape[0])
+        ops.kv_write(fast.k, fast.v, slots, k, -k, lib, scales=(scale, scale))
+        plain.write(slots, k, -k)
+        assert torch.equal(fast.k.view(torch.uint8), plain.k.view(torch.uint8))
+        assert torch.equal(fast.v.view(torch.uint8), plain.v.view(torch.uint8))
+    kv = pool(kvh=1, slots=64, d=64, seed=9)
+    k8 = LayerKV(0, kv.k.to(dtype), kv.v.to(dtype), 0.5, 2.0)
+    deq = LayerKV(0, *k8.read(torch.arange(64), torch.float32))  # what the torch path reads
+    q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(1))
+    p = plan([[0, 2, 0, 0, 0, ATT_FINAL]], [0, 1], [[0, 64], [10, 50]], list(range(64)))
+    got, want = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64)
+    ops.attend(q, k8.k, k8.v, p, 0.125, got, None, lib, scales=(0.5, 2.0))
+    ops.attend(q, deq.k.contiguous(), deq.v.contiguous(), p, 0.125, want, None, lib)
+    assert torch.equal(got, want)

@@ -6,8 +6,10 @@ hp_attend straight from the pool, in tiles aligned to absolute positions
 context came from the pool, a tier or this step, whatever the chunking and whoever shares
 its step or its cascade. Keys and values are written in C first.
 
-Without the C library, or for a pool of another dtype (fp8, bf16), it attends as the torch
-backend does (per sequence, SDPA): correct, not batch-invariant (logged at start).
+The pool may be float32 or fp8 (e4m3, e5m2: read in place, value * scale; written in C,
+rounded as torch's cast rounds). Without the C library, or for a pool of another dtype
+(fp16, bf16), it attends as the torch backend does (per sequence, SDPA): correct, not
+batch-invariant (logged at start).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class CpuAttention:
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
-        self.kernels = spec.kv_dtype == torch.float32 and spec.dtype == torch.float32 and \
+        self.kernels = spec.kv_dtype in ops.KV_TYPES and spec.dtype == torch.float32 and \
             spec.device.type == "cpu" and library() is not None
         self.shape = Shape(spec.num_heads, spec.num_kv_heads, spec.sliding_window)
         if not self.kernels:
@@ -73,15 +75,16 @@ class CpuAttention:
             out = torch.empty_like(q)
             attend_seqs(q, k, v, kv, meta.seqs, scale, out, set())
             return out
+        scales = (kv.k_scale, kv.v_scale)
         if ops.rows_dense(k, v):
-            ops.kv_write(kv.k, kv.v, meta.slot_mapping, k, v)
+            ops.kv_write(kv.k, kv.v, meta.slot_mapping, k, v, scales=scales)
         else:
             kv.write(meta.slot_mapping, k, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         if meta.shared is not None:
-            ops.attend(q, kv.k, kv.v, meta.shared, scale, out, meta.state)
-        ops.attend(q, kv.k, kv.v, meta.own, scale, out, meta.state)
+            ops.attend(q, kv.k, kv.v, meta.shared, scale, out, meta.state, scales=scales)
+        ops.attend(q, kv.k, kv.v, meta.own, scale, out, meta.state, scales=scales)
         return out
 
     def forget_step_state(self) -> None:

@@ -29,14 +29,15 @@ class HpLayer(ctypes.Structure):
 
     _fields_ = [("norm1", _p), ("norm2", _p), ("qkv", HpPart * 3), ("o", HpPart), ("gu", HpPart * 2),
                 ("down", HpPart), ("nqkv", c_int), ("ngu", c_int), ("b_qkv", _p), ("b_o", _p),
-                ("kpool", _p), ("vpool", _p)]
+                ("kpool", _p), ("vpool", _p), ("k_scale", c_float), ("v_scale", c_float)]
 
 
 class HpStack(ctypes.Structure):
     """hp_stack: the decoder layers and the model's shape."""
 
     _fields_ = [("layers", POINTER(HpLayer)), ("nlayers", c_int), ("E", c_int), ("H", c_int), ("KVH", c_int),
-                ("D", c_int), ("I", c_int), ("eps", c_float), ("scale", c_float), ("head_stride", c_int64)]
+                ("D", c_int), ("I", c_int), ("eps", c_float), ("scale", c_float), ("head_stride", c_int64),
+                ("kv_type", c_int)]
 
 
 class HpPlan(ctypes.Structure):
@@ -49,7 +50,8 @@ class HpAtt(ctypes.Structure):
     """hp_att: what an attention pass reads and writes (q, a layer's pools, out, the rows' state)."""
 
     _fields_ = [("q", _p), ("k", _p), ("v", _p), ("head_stride", c_int64), ("KVH", c_int), ("D", c_int),
-                ("scale", c_float), ("out", _p), ("st_m", _p), ("st_l", _p), ("st_acc", _p)]
+                ("kv_type", c_int), ("scale", c_float), ("k_scale", c_float), ("v_scale", c_float), ("out", _p),
+                ("st_m", _p), ("st_l", _p), ("st_acc", _p)]
 
 
 class HpStep(ctypes.Structure):
@@ -74,6 +76,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_attend": (_i, [POINTER(HpAtt), POINTER(HpPlan), _i]),
     "hp_silu_mul": (None, [_p, _i, _i, _p, _i]),
     "hp_kv_write": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i]),
+    "hp_kv_write_fp8": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i, _i, _f, _f]),
     "hp_rmsnorm": (None, [_p, _i, _i, c_int64, _p, _f, _p, _i]),
     "hp_rope": (None, [_p, _i, _i, c_int64, _i, _p, _p, _i]),
     "hp_decode_layers": (_i, [POINTER(HpStack), POINTER(HpStep), _i]),

@@ -108,18 +108,32 @@ def rows_dense(*ts: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in ts)
 
 
+KV_TYPES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # ops.h's KV_F32, KV_E4M3, KV_E5M2
+
+
+def kv_type(pool: torch.Tensor) -> int | None:
+    """The C kernels' code of a CPU pool's storage dtype, or None for one they do not read."""
+    return KV_TYPES.get(pool.dtype) if pool.device.type == "cpu" else None
+
+
 def kv_write(kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             lib: Lib = None) -> None:
-    """Store k, v ([T, KVH, D] float32, rows_dense) at `slots` ([T] int64) of a float32
-    pool's K and V ([KVH, S, D] contiguous). Raises ValueError for other layouts."""
+             lib: Lib = None, scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Store k, v ([T, KVH, D] float32, rows_dense) at `slots` ([T] int64) of a pool's K
+    and V ([KVH, S, D] contiguous): float32, or fp8 (value / scale, rounded as torch's
+    cast rounds). Raises ValueError for other layouts or dtypes."""
     lib = need(lib)
-    _f32_cpu("kv_write", kpool, vpool, k, v)
-    if not (rows_dense(k, v) and kpool.is_contiguous() and vpool.is_contiguous()):
-        raise ValueError("kv_write: rows of k and v must be dense and the pool contiguous")
+    _f32_cpu("kv_write", k, v)
+    kind = kv_type(kpool)
+    if kind is None or not (rows_dense(k, v) and kpool.is_contiguous() and vpool.is_contiguous()):
+        raise ValueError("kv_write: rows of k and v must be dense and the pool a contiguous float32 or fp8 one")
     slots = slots.to(torch.int64).contiguous()
     d = k.shape[2]
-    lib.hp_kv_write(kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * d, slots.data_ptr(), k.shape[0],
-                    k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[1], d)
+    args = (kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * d, slots.data_ptr(), k.shape[0], k.data_ptr(),
+            k.stride(0), v.data_ptr(), v.stride(0), k.shape[1], d)
+    if kind == 0:
+        lib.hp_kv_write(*args)
+    else:
+        lib.hp_kv_write_fp8(*args, kind, *scales)
 
 
 ATT_INIT, ATT_FINAL = 1, 2  # a task's flags: start from the rows' saved state; write their output
@@ -163,19 +177,22 @@ class AttState:
 
 
 def attend(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, plan: AttPlan, scale: float,
-           out: torch.Tensor, state: AttState | None = None, lib: Lib = None) -> None:
-    """Run one plan: q [T, H, D] contiguous float32; a float32 pool's K and V [KVH, S, D];
-    writes the rows of out [T, H, D] its ATT_FINAL tasks finish, and `state` for the
-    others (read by ATT_INIT tasks). Raises ValueError for an invalid plan (C's check),
-    RuntimeError if the kernel fails."""
+           out: torch.Tensor, state: AttState | None = None, lib: Lib = None,
+           scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Run one plan: q [T, H, D] contiguous float32; a pool's K and V [KVH, S, D] (float32,
+    or fp8 read as value * scale); writes the rows of out [T, H, D] its ATT_FINAL tasks
+    finish, and `state` for the others (read by ATT_INIT tasks). Raises ValueError for an
+    invalid plan (C's check) or pool, RuntimeError if the kernel fails."""
     lib = need(lib)
-    _f32_cpu("attend", q, kpool, vpool, out)
-    if not (q.is_contiguous() and out.is_contiguous() and kpool.is_contiguous() and vpool.is_contiguous()):
-        raise ValueError("attend: q, out and the pool must be contiguous")
+    _f32_cpu("attend", q, out)
+    kind = kv_type(kpool)
+    if kind is None or not (q.is_contiguous() and out.is_contiguous() and kpool.is_contiguous()
+                            and vpool.is_contiguous()):
+        raise ValueError("attend: q, out and a float32 or fp8 pool, all contiguous")
     d = q.shape[-1]
     st = (state.m.data_ptr(), state.l.data_ptr(), state.acc.data_ptr()) if state is not None else (None,) * 3
-    att = HpAtt(q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * d, kpool.shape[0], d, scale,
-                out.data_ptr(), *st)
+    att = HpAtt(q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[1] * d, kpool.shape[0], d, kind,
+                scale, *scales, out.data_ptr(), *st)
     rc = lib.hp_attend(ctypes.byref(att), ctypes.byref(plan.c), torch.get_num_threads())
     if rc == -1:
         raise ValueError("hp_attend refused the plan (rows per task, KV head or key ranges)")
@@ -186,7 +203,8 @@ def attend(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, plan: AttP
 @dataclass(frozen=True)
 class DecodeLayer:
     """One decoder layer as hp_decode_layers reads it: norms [E], projections as regrouped
-    blocks (qkv of 1-3 parts, gate/up of 1-2), optional biases, and its float32 KV pool."""
+    blocks (qkv of 1-3 parts, gate/up of 1-2), optional biases, and its KV pool (float32 or
+    fp8 with its scales)."""
 
     norm1: torch.Tensor
     norm2: torch.Tensor
@@ -198,6 +216,7 @@ class DecodeLayer:
     b_o: torch.Tensor | None
     kpool: torch.Tensor
     vpool: torch.Tensor
+    scales: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -224,12 +243,15 @@ class DecodeStack:
         for spec, layer in zip(self.layers, layers):
             _fill_layer(spec, layer)
         pool = layers[0].kpool
+        kind = kv_type(pool)
+        if kind is None:
+            raise ValueError(f"hp_decode_layers reads float32 or fp8 CPU pools, not {pool.dtype}")
         self.stack = HpStack(self.layers, len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                             shape.intermediate, shape.eps, shape.scale, pool.shape[1] * shape.head_dim)
+                             shape.intermediate, shape.eps, shape.scale, pool.shape[1] * shape.head_dim, kind)
 
 
 def _fill_layer(spec: HpLayer, layer: DecodeLayer) -> None:
-    _f32_cpu("decode layer", layer.norm1, layer.norm2, layer.kpool, layer.vpool)
+    _f32_cpu("decode layer", layer.norm1, layer.norm2)
     spec.norm1, spec.norm2 = layer.norm1.data_ptr(), layer.norm2.data_ptr()
     spec.nqkv = _set_parts(spec.qkv, layer.qkv)
     spec.ngu = _set_parts(spec.gu, layer.gate_up)
@@ -238,6 +260,7 @@ def _fill_layer(spec: HpLayer, layer: DecodeLayer) -> None:
     spec.b_qkv = layer.b_qkv.data_ptr() if layer.b_qkv is not None else None
     spec.b_o = layer.b_o.data_ptr() if layer.b_o is not None else None
     spec.kpool, spec.vpool = layer.kpool.data_ptr(), layer.vpool.data_ptr()
+    spec.k_scale, spec.v_scale = layer.scales
 
 
 def _set_parts(slots, w: Blocks) -> int:

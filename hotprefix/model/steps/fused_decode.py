@@ -29,8 +29,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
     pool = kv.layers[0].k
     if not isinstance(backend, CpuAttention) or not backend.kernels:
         return "the attention backend is not the cpu one with the C kernels"
-    if model.arch.qk_norm or pool.dtype != torch.float32 or pool.device.type != "cpu":
-        return "q/k norms, or not a float32 CPU pool"
+    if model.arch.qk_norm or ops.kv_type(pool) is None:
+        return "q/k norms, or not a float32 or fp8 CPU pool"
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         if any(p is None or not p.int8 for p in (a.qkv_blocks, a.o_proj.blocks, m.gate_up_blocks, m.down_proj.blocks)):
@@ -56,7 +56,7 @@ class FusedDecode:
         layers = [ops.DecodeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                   layer.self_attn.qkv_blocks, layer.self_attn.o_proj.blocks,
                                   layer.mlp.gate_up_blocks, layer.mlp.down_proj.blocks, layer.self_attn.qkv_bias,
-                                  layer.self_attn.o_proj.bias, lkv.k, lkv.v)
+                                  layer.self_attn.o_proj.bias, lkv.k, lkv.v, (lkv.k_scale, lkv.v_scale))
                   for layer, lkv in zip(model.model.layers, kv.layers)]
         shape = ops.StackShape(arch.hidden_size, self.h, self.kvh, arch.head_dim, arch.intermediate_size,
                                float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)

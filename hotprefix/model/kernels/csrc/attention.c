@@ -28,17 +28,33 @@
 
 enum { T_ROW0, T_NROWS, T_SLOT0, T_BASE, T_HEAD, T_FLAGS, T_FIELDS };
 
-/* Per-thread scratch of the attention tasks: state of up to maxr rows of D floats. */
+/* Per-thread scratch of the attention tasks: state of up to maxr rows of D floats; with
+ * an fp8 pool, a value row and the 256 values of a byte for K and V (times their scales). */
 int att_scratch_alloc(att_scratch *a, int maxr, int D) {
     a->acc = malloc(sizeof(float) * (size_t)maxr * D);
     a->s = malloc(sizeof(float) * (size_t)maxr * HP_TILE);
     a->kt = malloc(sizeof(float) * (size_t)D * HP_TILE);  /* a tile of keys, transposed [D, TILE] */
     a->mx = malloc(sizeof(float) * maxr);
     a->l = malloc(sizeof(float) * maxr);
-    return a->acc && a->s && a->kt && a->mx && a->l;
+    a->vrow = malloc(sizeof(float) * D);
+    a->lut = malloc(sizeof(float) * 512);
+    return a->acc && a->s && a->kt && a->mx && a->l && a->vrow && a->lut;
 }
 
-void att_scratch_free(att_scratch *a) { free(a->acc); free(a->s); free(a->kt); free(a->mx); free(a->l); }
+void att_scratch_free(att_scratch *a) {
+    free(a->acc); free(a->s); free(a->kt); free(a->mx); free(a->l); free(a->vrow); free(a->lut);
+}
+
+/* The lookup tables of an fp8 pass: lut[b] = value(b) * k_scale, lut[256 + b] = value(b) * v_scale
+ * (the float32 product torch's dequantization makes). */
+void att_scratch_fp8(const att_scratch *a, const hp_att *att) {
+    if (att->kv_type == KV_F32) return;
+    for (int b = 0; b < 256; b++) {
+        const float x = fp8_value((uint8_t)b, att->kv_type);
+        a->lut[b] = x * att->k_scale;
+        a->lut[256 + b] = x * att->v_scale;
+    }
+}
 
 int max_task_rows(const hp_plan *p) {
     int maxr = 1;
@@ -99,15 +115,22 @@ static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, flo
 
 /* acc[r] += p_rj v_j for the keys j of each row r of the tile (lanes [jlo_r, jhi_r)),
  * value rows read once for every row that takes them. */
-static void tile_values(const float *vh, const int64_t *sl, int j0, const int *jlo, const int *jhi, int R,
-                        const float *s, float *acc, int D) {
+static void tile_values(const void *vh, int kv_type, const float *lut, float *vrow, const int64_t *sl, int j0,
+                        const int *jlo, const int *jhi, int R, const float *s, float *acc, int D) {
     int lo = HP_TILE, hi = 0;
     for (int r = 0; r < R; r++) {
         lo = jlo[r] < lo ? jlo[r] : lo;
         hi = jhi[r] > hi ? jhi[r] : hi;
     }
     for (int j = lo; j < hi; j++) {
-        const float *vj = vh + sl[j0 + j] * D;
+        const float *vj;
+        if (kv_type == KV_F32) {
+            vj = (const float *)vh + sl[j0 + j] * D;
+        } else {
+            const uint8_t *vb = (const uint8_t *)vh + sl[j0 + j] * D;
+            for (int d = 0; d < D; d++) vrow[d] = lut[vb[d]];
+            vj = vrow;
+        }
         for (int r = 0; r < R; r++) {
             if (j < jlo[r] || j >= jhi[r]) continue;
             const float p = s[(size_t)r * HP_TILE + j];
@@ -151,16 +174,20 @@ static void task_end(const hp_att *a, const int64_t *rw, int R, int flags, const
 }
 
 /* The keys of one tile that any row of the task takes, transposed into kt [D, TILE]
- * (lanes no row takes: 0). */
-static void tile_keys(const float *kh, const int64_t *sl, int p0, int64_t lo, int64_t hi, int D, float *kt) {
+ * (lanes no row takes: 0); fp8 keys through lut (their values times the scale). */
+static void tile_keys(const void *kh, int kv_type, const float *lut, const int64_t *sl, int p0, int64_t lo,
+                      int64_t hi, int D, float *kt) {
     for (int j = 0; j < HP_TILE; j++) {
         const int64_t p = p0 + j;
         if (p < lo || p >= hi) {
             for (int d = 0; d < D; d++) kt[(size_t)d * HP_TILE + j] = 0.0f;
-            continue;
+        } else if (kv_type == KV_F32) {
+            const float *kj = (const float *)kh + sl[p] * D;
+            for (int d = 0; d < D; d++) kt[(size_t)d * HP_TILE + j] = kj[d];
+        } else {
+            const uint8_t *kj = (const uint8_t *)kh + sl[p] * D;
+            for (int d = 0; d < D; d++) kt[(size_t)d * HP_TILE + j] = lut[kj[d]];
         }
-        const float *kj = kh + sl[p] * D;
-        for (int d = 0; d < D; d++) kt[(size_t)d * HP_TILE + j] = kj[d];
     }
 }
 
@@ -170,7 +197,9 @@ void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *s
     const int64_t *rw = pl->rows + tk[T_ROW0], *lm = pl->lims + 2 * tk[T_ROW0];
     const int R = (int)tk[T_NROWS], D = a->D, flags = (int)tk[T_FLAGS];
     const int64_t *sl = pl->slots + tk[T_SLOT0] - tk[T_BASE];  /* sl[p]: the slot of position p */
-    const float *kh = a->k + tk[T_HEAD] * a->head_stride, *vh = a->v + tk[T_HEAD] * a->head_stride;
+    const size_t vb = a->kv_type == KV_F32 ? sizeof(float) : 1;  /* bytes a value */
+    const void *kh = (const uint8_t *)a->k + tk[T_HEAD] * a->head_stride * vb;
+    const void *vh = (const uint8_t *)a->v + tk[T_HEAD] * a->head_stride * vb;
     int64_t lo = INT64_MAX, hi = 0;
     for (int r = 0; r < R; r++) {
         lo = lm[2 * r] < lo ? lm[2 * r] : lo;
@@ -179,7 +208,7 @@ void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *s
     task_begin(a, rw, R, flags, scr);
     int jlo[HP_MAX_TASK_ROWS], jhi[HP_MAX_TASK_ROWS];
     for (int64_t p0 = lo / HP_TILE * HP_TILE; p0 < hi; p0 += HP_TILE) {
-        tile_keys(kh, sl, (int)p0, lo, hi, D, scr->kt);
+        tile_keys(kh, a->kv_type, scr->lut, sl, (int)p0, lo, hi, D, scr->kt);
         for (int r = 0; r < R; r++) {  /* each row's keys in this tile: lanes [jlo, jhi) */
             const int64_t a0 = lm[2 * r] > p0 ? lm[2 * r] : p0;
             const int64_t a1 = lm[2 * r + 1] < p0 + HP_TILE ? lm[2 * r + 1] : p0 + HP_TILE;
@@ -191,7 +220,7 @@ void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *s
             if (jhi[r] > jlo[r])
                 tile_softmax(scr->s + (size_t)r * HP_TILE, jlo[r], jhi[r], a->scale, scr->mx + r, scr->l + r,
                              scr->acc + (size_t)r * D, D);
-        tile_values(vh, sl, (int)p0, jlo, jhi, R, scr->s, scr->acc, D);
+        tile_values(vh, a->kv_type, scr->lut + 256, scr->vrow, sl, (int)p0, jlo, jhi, R, scr->s, scr->acc, D);
     }
     task_end(a, rw, R, flags, scr);
 }
@@ -210,13 +239,14 @@ int plan_valid(const hp_plan *p, int KVH) {
 /* Runs every task of `plan` (see the file's comment). Returns 0; -1 for an invalid plan
  * (rows per task, head, ranges); -2 when out of memory. */
 int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads) {
-    if (!plan_valid(plan, a->KVH)) return -1;
+    if (!plan_valid(plan, a->KVH) || a->kv_type < KV_F32 || a->kv_type > KV_E5M2) return -1;
     const int maxr = max_task_rows(plan);
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
         att_scratch scr;
         if (!att_scratch_alloc(&scr, maxr, a->D)) failed = 1;
+        else att_scratch_fp8(&scr, a);
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < plan->ntasks; t++) {
             if (failed) continue;

@@ -24,17 +24,18 @@ int hp_struct_layout(int which, int64_t *out) {
         case 0: out[n++] = sizeof(hp_part); F(hp_part, w); F(hp_part, qtype); F(hp_part, n); break;
         case 1: out[n++] = sizeof(hp_layer); F(hp_layer, norm1); F(hp_layer, norm2); F(hp_layer, qkv); F(hp_layer, o);
                 F(hp_layer, gu); F(hp_layer, down); F(hp_layer, nqkv); F(hp_layer, ngu); F(hp_layer, b_qkv);
-                F(hp_layer, b_o); F(hp_layer, kpool); F(hp_layer, vpool); break;
+                F(hp_layer, b_o); F(hp_layer, kpool); F(hp_layer, vpool); F(hp_layer, k_scale); F(hp_layer, v_scale);
+                break;
         case 2: out[n++] = sizeof(hp_stack); F(hp_stack, layers); F(hp_stack, nlayers); F(hp_stack, E);
                 F(hp_stack, H); F(hp_stack, KVH); F(hp_stack, D); F(hp_stack, I); F(hp_stack, eps);
-                F(hp_stack, scale); F(hp_stack, head_stride); break;
+                F(hp_stack, scale); F(hp_stack, head_stride); F(hp_stack, kv_type); break;
         case 3: out[n++] = sizeof(hp_step); F(hp_step, x); F(hp_step, cos_); F(hp_step, sin_); F(hp_step, wslots);
                 F(hp_step, own); F(hp_step, shared); F(hp_step, M); break;
         case 4: out[n++] = sizeof(hp_plan); F(hp_plan, rows); F(hp_plan, lims); F(hp_plan, task); F(hp_plan, slots);
                 F(hp_plan, ntasks); break;
         case 5: out[n++] = sizeof(hp_att); F(hp_att, q); F(hp_att, k); F(hp_att, v); F(hp_att, head_stride);
-                F(hp_att, KVH); F(hp_att, D); F(hp_att, scale); F(hp_att, out); F(hp_att, st_m); F(hp_att, st_l);
-                F(hp_att, st_acc); break;
+                F(hp_att, KVH); F(hp_att, D); F(hp_att, kv_type); F(hp_att, scale); F(hp_att, k_scale);
+                F(hp_att, v_scale); F(hp_att, out); F(hp_att, st_m); F(hp_att, st_l); F(hp_att, st_acc); break;
         default: break;
     }
 #undef F
@@ -43,6 +44,7 @@ int hp_struct_layout(int which, int64_t *out) {
 
 static int stack_valid(const hp_stack *s) {
     const int HD = s->H * s->D;
+    if (s->kv_type < KV_F32 || s->kv_type > KV_E5M2) return 0;
     for (int l = 0; l < s->nlayers; l++) {
         const hp_layer *ly = s->layers + l;
         int nqkv = 0, ngu = 0;
@@ -64,8 +66,9 @@ typedef struct { float *h, *qkv, *qb, *o, *tmp, *gu, *act, *st_m, *st_l, *st_acc
  * shared prefixes first (their state saved), then every row's own keys. */
 static void attention_team(const hp_stack *s, const hp_layer *ly, const hp_step *st, const step_buf *b,
                            const att_scratch *scr, int ok) {
-    const hp_att a = {b->qb, ly->kpool, ly->vpool, s->head_stride, s->KVH, s->D, s->scale, b->o, b->st_m, b->st_l,
-                      b->st_acc};
+    const hp_att a = {b->qb, ly->kpool, ly->vpool, s->head_stride, s->KVH, s->D, s->kv_type, s->scale, ly->k_scale,
+                      ly->v_scale, b->o, b->st_m, b->st_l, b->st_acc};
+    if (ok) att_scratch_fp8(scr, &a);  /* (each thread its own tables: no barrier needed) */
     if (st->shared.ntasks) {  /* the same for every thread: without cascades, no extra barrier */
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < st->shared.ntasks; t++)
@@ -93,7 +96,11 @@ static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st,
         rope_row(r, H, D, st->cos_ + (size_t)m * D, st->sin_ + (size_t)m * D);
         rope_row(r + HD, KVH, D, st->cos_ + (size_t)m * D, st->sin_ + (size_t)m * D);
         memcpy(b->qb + (size_t)m * HD, r, sizeof(float) * HD);
-        kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D);
+        if (s->kv_type == KV_F32)
+            kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D);
+        else
+            kv_write_row_fp8(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D,
+                             s->kv_type, ly->k_scale, ly->v_scale);
     }
     attention_team(s, ly, st, b, scr, ok);
     qmm_i8_team(&ly->o, 1, b->o, M, HD, b->tmp, x32, xk);

@@ -211,7 +211,7 @@ int unit_bytes(int qtype);
 #define HP_TILE 16             /* keys a tile, tiles aligned to absolute positions */
 #define HP_MAX_TASK_ROWS 256   /* query rows an attention task may hold */
 enum { ATT_INIT = 1, ATT_FINAL = 2 };  /* a task's flags: start from saved state; write the output */
-typedef struct { float *acc, *s, *kt, *mx, *l; } att_scratch;
+typedef struct { float *acc, *s, *kt, *mx, *l, *vrow, *lut; } att_scratch;  /* lut: fp8 K then V values */
 int att_scratch_alloc(att_scratch *a, int maxr, int D);
 void att_scratch_free(att_scratch *a);
 #endif

@@ -16,7 +16,8 @@ typedef struct {
     hp_part qkv[3], o, gu[2], down;                 /* rows [(H + 2 KVH) D], [E], [2I], [E] */
     int nqkv, ngu;                                  /* parts of qkv (1-3) and gu (1-2) */
     const float *b_qkv, *b_o;                       /* [(H + 2 KVH) D], [E], or NULL */
-    float *kpool, *vpool;                           /* [KVH, S, D] */
+    void *kpool, *vpool;                            /* [KVH, S, D] of the stack's kv_type */
+    float k_scale, v_scale;                         /* fp8 pools: value = byte's value * scale */
 } hp_layer;
 
 /* The decoder stack: its layers and shape. */
@@ -24,7 +25,8 @@ typedef struct {
     const hp_layer *layers;
     int nlayers, E, H, KVH, D, I;
     float eps, scale;
-    int64_t head_stride;                            /* floats between KV heads of a pool: S * D */
+    int64_t head_stride;                            /* values between KV heads of a pool: S * D */
+    int kv_type;                                    /* KV_F32, KV_E4M3, KV_E5M2 (ops.h) */
 } hp_stack;
 
 /* An attention plan (attention.c): ntasks tasks of T_FIELDS int64 each, (first entry of
@@ -36,14 +38,16 @@ typedef struct {
     int ntasks;
 } hp_plan;
 
-/* What an attention pass reads and writes: q [*, D] rows; a layer's float32 pools
- * [KVH, S, D]; out [*, D]; the state of rows between passes, m and l [*], acc [*, D]
- * (read by ATT_INIT tasks, written by tasks without ATT_FINAL; NULL when none has). */
+/* What an attention pass reads and writes: q [*, D] rows; a layer's pools [KVH, S, D]
+ * (kv_type KV_F32: float32; KV_E4M3, KV_E5M2: one byte a value, times k_scale / v_scale);
+ * out [*, D]; the state of rows between passes, m and l [*], acc [*, D] (read by ATT_INIT
+ * tasks, written by tasks without ATT_FINAL; NULL when none has). */
 typedef struct {
-    const float *q, *k, *v;
-    int64_t head_stride;                            /* floats between KV heads of a pool: S * D */
-    int KVH, D;
-    float scale;
+    const float *q;
+    const void *k, *v;
+    int64_t head_stride;                            /* values between KV heads of a pool: S * D */
+    int KVH, D, kv_type;
+    float scale, k_scale, v_scale;
     float *out, *st_m, *st_l, *st_acc;
 } hp_att;
 
@@ -75,6 +79,9 @@ int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads);
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads);
 void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,
                  int64_t k_row, const float *v, int64_t v_row, int KVH, int D);
+void hp_kv_write_fp8(uint8_t *kpool, uint8_t *vpool, int64_t head_stride, const int64_t *slots, int T,
+                     const float *k, int64_t k_row, const float *v, int64_t v_row, int KVH, int D, int kv_type,
+                     float k_scale, float v_scale);
 void hp_rmsnorm(const float *x, int M, int E, int64_t x_row, const float *w, float eps, float *out, int nthreads);
 void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, const float *sin_, int nthreads);
 
@@ -86,5 +93,6 @@ int hp_struct_layout(int which, int64_t *out);
 int max_task_rows(const hp_plan *p);
 int plan_valid(const hp_plan *p, int KVH);
 void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *scr);
+void att_scratch_fp8(const att_scratch *a, const hp_att *att);
 
 #endif

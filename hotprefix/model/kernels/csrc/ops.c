@@ -13,6 +13,14 @@ void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t 
     for (int t = 0; t < T; t++) kv_write_row(kpool, vpool, head_stride, slots[t], k + t * k_row, v + t * v_row, KVH, D);
 }
 
+void hp_kv_write_fp8(uint8_t *kpool, uint8_t *vpool, int64_t head_stride, const int64_t *slots, int T,
+                     const float *k, int64_t k_row, const float *v, int64_t v_row, int KVH, int D, int kv_type,
+                     float k_scale, float v_scale) {
+    for (int t = 0; t < T; t++)
+        kv_write_row_fp8(kpool, vpool, head_stride, slots[t], k + t * k_row, v + t * v_row, KVH, D, kv_type, k_scale,
+                         v_scale);
+}
+
 void hp_rmsnorm(const float *x, int M, int E, int64_t x_row, const float *w, float eps, float *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 16)
     for (int m = 0; m < M; m++) rmsnorm_row(x + m * x_row, E, w, eps, out + (size_t)m * E);

@@ -40,6 +40,59 @@ static inline void silu_mul_row(const float *g, int I, float *o) {
     }
 }
 
+/* fp8 KV (--kv-cache-dtype fp8, fp8_e5m2): KV_F32 pools hold float32, KV_E4M3 and KV_E5M2
+ * pools one byte a value, value / scale rounded as torch's cast rounds. */
+enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
+
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* The exact float32 value of an fp8 byte (e4m3fn: 4 exponent bits, bias 7, 0x7f/0xff NaN;
+ * e5m2: the top byte of an IEEE half). */
+static inline float fp8_value(uint8_t b, int kv_type) {
+    if (kv_type == KV_E5M2) return fp16_to_fp32((uint16_t)(b << 8));
+    const uint32_t s = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 0xF, m = b & 0x7;
+    if (e == 0) return m ? (b & 0x80 ? -1.0f : 1.0f) * (float)m * 0x1p-9f : bits_f32(s);
+    if (e == 15 && m == 7) return bits_f32(s | 0x7fc00000u);
+    return bits_f32(s | ((e + 120) << 23) | (m << 20));
+}
+
+/* float32 -> fp8 byte, rounded to nearest even as torch's CPU cast does: e5m2 as c10's
+ * fp8e5m2_from_fp32_value (overflow to infinity); e4m3fn as c10's fp8e4m3fn_from_fp32_value
+ * but saturating, as torch's cast does (e4m3fn has no infinity: a magnitude that rounds
+ * past 448, infinity included, is 448; NaN stays NaN). */
+static inline uint8_t fp8_byte(float f, int kv_type) {
+    uint32_t u = f32_bits(f);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (kv_type == KV_E5M2) {
+        if (u >= 143u << 23) r = u > 255u << 23 ? 0x7f : 0x7c;
+        else if (u < 113u << 23) r = (uint8_t)(f32_bits(bits_f32(u) + bits_f32(134u << 23)) - (134u << 23));
+        else r = (uint8_t)((u + ((uint32_t)(15 - 127) << 23) + 0xFFFFF + ((u >> 21) & 1)) >> 21);
+    } else {
+        if (u > 255u << 23) r = 0x7f;  /* NaN */
+        else if (u >= 1087u << 20) r = 0x7e;
+        else if (u < 121u << 23) r = (uint8_t)(f32_bits(bits_f32(u) + bits_f32(141u << 23)) - (141u << 23));
+        else r = (uint8_t)((u + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((u >> 20) & 1)) >> 20);
+        if (r == 0x7f && u <= 255u << 23) r = 0x7e;
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+/* Store one token's keys and values (KVH * D each) in an fp8 pool at `slot`: value / scale. */
+static inline void kv_write_row_fp8(uint8_t *kpool, uint8_t *vpool, int64_t head_stride, int64_t slot, const float *k,
+                                    const float *v, int KVH, int D, int kv_type, float k_scale, float v_scale) {
+    for (int h = 0; h < KVH; h++) {
+        uint8_t *kd = kpool + h * head_stride + slot * D, *vd = vpool + h * head_stride + slot * D;
+        const float *ks = k + (int64_t)h * D, *vs = v + (int64_t)h * D;
+        for (int d = 0; d < D; d++) {
+            kd[d] = fp8_byte(ks[d] / k_scale, kv_type);
+            vd[d] = fp8_byte(vs[d] / v_scale, kv_type);
+        }
+    }
+}
+
 /* Store T tokens' keys and values in a float32 pool ([KVH, S, D] per tensor) at their
  * slots: row t of k (and v) starts at k + t * k_row (v + t * v_row) and holds KVH * D
  * floats. One copy of D floats per token and head. */
