@@ -169,47 +169,98 @@ static inline const float *block_weights(int qtype, const uint8_t *b, float *wv)
 }
 
 #if defined(HP_F512)
-#define F32_RM 16  /* rows of x a pass over a weight row takes: their 16-lane sums stay in registers */
+#define F32_RM 6   /* rows of x and of W a register tile takes: 24 sums in registers, x and w loads shared */
+#define F32_NB 4
 #else
-#define F32_RM 6
+#define F32_RM 2
+#define F32_NB 2
 #endif
+#define F32_CHUNK 16  /* weight rows a thread's task takes, dequantized once into float32 rows */
 
-/* Weight row n against rows m0 .. m0 + mt - 1 of x (mt <= F32_RM): y[m, n] = x[m] . w[n],
- * each a 16-lane dot product (v16): the same bits whatever M, the pass or the build. */
-static void row_pass(int qtype, const float *x, int m0, int mt, int K, const uint8_t *row, int n, float *y, int N) {
-    const int bv = block_values(qtype), bb = block_bytes(qtype), nb = K / bv;
-    float wv[QKK];
-    v16 acc[F32_RM];
-    for (int m = 0; m < mt; m++) acc[m] = v16_zero();
-    for (int b = 0; b < nb; b++) {
-        const float *wb = block_weights(qtype, row + (size_t)b * bb, wv);
-        for (int m = 0; m < mt; m++) {
-            const float *xb = x + (size_t)(m0 + m) * K + (size_t)b * bv;
-            for (int i = 0; i < bv; i += 16) acc[m] = v16_fma(wb + i, xb + i, acc[m]);
+/* Float rows wf[j] (K each, j < NB) against rows m0 .. m0 + MT - 1 of x: y[m, n0 + j] =
+ * x[m] . wf[j], each a 16-lane dot product (v16): the same bits whatever M, the tile or
+ * the build. One copy per tile shape (literal bounds: the sums stay in registers, no call
+ * inside); tile_dot_any for the edges. */
+#define TILE_DOT(NAME, MT, NB)                                                                          \
+static void NAME(const float *const *wf, const float *x, int m0, int K, int n0, float *y, int N) {      \
+    v16 acc[MT][NB];                                                                                    \
+    for (int m = 0; m < MT; m++)                                                                        \
+        for (int j = 0; j < NB; j++) acc[m][j] = v16_zero();                                            \
+    const float *xr0 = x + (size_t)m0 * K;                                                              \
+    for (int k = 0; k < K; k += 16) {                                                                   \
+        v16 wr[NB];                                                                                     \
+        for (int j = 0; j < NB; j++) wr[j] = v16_load(wf[j] + k);                                       \
+        for (int m = 0; m < MT; m++) {                                                                  \
+            const v16 xr = v16_load(xr0 + (size_t)m * K + k);                                           \
+            for (int j = 0; j < NB; j++) acc[m][j] = v16_fmav(wr[j], xr, acc[m][j]);                    \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int m = 0; m < MT; m++)                                                                        \
+        for (int j = 0; j < NB; j++) y[(size_t)(m0 + m) * N + n0 + j] = v16_hsum(acc[m][j]);            \
+}
+TILE_DOT(tile_dot_full, F32_RM, F32_NB)
+TILE_DOT(tile_dot_row, 1, F32_NB)
+TILE_DOT(tile_dot_one, 1, 1)
+
+/* An edge tile (mt <= F32_RM rows of x, nb <= F32_NB of W), one row and one column at a time. */
+static void tile_dot_any(const float *const *wf, const float *x, int m0, int mt, int K, int n0, int nb, float *y,
+                         int N) {
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < nb; j++) tile_dot_one(wf + j, x, m0 + m, K, n0 + j, y, N);
+}
+
+/* Rows n0 .. n1 - 1 of W against every row of x: the weight rows as float32 (F32 rows as
+ * they are, blocks dequantized once into buf, K floats a row), then register tiles. */
+static void chunk_rows(int qtype, const float *x, int M, int K, const uint8_t *w, size_t rb, int n0, int n1,
+                       float *y, int N, float *buf) {
+    const int bv = block_values(qtype), bb = block_bytes(qtype), nblk = K / bv;
+    const float *wf[F32_CHUNK];
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * rb;
+        if (qtype == F32) { wf[n - n0] = (const float *)row; continue; }
+        float *dst = buf + (size_t)(n - n0) * K;
+        for (int b = 0; b < nblk; b++) {
+            const float *src = block_weights(qtype, row + (size_t)b * bb, dst + (size_t)b * bv);
+            if (src != dst + (size_t)b * bv) memcpy(dst + (size_t)b * bv, src, sizeof(float) * bv);
+        }
+        wf[n - n0] = dst;
+    }
+    for (int m0 = 0; m0 < M; m0 += F32_RM) {
+        const int mt = M - m0 < F32_RM ? M - m0 : F32_RM;
+        for (int n = n0; n < n1; n += F32_NB) {
+            const int nb = n1 - n < F32_NB ? n1 - n : F32_NB;
+            if (mt == F32_RM && nb == F32_NB) tile_dot_full(wf + (n - n0), x, m0, K, n, y, N);
+            else if (mt == 1 && nb == F32_NB) tile_dot_row(wf + (n - n0), x, m0, K, n, y, N);  /* decode */
+            else tile_dot_any(wf + (n - n0), x, m0, mt, K, n, nb, y, N);
         }
     }
-    for (int m = 0; m < mt; m++) y[(size_t)(m0 + m) * N + n] = v16_hsum(acc[m]);
 }
 
 static int shape_ok(int qtype, int K) { return block_bytes(qtype) && K > 0 && K % block_values(qtype) == 0; }
 
 /* y[M, N] = x[M, K] @ W^T, W given as N GGUF rows of `qtype` blocks (or F32 rows), for
- * any M: threads take chunks of 16 weight rows; within one, rows of x pass in groups of
- * F32_RM (the group's x stays in cache while the chunk's weight rows pass). Every output
+ * any M: threads take chunks of 16 weight rows; within one, register tiles of F32_RM rows
+ * of x and F32_NB rows of W (the group's x stays in cache while the chunk's rows pass). Every output
  * is one 16-lane dot product, so the result of a row of x does not depend on the others.
- * Returns 0, or -1 for a type these kernels do not read or K not a multiple of its block. */
+ * Returns 0; -1 for a type these kernels do not read or K not a multiple of its block; -2
+ * when out of memory. */
 int hp_qmatmul(int qtype, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
     if (!shape_ok(qtype, K)) return -1;
     const size_t rb = (size_t)(K / block_values(qtype)) * block_bytes(qtype);
-    const int chunk = 16, tasks = (N + chunk - 1) / chunk;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * (size_t)N * K > 65536)
-    for (int t = 0; t < tasks; t++) {
-        const int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int m0 = 0; m0 < M; m0 += F32_RM)
-            for (int n = n0; n < n1; n++)
-                row_pass(qtype, x, m0, M - m0 < F32_RM ? M - m0 : F32_RM, K, w + (size_t)n * rb, n, y, N);
+    const int tasks = (N + F32_CHUNK - 1) / F32_CHUNK;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (M * (size_t)N * K > 65536) reduction(|:failed)
+    {
+        float *buf = qtype == F32 ? NULL : malloc(sizeof(float) * F32_CHUNK * (size_t)K);
+        if (qtype != F32 && !buf) failed = 1;
+        #pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            const int n0 = t * F32_CHUNK, n1 = n0 + F32_CHUNK < N ? n0 + F32_CHUNK : N;
+            if (!failed) chunk_rows(qtype, x, M, K, w, rb, n0, n1, y, N, buf);
+        }
+        free(buf);
     }
-    return 0;
+    return failed ? -2 : 0;
 }
 
 /* The dequantized rows, float32 [N, K] (tests, embedding lookups). Returns 0, or -1 as

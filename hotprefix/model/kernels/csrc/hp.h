@@ -70,6 +70,8 @@ static inline float vf_hsum(__m256 v) {
 #if defined(HP_F512)
 typedef struct { __m512 a; } v16;
 static inline v16 v16_zero(void) { v16 r = {_mm512_setzero_ps()}; return r; }
+static inline v16 v16_load(const float *p) { v16 r = {_mm512_loadu_ps(p)}; return r; }
+static inline v16 v16_fmav(v16 w, v16 x, v16 acc) { acc.a = _mm512_fmadd_ps(w.a, x.a, acc.a); return acc; }
 static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
     acc.a = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc.a);
     return acc;
@@ -77,6 +79,12 @@ static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
 #elif defined(HP_F256)
 typedef struct { __m256 a, b; } v16;
 static inline v16 v16_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline v16 v16_load(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline v16 v16_fmav(v16 w, v16 x, v16 acc) {
+    acc.a = _mm256_fmadd_ps(w.a, x.a, acc.a);
+    acc.b = _mm256_fmadd_ps(w.b, x.b, acc.b);
+    return acc;
+}
 static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
     acc.a = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc.a);
     acc.b = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8), _mm256_loadu_ps(x + 8), acc.b);
@@ -85,6 +93,11 @@ static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
 #else
 typedef struct { float f[16]; } v16;
 static inline v16 v16_zero(void) { v16 r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
+static inline v16 v16_load(const float *p) { v16 r; memcpy(r.f, p, sizeof r.f); return r; }
+static inline v16 v16_fmav(v16 w, v16 x, v16 acc) {
+    for (int i = 0; i < 16; i++) acc.f[i] = fmaf(w.f[i], x.f[i], acc.f[i]);
+    return acc;
+}
 static inline v16 v16_fma(const float *w, const float *x, v16 acc) {
     for (int i = 0; i < 16; i++) acc.f[i] = fmaf(w[i], x[i], acc.f[i]);
     return acc;
