@@ -24,7 +24,11 @@
 #include "ops.h"
 #include "hp_api.h"
 
-#define RB 4  /* query rows a pass over a tile's transposed keys takes at once */
+#if defined(HP_F512)
+#define RB 8  /* query rows a pass over a tile's transposed keys takes at once (their scores in registers) */
+#else
+#define RB 4
+#endif
 
 enum { T_ROW0, T_NROWS, T_SLOT0, T_BASE, T_HEAD, T_FLAGS, T_FIELDS };
 
@@ -36,7 +40,7 @@ int att_scratch_alloc(att_scratch *a, int maxr, int D) {
     a->kt = malloc(sizeof(float) * (size_t)D * HP_TILE);  /* a tile of keys, transposed [D, TILE] */
     a->mx = malloc(sizeof(float) * maxr);
     a->l = malloc(sizeof(float) * maxr);
-    a->vrow = malloc(sizeof(float) * D);
+    a->vrow = malloc(sizeof(float) * (size_t)D * HP_TILE);  /* fp8: a tile's value rows, dequantized */
     a->lut = malloc(sizeof(float) * 512);
     return a->acc && a->s && a->kt && a->mx && a->l && a->vrow && a->lut;
 }
@@ -94,51 +98,88 @@ static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const 
 }
 
 /* The tile's weights of one row (lanes [jlo, jhi) are its keys): scales its scores, turns
- * them into exp_nonpos(s - m_new) in place, and rescales its state. */
+ * them into exp_nonpos(s - m_new) in place (0 on other lanes), and rescales its state.
+ * Every lane is computed alike (fixed trip counts: the loops vectorize); the max is exact
+ * in any order; the sum is a fixed tree over the 16 lanes. */
 static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, float *l, float *acc, int D) {
-    float mt = -INFINITY;
-    for (int j = jlo; j < jhi; j++) {
+    float t[HP_TILE];
+    #pragma omp simd
+    for (int j = 0; j < HP_TILE; j++) {
         sr[j] *= scale;
-        mt = sr[j] > mt ? sr[j] : mt;
+        t[j] = j >= jlo && j < jhi ? sr[j] : -INFINITY;
     }
-    const float m_new = mt > *m ? mt : *m;
+    for (int w = HP_TILE / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
+    const float m_new = t[0] > *m ? t[0] : *m;
     const float corr = exp_nonpos(*m - m_new);  /* the first tile: acc and l are 0 */
     #pragma omp simd
-    for (int j = jlo; j < jhi; j++) sr[j] = exp_nonpos(sr[j] - m_new);
-    float sum = 0.0f;
-    for (int j = jlo; j < jhi; j++) sum += sr[j];  /* key by key, in position order */
-    *l = *l * corr + sum;
+    for (int j = 0; j < HP_TILE; j++) {
+        const float e = exp_nonpos(sr[j] - m_new);
+        sr[j] = j >= jlo && j < jhi ? e : 0.0f;
+        t[j] = sr[j];
+    }
+    for (int w = HP_TILE / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
+    *l = *l * corr + t[0];
     *m = m_new;
     #pragma omp simd
     for (int d = 0; d < D; d++) acc[d] *= corr;
 }
 
-/* acc[r] += p_rj v_j for the keys j of each row r of the tile (lanes [jlo_r, jhi_r)),
- * value rows read once for every row that takes them. */
-static void tile_values(const void *vh, int kv_type, const float *lut, float *vrow, const int64_t *sl, int j0,
+/* The tile's value rows: pointers to float32 rows of the pool, or fp8 rows dequantized
+ * (through lut) into vt [TILE, D]; only lanes [lo, hi) are read. */
+static void tile_value_rows(const void *vh, int kv_type, const float *lut, float *vt, const int64_t *sl, int j0,
+                            int lo, int hi, int D, const float **rows) {
+    for (int j = lo; j < hi; j++) {
+        if (kv_type == KV_F32) {
+            rows[j] = (const float *)vh + sl[j0 + j] * D;
+            continue;
+        }
+        const uint8_t *vb = (const uint8_t *)vh + sl[j0 + j] * D;
+        float *dst = vt + (size_t)j * D;
+        for (int d = 0; d < D; d++) dst[d] = lut[vb[d]];
+        rows[j] = dst;
+    }
+}
+
+/* acc[d] += p_j v_j[d] for the keys j in [jlo, jhi), one fused multiply-add a value, j in
+ * order; up to 4 vectors of acc stay in registers over the keys. */
+static void row_values(const float *const *rows, int jlo, int jhi, const float *p, float *acc, int D) {
+#if defined(VF_W)
+    if (D % VF_W == 0) {
+        for (int d0 = 0; d0 < D; d0 += 4 * VF_W) {
+            const int nc = (D - d0) / VF_W < 4 ? (D - d0) / VF_W : 4;
+            vf a[4];
+            for (int c = 0; c < nc; c++) a[c] = vf_load(acc + d0 + c * VF_W);
+            for (int j = jlo; j < jhi; j++) {
+                const vf pj = vf_set1(p[j]);
+                for (int c = 0; c < nc; c++) a[c] = vf_fma(pj, vf_load(rows[j] + d0 + c * VF_W), a[c]);
+            }
+            for (int c = 0; c < nc; c++) vf_store(acc + d0 + c * VF_W, a[c]);
+        }
+        return;
+    }
+#endif
+    for (int j = jlo; j < jhi; j++) {
+        const float pj = p[j], *vj = rows[j];
+        #pragma omp simd
+        for (int d = 0; d < D; d++) acc[d] = fmaf(pj, vj[d], acc[d]);
+    }
+}
+
+/* acc[r] += p_rj v_j for the keys j of each row r of the tile (lanes [jlo_r, jhi_r)). */
+static void tile_values(const void *vh, int kv_type, const float *lut, float *vt, const int64_t *sl, int j0,
                         const int *jlo, const int *jhi, int R, const float *s, float *acc, int D) {
     int lo = HP_TILE, hi = 0;
     for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;  /* no keys here (jlo may lie past the tile) */
         lo = jlo[r] < lo ? jlo[r] : lo;
         hi = jhi[r] > hi ? jhi[r] : hi;
     }
-    for (int j = lo; j < hi; j++) {
-        const float *vj;
-        if (kv_type == KV_F32) {
-            vj = (const float *)vh + sl[j0 + j] * D;
-        } else {
-            const uint8_t *vb = (const uint8_t *)vh + sl[j0 + j] * D;
-            for (int d = 0; d < D; d++) vrow[d] = lut[vb[d]];
-            vj = vrow;
-        }
-        for (int r = 0; r < R; r++) {
-            if (j < jlo[r] || j >= jhi[r]) continue;
-            const float p = s[(size_t)r * HP_TILE + j];
-            float *ar = acc + (size_t)r * D;
-            #pragma omp simd
-            for (int d = 0; d < D; d++) ar[d] = fmaf(p, vj[d], ar[d]);
-        }
-    }
+    const float *rows[HP_TILE];
+    tile_value_rows(vh, kv_type, lut, vt, sl, j0, lo, hi, D, rows);
+    for (int r = 0; r < R; r++)
+        if (jhi[r] > jlo[r]) row_values(rows, jlo[r], jhi[r], s + (size_t)r * HP_TILE, acc + (size_t)r * D, D);
 }
 
 /* The task's rows start from zero or (ATT_INIT) from their saved state. */
