@@ -50,6 +50,7 @@ class GrammarCompiler:
         self._tokenizer = None
         self._cache: OrderedDict[tuple[StructuredKind, str], Compiled] = OrderedDict()  # under _cache_lock
         self._cache_lock = threading.Lock()
+        self.hits = self.misses = 0  # lookups of the cache (under _cache_lock)
 
     @property
     def tokenizer(self) -> Any:
@@ -87,6 +88,9 @@ class GrammarCompiler:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
         if compiled is None:
             compiled = self._compile_uncached(so.kind, so.spec)  # (two threads may compile one spec at once)
             with self._cache_lock:
