@@ -109,6 +109,32 @@ def _graph_sizes(values: str | list | tuple) -> tuple[int, ...]:
         raise ConfigError(f"--cuda-graph-sizes must be batch sizes such as 1 2 4 8, got {text!r}") from None
 
 
+def _tenant_weight(item: str) -> tuple[str, float]:
+    """TENANT=WEIGHT as a pair. Raises ConfigError."""
+    name, _, weight = item.rpartition("=")
+    try:
+        value = float(weight)
+    except ValueError:
+        value = None
+    if not name or value is None:
+        raise ConfigError(f"--tenant-weight takes TENANT=WEIGHT, got {item!r}")
+    return name, value
+
+
+def _tenant_weights(values: str | list | tuple | dict) -> tuple[tuple[str, float], ...]:
+    """--tenant-weight TENANT=WEIGHT ... (space- or comma-separated; as an LLM keyword also
+    a dict or (tenant, weight) pairs) as (tenant, weight) pairs. Raises ConfigError."""
+    if isinstance(values, dict):
+        values = list(values.items())
+    out: list[tuple[str, float]] = []
+    for v in [values] if isinstance(values, str) else values:
+        if isinstance(v, str):
+            out += [_tenant_weight(x) for x in v.replace(",", " ").split()]
+        else:
+            out.append((str(v[0]), float(v[1])))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load, in what precision, and which path its steps take."""
@@ -261,6 +287,10 @@ class SchedulerConfig:
                                              group=G.SCHEDULER)
     preemption_mode: PreemptionMode = flag(PreemptionMode.RECOMPUTE, "when KV runs out: free a request and "
                                            "recompute it later, or swap its KV to host memory", group=G.SCHEDULER)
+    tenant_weights: tuple[tuple[str, float], ...] = flag(
+        (), "a tenant's weight in each step's fair share of tokens and seats (others weigh 1): TENANT=WEIGHT, "
+        "TENANT being a gateway tenant's cache salt or a direct client's ip:ADDRESS", group=G.SCHEDULER,
+        names=("--tenant-weight",), nargs="+", metavar="TENANT=WEIGHT", unit=Unit(_tenant_weights), shown="1 each")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", as_mode(PreemptionMode, "--preemption-mode",
@@ -276,6 +306,10 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        object.__setattr__(self, "tenant_weights", tuple(self.tenant_weights))
+        bad = next((w for _, w in self.tenant_weights if not 0.01 <= w <= 100), None)
+        if bad is not None:
+            raise ConfigError(f"--tenant-weight: a weight must be in [0.01, 100], got {bad}")
 
     @property
     def token_budget(self) -> int:

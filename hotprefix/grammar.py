@@ -19,7 +19,7 @@ Torch-free: it sits beside sampling_params.py, below the engine and the model.
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from hotprefix.errors import InvalidRequestError
@@ -48,7 +48,9 @@ class GrammarCompiler:
         self.sandbox = sandbox  # compiles each new spec first where it can be stopped (None: in process only)
         self._lock = threading.Lock()
         self._tokenizer = None
-        self._compile = lru_cache(maxsize=GRAMMAR_CACHE)(self._compile_uncached)
+        self._cache: OrderedDict[tuple[StructuredKind, str], Compiled] = OrderedDict()  # under _cache_lock
+        self._cache_lock = threading.Lock()
+        self.hits = self.misses = 0  # lookups of the cache (under _cache_lock)
 
     @property
     def tokenizer(self) -> Any:
@@ -72,9 +74,29 @@ class GrammarCompiler:
         compiled one). Raises InvalidRequestError as `compile` does."""
         return self._compiled(so).start.deep_copy()
 
+    def compiles(self, so: StructuredOutput) -> bool:
+        """Whether `so` would be compiled now (it is not in the cache): what the
+        preprocessing workers' compile budget counts."""
+        with self._cache_lock:
+            return (so.kind, so.spec) not in self._cache
+
     def _compiled(self, so: StructuredOutput) -> Compiled:
-        """The cached compilation of a spec. Raises InvalidRequestError for a refused one."""
-        compiled = self._compile(so.kind, so.spec)
+        """The cached compilation of a spec (the GRAMMAR_CACHE most recently used are
+        kept). Raises InvalidRequestError for a refused one."""
+        key = (so.kind, so.spec)
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+        if compiled is None:
+            compiled = self._compile_uncached(so.kind, so.spec)  # (two threads may compile one spec at once)
+            with self._cache_lock:
+                self._cache[key] = compiled
+                while len(self._cache) > GRAMMAR_CACHE:
+                    self._cache.popitem(last=False)
         if compiled.error is not None:
             raise InvalidRequestError(compiled.error, so.kind.value)
         return compiled

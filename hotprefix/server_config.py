@@ -25,6 +25,8 @@ class AdmissionConfig:
     preprocess_timeout: float = flag(20.0, "seconds one request's chat template and tokenization may take (then 400)",
                                      group=G.LIMITS)
     preprocess_workers: int = 2
+    max_scoring_tokens: int = flag(16_384, "prompt tokens x n of a request asking for its prompt's logprobs "
+                                   "(prompt_logprobs, or echo with logprobs); above it a 400", group=G.LIMITS)
 
     def __post_init__(self) -> None:
         if self.max_num_queued_requests < 1:
@@ -33,6 +35,8 @@ class AdmissionConfig:
             raise ConfigError(f"--preprocess-timeout must be > 0, got {self.preprocess_timeout}")
         if self.preprocess_workers < 1:
             raise ConfigError(f"preprocess_workers must be >= 1, got {self.preprocess_workers}")
+        if self.max_scoring_tokens < 1:
+            raise ConfigError(f"--max-scoring-tokens must be >= 1, got {self.max_scoring_tokens}")
 
 
 # How long an idle HTTP keep-alive connection stays open, server and gateway. Longer than

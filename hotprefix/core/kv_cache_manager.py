@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
 from hotprefix.core.hashing import BlockHash, BlockHasher
 from hotprefix.core.kv_tiers import HostEntry, KVTiers
+from hotprefix.core.logprob_cache import PromptLogprobCache
 from hotprefix.core.request import Request
 from hotprefix.errors import PinError
 from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
@@ -68,6 +69,7 @@ class KVCacheManager:
         self._stats = PrefixCacheStats()
         self._evicted_seen = 0
         self.tiers = tiers if enable_caching else None  # host (and disk) below the pool
+        self.logprobs = PromptLogprobCache(block_size) if enable_caching else None  # a scoring request's hits
         self.persist_reused_only = persist_reused_only  # disk: only blocks hit again (see step_copies)
         self._reused: list[Block] = []  # blocks hit (pool or tier) by the step being scheduled
         if self.tiers is not None:
@@ -92,7 +94,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         self.update_hashes(request)
-        max_blocks = max_cached_blocks(request.num_tokens, self.block_size)
+        max_blocks = self.max_hit_blocks(request)
         hits: list[Block] = []
         for h in request.block_hashes[:max_blocks]:
             b = self.pool.lookup(h)
@@ -106,8 +108,15 @@ class KVCacheManager:
         KVTiers.extend), within the same cap; ([], False) without tiers."""
         if self.tiers is None:
             return [], False
-        max_blocks = max_cached_blocks(request.num_tokens, self.block_size)
-        return self.tiers.extend(request.block_hashes[num_device_hits:max_blocks])
+        return self.tiers.extend(request.block_hashes[num_device_hits:self.max_hit_blocks(request)])
+
+    def max_hit_blocks(self, request: Request) -> int:
+        """The most leading blocks a request may take from the cache (its hashes made):
+        its last token is always computed, and a request asking for its prompt's logprobs
+        takes a block only where the logprobs its positions give are known
+        (PromptLogprobCache.reach)."""
+        n = max_cached_blocks(request.num_tokens, self.block_size)
+        return self.logprobs.reach(request, n) if self.logprobs is not None else n
 
     def step_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, BlockHash]]]:
         """After scheduling a step: (pool block, host slot) copies for the blocks it
@@ -257,7 +266,10 @@ class KVCacheManager:
     # -- control and stats -------------------------------------------------------
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block, and the host tier's (the disk tier
-        stays: it is what survives restarts). Returns how many were dropped."""
+        stays: it is what survives restarts), and the kept prompt logprobs. Returns how
+        many blocks were dropped."""
+        if self.logprobs is not None:
+            self.logprobs.clear()
         return self.pool.reset_cache() + (self.tiers.host.clear() if self.tiers is not None else 0)
 
     def make_stats(self) -> PrefixCacheStats:

@@ -60,16 +60,24 @@ class Request:
     host_block_ids: list[int] = field(default_factory=list)  # KV swapped out to host memory
     # with sampling_params.prompt_logprobs: entry i is prompt token i's (None for the first, and until computed)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    tenant: str | None = None  # whose share of each step it takes (core/fairness.py); None: one shared tenant
+    # n > 1: the first sample, whose prompt this one waits for (it then starts from its cached blocks)
+    follows: Request | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
-    def reads_cache(self) -> bool:
-        """Whether its prompt may start from cached blocks: not when the prompt's own
-        logprobs are asked for (every prompt position must run through the model)."""
-        return self.prompt_logprobs is None
+    def waits_for_leader(self) -> bool:
+        """Whether the sample it follows is still computing the prompt they share."""
+        lead = self.follows
+        return lead is not None and not lead.status.finished and lead.num_computed_tokens < lead.num_prompt_tokens
+
+    def needs_prompt_logprob(self, position: int) -> bool:
+        """Whether prompt token `position`'s logprob is asked for and not yet recorded."""
+        lps = self.prompt_logprobs
+        return lps is not None and 0 < position < len(lps) and lps[position] is None
 
     def record_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
         """Prompt tokens first.. 's logprobs, computed by a step (again, after a

@@ -7,7 +7,14 @@ chunk and a decode token are the same thing here.
 Order within a step: running requests first (in admission order), then swapped
 ones coming back, then waiting ones (fcfs: arrival order; priority: lowest
 `priority` value first, ties by arrival). A waiting request starts from its
-longest cached prefix (see kv_cache_manager): only the uncached tokens run.
+longest cached prefix (see kv_cache_manager): only the uncached tokens run; a
+sample of n > 1 waits until the first sample has computed their prompt, then
+starts from its blocks.
+
+Between tenants (Request.tenant), each step's token budget and seats are shared
+fairly by weight (core/fairness.py): a request takes tokens only within its
+tenant's allowance for the step, and a tenant holding its share of seats is not
+admitted more; its queued requests are passed over, not waited for.
 
 Out of blocks while serving a running request: a victim is preempted among the
 running requests not yet scheduled in this step (fcfs: the last admitted;
@@ -25,10 +32,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Iterable
 
 from hotprefix.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from hotprefix.core.block_pool import IntegrityError
+from hotprefix.core.fairness import FairShares, Tenant
 from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.kv_tiers import Source, TierStats
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -96,6 +105,7 @@ class Scheduler:
         self._step_preemptions = 0
         self._last_tokens = (0, 0)
         self._device_hit_blocks = 0  # since the last make_stats
+        self.shares = FairShares(dict(config.tenant_weights))
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -149,9 +159,11 @@ class Scheduler:
         if self.kv.tiers is not None:
             self.kv.tiers.end_step()  # the runner made the last step's tier copies
         try:
+            self.shares.plan(self.config.token_budget, self.config.max_num_seqs, *self._demands())
             budget = self._schedule_running(out, self.config.token_budget)
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
+            self.shares.end_step()
             out.tier_offload, out.persist = self.kv.step_copies()
         except BaseException:
             self.kv.rollback()
@@ -163,11 +175,43 @@ class Scheduler:
         self._last_tokens = out.num_prefill_decode_tokens()
         return out
 
+    def _demands(self) -> tuple[Counter, Counter, Counter]:
+        """Per tenant: the tokens it could compute this step (running and swapped requests'
+        chunks, waiting ones' uncached prompts), the seats it could fill, the seats it holds.
+        A tenant's waiting requests are counted until they alone would fill the step."""
+        tokens: Counter[Tenant] = Counter()
+        seats: Counter[Tenant] = Counter()
+        budget, max_seqs = self.config.token_budget, self.config.max_num_seqs
+        for req in self.running + self.swapped:
+            tokens[req.tenant] += self._chunk(req, budget)
+            seats[req.tenant] += 1
+        held = Counter(r.tenant for r in self.running)
+        for req in self.waiting:
+            t = req.tenant
+            if req.waits_for_leader or (tokens[t] >= budget and seats[t] >= max_seqs):
+                continue
+            uncached = req.num_tokens - len(self.kv.get_computed_blocks(req)) * self.kv.block_size
+            tokens[t] += min(uncached, budget)
+            seats[t] += 1
+        return tokens, seats, held
+
+    def _cap(self, req: Request, budget: int) -> int:
+        """The most tokens the request may take now: the step's budget left, within its
+        tenant's allowance where prompts may be chunked (0: none this step)."""
+        left = self.shares.left(req.tenant)
+        if left <= 0:
+            return 0
+        return min(budget, left) if self.config.enable_chunked_prefill else budget
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            cap = self._cap(req, budget)
+            if cap == 0:  # its tenant's allowance is spent: it waits for the next step
+                i += 1
+                continue
+            n = self._chunk(req, cap)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self._victim(self.running[i:])
                 self._preempt(victim, out)
@@ -180,20 +224,24 @@ class Scheduler:
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.swapped[0]
-            n = self._chunk(req, budget)
+        for req in list(self.swapped):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cap = self._cap(req, budget)
+            if cap == 0 or not self.shares.may_seat(req.tenant):
+                continue
+            n = self._chunk(req, cap)
             held = len(req.host_block_ids)
             new = self.kv.allocate_slots(req, n)
             if new is None:
                 break
-            self.swapped.pop(0)
+            self.swapped.remove(req)
             out.swap_in.extend(zip(req.host_block_ids, self.kv.block_ids(req.request_id)[:held]))
             self._host_to_free.extend(req.host_block_ids)
             req.host_block_ids = []
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.requests.append(self._scheduled(req, n))
+            out.requests.append(self._scheduled(req, n, seated=True))
             budget -= n
         return budget
 
@@ -203,7 +251,10 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            n = self._admit(req, out, budget)
+            cap = self._cap(req, budget)
+            if cap == 0 or req.waits_for_leader or not self.shares.may_seat(req.tenant):
+                continue  # its tenant's share is taken, or its prompt is being computed by its first sample
+            n = self._admit(req, out, cap)
             if n is None:
                 return
             budget -= n
@@ -212,8 +263,8 @@ class Scheduler:
         """Start a waiting request from its longest cached prefix (pool, then tiers):
         the tokens scheduled, 0 while its tier blocks are loading, None if it does
         not fit (nothing changed)."""
-        hits = self.kv.get_computed_blocks(req) if req.reads_cache else []  # a waiting request holds no blocks
-        run, loading = self.kv.tier_run(req, len(hits)) if req.reads_cache else ([], False)
+        hits = self.kv.get_computed_blocks(req)  # a waiting request holds no blocks
+        run, loading = self.kv.tier_run(req, len(hits))
         if loading:
             return 0
         hit_tokens = (len(hits) + len(run)) * self.kv.block_size
@@ -227,6 +278,8 @@ class Scheduler:
         first = req.num_cached_tokens is None  # stats count a request's first lookup only
         if run:
             out.tier_load.extend(self.kv.tiers.use(run, [b.block_id for b in new[:len(run)]], first))
+        if req.prompt_logprobs is not None and self.kv.logprobs is not None:
+            self.kv.logprobs.fill(req, len(hits) + len(run))
         self.waiting.remove(req)
         if first:
             req.num_cached_tokens = hit_tokens
@@ -234,10 +287,12 @@ class Scheduler:
             self._device_hit_blocks += len(hits)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        out.requests.append(self._scheduled(req, n))
+        out.requests.append(self._scheduled(req, n, seated=True))
         return n
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, seated: bool = False) -> ScheduledRequest:
+        """The request computes n more tokens this step (taken from its tenant's allowance)."""
+        self.shares.take(req.tenant, n, seated)
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
         req.num_computed_tokens += n
@@ -286,7 +341,10 @@ class Scheduler:
         for sr in sched.requests:
             req = self.requests.get(sr.request_id)
             if req is not None and sr.request_id in result.prompt_logprobs:
-                req.record_prompt_logprobs(*result.prompt_logprobs[sr.request_id])
+                first, entries = result.prompt_logprobs[sr.request_id]
+                req.record_prompt_logprobs(first, entries)
+                if self.kv.logprobs is not None:
+                    self.kv.logprobs.store(req, first, len(entries))
             if req is None or not sr.sample:
                 continue
             if req.pin_prefix and not req.pinned:

@@ -90,20 +90,27 @@ class RequestPreparer:
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens "
                                       "left in the context after the prompt", "min_tokens")
-        children = [self._child(request_id, ids, params, options, i, max_tokens) for i in range(params.n)]
+        children: list[Child] = []
+        for i in range(params.n):
+            children.append(self._child(request_id, ids, params, options, i, max_tokens,
+                                        children[0].request if children else None))
         return PreparedRequest(request_id, text, ids, children, time.monotonic())
 
     def _child(self, request_id: str, ids: list[int], params: SamplingParams, options: RequestOptions, i: int,
-               max_tokens: int) -> Child:
-        """Sample i of n (the first pins the prefix, if asked). Raises InvalidRequestError."""
+               max_tokens: int, first: Request | None) -> Child:
+        """Sample i of n. The first pins the prefix, if asked, and computes the prompt's
+        logprobs, if asked; the others follow it (they start from its cached blocks once it
+        has computed the prompt). Raises InvalidRequestError."""
         try:
             cp = replace(params.for_child(i) if params.n > 1 else params, max_tokens=max_tokens)
+            if first is not None:
+                cp = replace(cp, prompt_logprobs=None)  # the request's prompt logprobs are the first sample's
         except ValueError as e:  # SamplingParams' own checks
             raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
         cid = request_id if params.n == 1 else f"{request_id}#{i}"
         req = Request(cid, ids, cp, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                       priority=options.priority, cache_scope=options.cache_scope,
-                      pin_prefix=options.pin_prefix and i == 0)
+                      pin_prefix=options.pin_prefix and i == 0, tenant=options.tenant, follows=first)
         return Child(req, IncrementalDetokenizer(self.encoder, ids, cp), CompletionOutput(i))
 
     def _truncate(self, ids: list[int], k: int, params: SamplingParams) -> list[int]:

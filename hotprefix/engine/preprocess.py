@@ -4,7 +4,9 @@ off the event loop, within a time budget, each tenant within its share of the wo
 Every worker thread works on its own tokenizer copy (tokenizers/prompt_encoder.py),
 made when the pool starts, so no request pays for one. The shares live on the event
 loop: a tenant (RequestOptions.tenant) holds at most half of the workers, so that one
-tenant's slow requests (constraints to compile) never hold every worker.
+tenant's slow requests (constraints to compile) never hold every worker; and at most all
+workers but one compile a new output constraint at once, whoever sends them, so that
+many tenants' new constraints never hold every worker either.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ if TYPE_CHECKING:
 
 
 class TenantShares:
-    """How many workers each tenant holds now (event loop only; `busy` has no entry for a
-    tenant that holds none)."""
+    """How many workers each tenant holds now, and how many compile a new output constraint
+    (event loop only; `busy` has no entry for a tenant that holds none)."""
 
     def __init__(self, workers: int, timeout: float) -> None:
         self.workers = workers
         self.timeout = timeout
         self.busy: dict[str, int] = {}
+        self.compiling = 0
+        self.compile_cap = max(1, workers - 1)  # the global compile budget: one worker stays for the rest
         self._freed = asyncio.Condition()
 
     def cap(self, tenant: str | None) -> int:
@@ -40,32 +44,45 @@ class TenantShares:
         for a request that is no tenant's."""
         return max(1, self.workers // 2) if tenant else self.workers
 
-    async def take(self, tenant: str | None) -> Callable[[], None] | None:
-        """Wait for a worker within the tenant's share and count it; returns what frees it
-        (None where the share is every worker: nothing to count, the request just queues
-        for a thread). Raises InvalidRequestError when the wait outlasts --preprocess-timeout."""
-        cap = self.cap(tenant)
-        if tenant is None or cap >= self.workers:
+    def _blocked(self, tenant: str | None, counted: bool, compiles: bool) -> str | None:
+        """Why the request may not take a worker now (None: it may)."""
+        if counted and self.busy.get(tenant, 0) >= self.cap(tenant):
+            return "this tenant's other requests held its share of the preprocessing workers"
+        if compiles and self.compiling >= self.compile_cap:
+            return "other requests' new output constraints held the workers that may compile one"
+        return None
+
+    async def take(self, tenant: str | None, compiles: bool = False) -> Callable[[], None] | None:
+        """Wait for a worker within the tenant's share (and, for a request whose output
+        constraint is not compiled yet, within the compile budget: at most all workers but
+        one compile at once) and count it; returns what frees it (None where nothing is
+        counted: the request just queues for a thread). Raises InvalidRequestError when the
+        wait outlasts --preprocess-timeout."""
+        counted = tenant is not None and self.cap(tenant) < self.workers
+        if not counted and not compiles:
             return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         async with self._freed:
-            while self.busy.get(tenant, 0) >= cap:
+            while (why := self._blocked(tenant, counted, compiles)) is not None:
                 try:
                     await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
-                    raise InvalidRequestError(f"this tenant's other requests held its share of the preprocessing "
-                                              f"workers for {self.timeout:g}s (--preprocess-timeout); send fewer "
+                    raise InvalidRequestError(f"{why} for {self.timeout:g}s (--preprocess-timeout); send fewer "
                                               "at once") from None
-            self.busy[tenant] = self.busy.get(tenant, 0) + 1
-        return lambda: self.give(tenant)
+            if counted:
+                self.busy[tenant] = self.busy.get(tenant, 0) + 1
+            self.compiling += compiles
+        return lambda: self.give(tenant if counted else None, compiles)
 
-    def give(self, tenant: str) -> None:
-        """The tenant's worker is free again (when its thread finishes, even after its
-        request timed out); wakes the waiters."""
-        left = self.busy.pop(tenant) - 1
-        if left:
-            self.busy[tenant] = left
+    def give(self, tenant: str | None, compiled: bool = False) -> None:
+        """The tenant's worker (and its compile slot) is free again (when its thread
+        finishes, even after its request timed out); wakes the waiters."""
+        if tenant is not None:
+            left = self.busy.pop(tenant) - 1
+            if left:
+                self.busy[tenant] = left
+        self.compiling -= compiled
 
         async def notify() -> None:
             async with self._freed:
@@ -81,6 +98,7 @@ class Preprocessor:
     def __init__(self, engine: LLMEngine, limits: AdmissionConfig) -> None:
         self._engine = engine
         self._timeout = limits.preprocess_timeout
+        self._max_scoring = limits.max_scoring_tokens
         self._pool = ThreadPoolExecutor(limits.preprocess_workers, thread_name_prefix="hotprefix-prep")
         self.shares = TenantShares(limits.preprocess_workers, limits.preprocess_timeout)
         self._copy_tokenizers(limits.preprocess_workers)
@@ -109,8 +127,24 @@ class Preprocessor:
             return [self._engine.prepare_request(f"{base_id}-{i}", self.render(p), params, options)
                     for i, p in enumerate(prompts)]
 
-        release = await self.shares.take(options.tenant)
-        return await self.run(work, release)
+        so = params.structured
+        compiles = so is not None and so.grammar is None and self._engine.grammars.compiles(so)
+        release = await self.shares.take(options.tenant, compiles)
+        states = await self.run(work, release)
+        self._check_scoring(states, params)
+        return states
+
+    def _check_scoring(self, states: list[PreparedRequest], params: SamplingParams) -> None:
+        """A request asking for its prompts' logprobs carries them in each of its n choices:
+        its prompt tokens times n stay within --max-scoring-tokens. Raises InvalidRequestError."""
+        if params.prompt_logprobs is None:
+            return
+        tokens = sum(len(st.prompt_token_ids) for st in states)
+        if tokens * params.n > self._max_scoring:
+            raise InvalidRequestError(
+                f"prompt logprobs over {tokens} prompt tokens x n={params.n} = {tokens * params.n} tokens is more "
+                f"than --max-scoring-tokens {self._max_scoring}; send a shorter prompt or a smaller n",
+                "n" if params.n > 1 else "prompt")
 
     def render(self, prompt: Prompt) -> str | list[int]:
         """A prompt as the engine takes it: a conversation's token ids, else as given. Raises

@@ -23,7 +23,7 @@ from hotprefix.model.kernels.build import cpu_vector_flags, packable, resolve_ma
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.loader import LoadedModel
-from hotprefix.model.sampler import Sampler, SampleRow, top_logprobs
+from hotprefix.model.sampler import Sampler, SampleRow, score_rows
 from hotprefix.model.structured import GrammarMatchers, StepMasks
 
 __all__ = ["ALL_PATHS", "AttentionPaths", "ModelRunner"]
@@ -76,6 +76,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
+        self.num_prompt_logprob_rows_total = 0  # prompt positions scored (prompt logprobs), for tests and stats
         self.paths = ALL_PATHS  # the paths execute() lets a step take (benchmarks compare them)
 
     def _log_weights(self, loaded: LoadedModel, blocks: bool, int8: bool, served: int) -> None:
@@ -264,8 +265,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """The prompt tokens' logprobs of the requests that ask for them: position p's
-        logits score prompt token p + 1 (raw logprobs, as vLLM reports them), in slices
-        of PROMPT_LOGPROB_ROWS rows. hidden: [T, E]."""
+        logits score prompt token p + 1 (raw logprobs, as vLLM reports them): the target's
+        logprob and rank over the full vocabulary's log-sum-exp, and the top k where k > 0
+        (sampler.score_rows), in slices of PROMPT_LOGPROB_ROWS rows of one request. hidden: [T, E]."""
         end = 0
         for r in sched.requests:
             start, end = end, end + len(r.token_ids)
@@ -276,9 +278,9 @@ class ModelRunner:
             entries = []
             for a in range(0, rows, PROMPT_LOGPROB_ROWS):
                 b = min(rows, a + PROMPT_LOGPROB_ROWS)
-                lps = torch.log_softmax(self.model.compute_logits(hidden[start + a:start + b]).float(), -1)  # [b-a, V]
-                targets = r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b]
-                entries += [top_logprobs(lps[i], t, k) for i, t in enumerate(targets)]
+                logits = self.model.compute_logits(hidden[start + a:start + b]).float()  # [b-a, V]
+                entries += score_rows(logits, r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b], k)
+            self.num_prompt_logprob_rows_total += rows
             out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
 
     def _sample_alone(self, last: torch.Tensor, rids: list[str], rows: list[SampleRow], out: ModelRunnerOutput

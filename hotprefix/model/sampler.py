@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hotprefix.model.kernels import ops
+from hotprefix.model.kernels.build import library
 from hotprefix.sampling_params import Logprob, SamplingParams, TokenLogprobs
 
 
@@ -88,6 +90,27 @@ def top_logprobs(raw_logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob
         vals, ids = torch.topk(raw_logprobs, k)
         top = [Logprob(int(t), float(v), j + 1) for j, (v, t) in enumerate(zip(vals, ids))]
     return TokenLogprobs(Logprob(token, lp, rank), top)
+
+
+def score_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Each row's target token: its logprob (its logit less the row's log-sum-exp over the
+    whole vocabulary), its rank, and the row's k most likely tokens (none for k=0), all
+    rows at once. Each value depends on its own row only: on the CPU with the C library
+    (kernels/ops.score_rows, one pass per row) the same bits whatever the number of rows.
+    logits: [R, V] float32, one row per target."""
+    t = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    if logits.device.type == "cpu" and library() is not None:
+        lp, rank, top_ids, top_lp = ops.score_rows(logits, t, k)
+    else:
+        lse = torch.logsumexp(logits, -1, keepdim=True)  # [R, 1]
+        chosen = logits.gather(1, t[:, None])  # [R, 1]
+        lp, rank = (chosen - lse)[:, 0], (logits > chosen).sum(-1) + 1
+        top, top_ids = torch.topk(logits, k, -1)  # [R, k]
+        top_lp = top - lse
+    tops = [[Logprob(a, b, j + 1) for j, (a, b) in enumerate(zip(ids, vals))]
+            for ids, vals in zip(top_ids.tolist(), top_lp.tolist())]
+    return [TokenLogprobs(Logprob(tok, lp_, r), top) for tok, lp_, r, top in zip(targets, lp.tolist(), rank.tolist(),
+                                                                                  tops)]
 
 
 class Sampler:

@@ -28,6 +28,7 @@ from hotprefix.server.request_log import KVShape, RequestLog
 from hotprefix.server.routes import ServerContext, cache_router, openai_router, ops_router, tokens_router
 from hotprefix.server.serving import Serving, ServingOptions
 from hotprefix.server.stats_log import StatsLogger
+from hotprefix.server.tenancy import ClientTenant
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     app.include_router(dashboard_router(dash))
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes, on_reject=metrics.rejected)
     app.add_middleware(ApiKeyGuard, api_key=cfg.api_key, on_reject=metrics.rejected)
+    app.add_middleware(ClientTenant)
     if cfg.allowed_origins:  # outermost: preflights need no key
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                            allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),

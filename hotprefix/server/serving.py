@@ -44,6 +44,7 @@ from hotprefix.server.protocol import (
 from hotprefix.server.request_log import LogRow, LogStatus, RequestLog
 from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
 from hotprefix.server.results import Answer, Choices, Done, Failed, Step, StreamEvent, Usage
+from hotprefix.server.tenancy import tenant_of
 from hotprefix.server.tool_parsers import PARSERS
 
 log = logging.getLogger("hotprefix.requests")
@@ -87,14 +88,6 @@ class StreamWriter(Protocol):
 
     def write(self, ev: StreamEvent) -> list[str]:
         ...
-
-
-def tenant_of(scope: CacheScope) -> str | None:
-    """Whose share of the preprocessing workers a request takes (RequestOptions.tenant):
-    the owner of its cache salt. The gateway gives each tenant its own salt
-    (gateway/keys.tenant_salt), so the salt names the tenant; a request without one is
-    no tenant's."""
-    return scope.salt
 
 
 def failure(out: RequestOutput) -> RequestFailedError | None:

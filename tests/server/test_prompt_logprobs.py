@@ -1,7 +1,7 @@
 """Prompt logprobs, as loglikelihood evaluation (lm-evaluation-harness's
 local-completions: `echo`, `logprobs`, `max_tokens: 0`) and vLLM's `prompt_logprobs`
 use them: each prompt token's logprob against transformers' on the tiny model, over
-chunked prefill, never from the prefix cache (every position must be computed)."""
+chunked prefill; from the prefix cache only with the logprobs kept with its blocks."""
 
 from __future__ import annotations
 
@@ -35,13 +35,18 @@ def test_echo_with_max_tokens_0_is_the_prompt_with_its_logprobs(srv, reference):
     ids, rows = reference
     assert len(ids) > 16  # several chunks of 8
     client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0)
-    for _ in range(2):  # the second time the prompt's blocks are cached, and must be computed anyway
+    srv.on_engine(lambda e: e.reset_prefix_cache())
+    seen = []
+    # the second time the prompt's blocks are cached with the logprobs their positions give: every full
+    # block is a hit (the last token is computed), and the logprobs are the same bits
+    for cached in (0, (len(ids) - 1) // 4 * 4):
         r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2,
                                       temperature=0)
         c = r.choices[0]
         assert c.text == PROMPT and c.finish_reason == "length"
-        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens_details.cached_tokens == 0
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens_details.cached_tokens == cached
         lp = c.logprobs
+        seen.append((lp.token_logprobs, lp.top_logprobs))
         assert lp.tokens == [srv.async_engine.token_text(t) for t in ids] and lp.token_logprobs[0] is None
         want = rows[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         got = torch.tensor(lp.token_logprobs[1:])
@@ -49,6 +54,7 @@ def test_echo_with_max_tokens_0_is_the_prompt_with_its_logprobs(srv, reference):
         for pos in (1, len(ids) - 1):  # the two most likely next tokens, as transformers ranks them
             top = torch.topk(rows[pos - 1], 2)
             assert [srv.async_engine.token_text(int(t)) for t in top.indices] == list(lp.top_logprobs[pos])
+    assert seen[0] == seen[1]
     srv.check_drained()
 
 

@@ -133,17 +133,24 @@ def test_eos_and_stop_tokens_finish():
 
 
 def run_blast(seed: int, num_blocks: int, block_size: int, budget: int, max_seqs: int, n_requests: int,
-              policy: str = "fcfs", mode: str = "recompute", host_blocks: int = 0, threshold: int = 0) -> None:
+              policy: str = "fcfs", mode: str = "recompute", host_blocks: int = 0, threshold: int = 0,
+              tenants: int = 1) -> None:
+    """Random arrivals and aborts (with tenants > 1: of that many weighted tenants, some
+    requests following an earlier one's prompt as n > 1 samples do); integrity every step."""
     rng = random.Random(seed)
     s = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_tokens=budget, max_seqs=max_seqs,
                        host_blocks=host_blocks, scheduling_policy=policy, preemption_mode=mode,
-                       long_prefill_token_threshold=threshold)
+                       long_prefill_token_threshold=threshold,
+                       tenant_weights=tuple((f"t{i}", 1.0 + i) for i in range(tenants)))
     cap = num_blocks * block_size
     pending = []
     for i in range(n_requests):
         p = rng.randint(1, max(1, cap // 2))
-        pending.append(make_request(f"r{i}", p, max_tokens=rng.randint(1, max(1, cap - p)),
-                                    priority=rng.randint(0, 3)))
+        lead = pending[-1] if tenants > 1 and pending and rng.random() < 0.3 else None
+        r = make_request(f"r{i}", p, max_tokens=rng.randint(1, max(1, cap - p)), priority=rng.randint(0, 3),
+                         prompt=lead.prompt_token_ids if lead is not None else None)
+        r.tenant, r.follows = (f"t{rng.randrange(tenants)}" if tenants > 1 else None), lead
+        pending.append(r)
     finished: set[str] = set()
     aborted: set[str] = set()
     steps_alive: dict[str, int] = {}
@@ -204,9 +211,10 @@ def test_priority_victim_is_never_a_request_already_scheduled_this_step():
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(2, 20), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 40), max_seqs=st.integers(1, 6), n=st.integers(1, 15),
        policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
-       host_blocks=st.integers(0, 10), threshold=st.sampled_from([0, 0, 3, 7]))
-def test_hypothesis_blast(seed, num_blocks, block_size, budget, max_seqs, n, policy, mode, host_blocks, threshold):
-    run_blast(seed, num_blocks, block_size, budget, max_seqs, n, policy, mode, host_blocks, threshold)
+       host_blocks=st.integers(0, 10), threshold=st.sampled_from([0, 0, 3, 7]), tenants=st.integers(1, 3))
+def test_hypothesis_blast(seed, num_blocks, block_size, budget, max_seqs, n, policy, mode, host_blocks, threshold,
+                          tenants):
+    run_blast(seed, num_blocks, block_size, budget, max_seqs, n, policy, mode, host_blocks, threshold, tenants)
 
 
 def test_priority_policy_admits_lowest_value_first_ties_by_arrival():

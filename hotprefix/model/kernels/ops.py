@@ -103,6 +103,25 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: Lib = None
     return x
 
 
+def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int, lib: Lib = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits [R, V] float32 (CPU): the target's (targets [R] int64) logprob
+    over the row's log-sum-exp and its rank (1 + the logits above it), and the k largest
+    logits' token ids and logprobs, largest first -> (lp [R], rank [R], top_ids [R, k],
+    top_lp [R, k]). Each row's result is the same bits however many rows come with it."""
+    lib = need(lib)
+    _f32_cpu("score_rows", logits)
+    logits, targets = logits.contiguous(), targets.to(torch.int64).contiguous()
+    r, v = logits.shape
+    if targets.shape != (r,) or not 0 <= k <= v or (r and not 0 <= int(targets.min()) <= int(targets.max()) < v):
+        raise ValueError(f"score_rows: {r} rows of {v} logits, targets {tuple(targets.shape)}, k={k}")
+    lp, rank = torch.empty(r, dtype=torch.float32), torch.empty(r, dtype=torch.int64)
+    top_ids, top_lp = torch.empty(r, k, dtype=torch.int64), torch.empty(r, k, dtype=torch.float32)
+    lib.hp_score_rows(logits.data_ptr(), r, v, targets.data_ptr(), k, lp.data_ptr(), rank.data_ptr(),
+                      top_ids.data_ptr(), top_lp.data_ptr(), torch.get_num_threads())
+    return lp, rank, top_ids, top_lp
+
+
 def rows_dense(*ts: torch.Tensor) -> bool:
     """Each tensor [T, NH, D] on the CPU with each row's NH * D values contiguous (rows may be apart)."""
     return all(t.device.type == "cpu" and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in ts)

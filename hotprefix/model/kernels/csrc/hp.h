@@ -10,6 +10,7 @@
  *   attention.c  paged attention over the KV pool
  *   ops.c        RMSNorm, RoPE, silu * up, KV writes (ops.h: their row functions)
  *   decode.c     every decoder layer of a decode step in one call
+ *   score.c      prompt logprobs: each row's target logprob, rank and top k
  */
 #ifndef HP_H
 #define HP_H

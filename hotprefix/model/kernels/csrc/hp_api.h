@@ -85,6 +85,10 @@ void hp_kv_write_fp8(uint8_t *kpool, uint8_t *vpool, int64_t head_stride, const 
 void hp_rmsnorm(const float *x, int M, int E, int64_t x_row, const float *w, float eps, float *out, int nthreads);
 void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, const float *sin_, int nthreads);
 
+/* prompt logprobs: each row's target logprob, rank and top k over the full vocabulary (score.c) */
+void hp_score_rows(const float *logits, int R, int V, const int64_t *targets, int k, float *lp, int64_t *rank,
+                   int64_t *top_ids, float *top_lp, int nthreads);
+
 /* the fused decode step and the struct layouts (decode.c) */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads);
 int hp_struct_layout(int which, int64_t *out);
