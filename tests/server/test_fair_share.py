@@ -233,7 +233,8 @@ def test_new_output_constraints_of_many_tenants_leave_a_worker_to_a_bystander(sr
             assert len(inside) == 1 and not any(f.done() for f in burst)  # one compile, held; none answered
             release.set()
             answers = [f.result() for f in burst]
-            assert [a.status_code for a in answers] == [200] * 8, [a.json()["error"]["message"][:150] for a in answers if a.status_code != 200]
+            errors = [a.json()["error"]["message"][:150] for a in answers if a.status_code != 200]
+            assert [a.status_code for a in answers] == [200] * 8, errors
     finally:
         grammars._compile_uncached = real
         release.set()
