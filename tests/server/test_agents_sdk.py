@@ -1,8 +1,8 @@
 """The OpenAI Agents SDK, unchanged, against `hotprefix serve`: its default model class
 (OpenAIResponsesModel, over /v1/responses) runs a one-tool agent, streamed and not.
 
-Greedy (temperature 0) and the call forced (tool_choice "required"), so each run is a
-function of its input: the tool is called once with schema-valid arguments, the run
+Greedy (temperature 0) and one call forced (tool_choice "required", parallel_tool_calls
+false), so each run is a function of its input: the tool is called once with schema-valid arguments, the run
 stops on it, and a second agent continuing the conversation (the function_call and its
 output as input items) answers exactly what the same conversation gives as a chat
 completion."""
@@ -41,7 +41,8 @@ def weather_agent(calls: list[str]) -> Agent:
 
     return Agent(name="forecaster", instructions="You answer questions about the weather.", tools=[get_weather],
                  model="tiny", tool_use_behavior="stop_on_first_tool",
-                 model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+                 model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                              max_tokens=60))
 
 
 def run_config(url: str) -> RunConfig:
