@@ -170,6 +170,18 @@ class Declared:
                 "metavar": f.metavar or (f.unit.metavar if f.unit else None)}
 
 
+class DefaultsOnce(argparse.HelpFormatter):
+    """--help for a parser whose arguments are not declared here (the gateway's): each
+    default said once, from the argument, unless its help already says its default or it
+    has none worth saying (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 class Switch(argparse.Action):
     """A switch given on (True: its names) or off (False: `off`, e.g. --no-X, --disable-X)."""
 

@@ -5,7 +5,8 @@ forward, relay the answer, end it exactly once.
 What a request becomes on its way to a backend (see tenant_api):
 - a new body built from the allow-listed fields the client set, with the tenant's
   prompt in force (chat: first, the client's system/developer messages dropped;
-  completions: before each prompt) and an explicit `max_tokens`: the client's (or
+  completions: before each prompt; Responses: first, as the operator's instructions,
+  responses_proxy.py) and an explicit `max_tokens` (Responses: `max_output_tokens`): the client's (or
   --default-max-tokens), cut to the key's remaining token budget and to the
   backend's max_model_len;
 - `cache_salt` is the tenant's (HMAC of the gateway secret). Private prompts are
