@@ -115,3 +115,4 @@ def test_a_server_started_with_the_whole_list(tiny_llama):
         out = stop_process(proc)
     for name in named_in(line):
         assert f"{name}" in out and "accepted, no effect here" in out, name
+    assert "--enforce-eager: accepted, no effect here (CUDA graphs are captured on CUDA only" in out  # (a CPU)

@@ -17,19 +17,10 @@ import pytest
 from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 from agents.models.openai_provider import OpenAIProvider
 
-from hotprefix.model.loader import default_model_path
-from tests.server.conftest import start_server
+from tests.server.test_responses_api import srv  # noqa: F401 - the default model's server (a fixture)
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the weather in Oslo?"
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = start_server(default_model_path(), num_blocks_override=512, max_model_len=2048,
-                     quantized_matmul="float32")  # token-identical with and without cached prefixes
-    yield s
-    s.stop()
 
 
 def weather_agent(calls: list[str]) -> Agent:
@@ -61,7 +52,7 @@ async def _run(url: str, stream: bool) -> tuple[list[str], object, list[str]]:
     return calls, result, kinds
 
 
-def test_a_one_tool_agent_runs_streamed_and_not(srv):
+def test_a_one_tool_agent_runs_streamed_and_not(srv):  # noqa: F811
     calls, result, _ = asyncio.run(_run(srv.v1, stream=False))
     (city,) = calls
     assert city and result.final_output == f"12 C and sunny in {city}"
@@ -71,7 +62,7 @@ def test_a_one_tool_agent_runs_streamed_and_not(srv):
     srv.check_drained()
 
 
-def test_a_second_agent_continues_from_the_tool_output_as_chat_would(srv):
+def test_a_second_agent_continues_from_the_tool_output_as_chat_would(srv):  # noqa: F811
     calls, result, _ = asyncio.run(_run(srv.v1, stream=False))
     writer = Agent(name="writer", instructions="Tell the user the weather in one sentence.", model="tiny",
                    model_settings=ModelSettings(temperature=0, max_tokens=16))
