@@ -1,7 +1,7 @@
 """Cold vs warm time to first token on a long shared prefix, in-process.
 
 A 1,000-token prefix plus a 30-token question: one cold request, then warm
-requests with new questions (BENCHMARKS.md's `ttft` shape). TTFT here is the
+requests with new questions (the `ttft` shape of docs/benchmarks.md). TTFT here is the
 time from add_request to the first sampled token, through the engine's step loop.
 
     .venv/bin/python benchmarks/prefix_ttft.py [--model FILE.gguf] [--warm 5] [--json out.json]

@@ -18,7 +18,7 @@ from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.flags import add_flags, build, flag, given
 from hotprefix.sampling_params import SamplingParams
 from hotprefix.server_config import TOOL_CALL_PARSERS as TOOL_CALL_PARSERS  # (re-exported)
-from hotprefix.vllm_flags import ForeignFlags, check_foreign, expand_config
+from hotprefix.vllm_flags import ForeignFlags, check_foreign, expand_config, inert_lines
 
 _SAMPLING = SamplingParams()  # generate's defaults are the API's, but max_tokens
 
@@ -75,9 +75,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine_config, server_config = engine_config_from_args(a), server_config_from_args(a)
     t0 = time.monotonic()
     log.info("starting: importing torch and the server")
-    from hotprefix.server.launcher import serve
+    from hotprefix.server.launcher import runs_on_cpu, serve
 
     log.info("imported in %.1fs", time.monotonic() - t0)
+    for line in inert_lines(a, engine_config, runs_on_cpu(engine_config)):
+        log.info(line)
     serve(engine_config, server_config)
     return 0
 
@@ -159,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hotprefix: error: {e}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage (argparse alone prints the top-level one), then exit 2
+        subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here

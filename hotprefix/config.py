@@ -21,8 +21,9 @@ from hotprefix.flags import parse_size as parse_size  # (re-exported: where call
 from hotprefix.server_config import KEEP_ALIVE_S as KEEP_ALIVE_S
 from hotprefix.server_config import AdmissionConfig as AdmissionConfig
 from hotprefix.server_config import ServerConfig as ServerConfig
-from hotprefix.vllm_flags import DTYPE_ALIASES, human_int
+from hotprefix.vllm_flags import DTYPE_ALIASES, Inert, human_int, on_cpu
 
+NO_GRAPHS = "CUDA graphs are captured on CUDA only: on a CPU every step runs eagerly"
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -165,11 +166,12 @@ class ModelConfig:
         AttentionBackend.AUTO, "how attention reads the paged KV: triton (kernels, CUDA), torch (gather + SDPA), cpu "
         "(C kernels); auto = triton on CUDA when installed, cpu on the CPU", group=G.MODEL)
     enforce_eager: bool = flag(False, "run decode steps eagerly instead of replaying CUDA graphs (triton backend on "
-                               "CUDA)", group=G.MODEL)
+                               "CUDA)", group=G.MODEL, negatable=True, rule=Inert(NO_GRAPHS, on_cpu))
     cuda_graph_sizes: tuple[int, ...] = flag(
         (), "decode batch sizes captured as CUDA graphs (a step pads up to the next one): 1 2 4 8, 1,2,4,8 or "
         "[1, 2, 4]", group=G.MODEL, nargs="+", metavar="N", unit=Unit(_graph_sizes),
-        shown="1, 2, 4 and every multiple of 8 up to --max-num-seqs")
+        shown="1, 2, 4 and every multiple of 8 up to --max-num-seqs",
+        names=("--cuda-graph-sizes", "--cudagraph-capture-sizes"), rule=Inert(NO_GRAPHS, on_cpu))
     tensor_parallel_size: int = flag(1, "must be 1: one engine per device (run several behind `hotprefix gateway`)",
                                      group=G.MODEL, names=("-tp", "--tensor-parallel-size"))
 
@@ -212,16 +214,22 @@ class CacheConfig:
                                        names=("--kv-cache-memory", "--kv-cache-memory-bytes"), unit=SIZE,
                                        shown="1GiB")
     gpu_memory_utilization: float = flag(0.9, "share of GPU memory for weights, activations and KV (CUDA only)",
-                                         group=G.MODEL)
+                                         group=G.MODEL,
+                                         names=("--gpu-memory-utilization", "--device-memory-utilization"),
+                                         rule=Inert("on a CPU the KV pool takes --kv-cache-memory (or what the host's "
+                                                    "free memory allows), the weights what they are", on_cpu))
     num_blocks_override: int | None = flag(None, "fix the number of KV blocks (for testing)", group=G.MODEL,
                                            names=("--num-gpu-blocks-override",))
     enable_prefix_caching: bool = flag(True, "share the KV blocks of common prompt prefixes between requests",
-                                       group=G.MODEL, negatable=True)
+                                       group=G.MODEL, negatable=True, inverse=True)
     prefix_caching_hash_algo: str = flag("sha256", "block hash: sha256 (same on every server) or xxhash (faster, "
                                          "seeded per process)", group=G.MODEL, choices=("sha256", "xxhash"))
     max_pinned_fraction: float = flag(0.2, "the most of the KV pool that pinned prefixes may hold", group=G.MODEL)
     swap_space: int = flag(4 << 30, "GiB of host memory for --preemption-mode swap (allocated only in that mode)",
-                           group=G.MODEL, unit=GIB)
+                           group=G.MODEL, unit=GIB,
+                           rule=Inert("host memory for --preemption-mode swap only: the default, recompute, "
+                                      "allocates none", lambda cfg, _cpu: cfg.scheduler.preemption_mode
+                                      is PreemptionMode.RECOMPUTE))
     kv_offloading_size: int = flag(0, "GiB of host memory for a KV tier below the pool: evicted blocks go there; "
                                    "0 = off", group=G.MODEL, unit=GIB)
     kv_disk_dir: str | None = flag(None, "a directory for a disk KV tier: computed blocks are written behind, and a "
@@ -279,7 +287,7 @@ class SchedulerConfig:
         None, "token budget of one step", group=G.SCHEDULER,
         shown=f"{DEFAULT_BATCHED_TOKENS}; without chunked prefill max({DEFAULT_BATCHED_TOKENS}, --max-model-len)")
     enable_chunked_prefill: bool = flag(True, "split long prompts over several steps within the token budget",
-                                        group=G.SCHEDULER, negatable=True)
+                                        group=G.SCHEDULER, negatable=True, inverse=True)
     scheduling_policy: SchedulingPolicy = flag(SchedulingPolicy.FCFS, "fcfs: arrival order; priority: lowest request "
                                                "`priority` first, ties by arrival", group=G.SCHEDULER)
     long_prefill_token_threshold: int = flag(0, "if > 0, the most tokens one request computes in a step (long "

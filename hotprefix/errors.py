@@ -20,6 +20,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class NotFoundError(InvalidRequestError):
+    """The request names something not kept here, or not its own (HTTP 404)."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus requested output) does not fit the model's context."""
 

@@ -41,8 +41,13 @@ class FlagGroup(str, Enum):
     SERVER = "server"
     LIMITS = "limits (what one request may ask for)"
     HTTP = "HTTP (vLLM's flags)"
-    FOREIGN = ("vLLM's flags with no effect here (each named at start-up with why; a value that would change "
-               "results is refused)")
+    FOREIGN = "vLLM's other flags"
+
+
+GROUP_TEXT = {FlagGroup.FOREIGN: (
+    "Every other flag of `vllm serve` (vLLM 0.32 and 0.33, in each of its spellings) is accepted and not listed "
+    "here: each one given is named at start-up with why it has no effect on this engine, and a value that would "
+    "change results is refused with why (docs/cli.md).")}
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,11 @@ class Flag:
     command line's text (default: int or float as the field is, unless a unit converts it);
     nargs / repeat: the flag takes several values / may be given several times; shown: the
     default as --help says it where the field's own default does not ("" hides it); negate:
-    a --disable-X switch that turns a True field off; negatable: --X and --no-X; env: the
-    environment variable that gives the value when the flag is not given; rule: what else a
-    module knows about the flag (vllm_flags: why it has no effect here)."""
+    a --disable-X switch that turns a True field off; negatable: --X and --no-X; inverse: a
+    negatable --enable-X is also turned off by --disable-X, and a --disable-X by --enable-X
+    (vLLM 0.33's spellings); env: the environment variable that gives the value when the
+    flag is not given; rule: what else a module knows about the flag (vllm_flags: why it
+    has no effect here)."""
 
     help: str
     group: FlagGroup | None = None
@@ -81,6 +88,7 @@ class Flag:
     shown: str | None = None
     negate: bool = False
     negatable: bool = False
+    inverse: bool = False
     env: str | None = None
     rule: Any = None
 
@@ -103,6 +111,17 @@ class Declared:
     @property
     def names(self) -> tuple[str, ...]:
         return self.flag.names or ("--" + self.name.replace("_", "-"),)
+
+    @property
+    def off_names(self) -> tuple[str, ...]:
+        """The option strings that turn a negatable switch off: --no-X for each long name,
+        and with `inverse` --disable-X for --enable-X (and the reverse)."""
+        if not self.flag.negatable:
+            return ()
+        longs = [n for n in self.names if n.startswith("--")]
+        swap = {"--enable-": "--disable-", "--disable-": "--enable-"}
+        inverse = [swap[p] + n[len(p):] for n in longs for p in swap if self.flag.inverse and n.startswith(p)]
+        return tuple(["--no-" + n[2:] for n in longs] + inverse)
 
     @property
     def dest(self) -> str:
@@ -140,13 +159,39 @@ class Declared:
     def argparse_kwargs(self) -> dict[str, Any]:
         """add_argument's keywords. Every default is None: a flag that was not given is
         None in the namespace and the field's own default applies."""
-        f, kw = self.flag, {"dest": self.dest, "default": None, "help": self.help_text()}
+        hidden = self.flag.group is FlagGroup.FOREIGN  # (hundreds: their group's text says what they do)
+        f, kw = self.flag, {"dest": self.dest, "default": None,
+                            "help": argparse.SUPPRESS if hidden else self.help_text()}
         if self.type is bool:
-            return {**kw, "action": argparse.BooleanOptionalAction if f.negatable else "store_true"}
+            return {**kw, "action": Switch, "off": self.off_names} if f.negatable else {**kw, "action": "store_true"}
         choices = f.choices or (tuple(m.value for m in self.type) if _is_enum(self.type) else None)
         parse = f.type or (self.type if self.type in (int, float) and f.unit is None and not f.nargs else None)
         return {**kw, "choices": choices, "type": parse, "nargs": f.nargs, "action": "append" if f.repeat else None,
                 "metavar": f.metavar or (f.unit.metavar if f.unit else None)}
+
+
+class DefaultsOnce(argparse.HelpFormatter):
+    """--help for a parser whose arguments are not declared here (the gateway's): each
+    default said once, from the argument, unless its help already says its default or it
+    has none worth saying (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+class Switch(argparse.Action):
+    """A switch given on (True: its names) or off (False: `off`, e.g. --no-X, --disable-X)."""
+
+    def __init__(self, option_strings: list[str], dest: str, off: tuple[str, ...] = (), **kw: Any) -> None:
+        super().__init__([*option_strings, *off], dest, nargs=0, **kw)
+        self.off = frozenset(off)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string not in self.off)
 
 
 def _is_enum(t: Any) -> bool:
@@ -187,7 +232,8 @@ def add_flags(parser: argparse.ArgumentParser, *classes: type) -> None:
     """Add the declared flags of each class to parser, each in its --help section
     (sections in FlagGroup order). Mutates parser."""
     decls = [d for cls in classes for d in declared(cls)]
-    groups = {g: parser.add_argument_group(g.value) for g in FlagGroup if any(d.flag.group is g for d in decls)}
+    groups = {g: parser.add_argument_group(g.value, GROUP_TEXT.get(g)) for g in FlagGroup
+              if any(d.flag.group is g for d in decls)}
     for d in decls:
         kw = {k: v for k, v in d.argparse_kwargs().items() if v is not None or k == "default"}
         (groups[d.flag.group] if d.flag.group else parser).add_argument(*d.names, **kw)

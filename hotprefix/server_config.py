@@ -68,7 +68,7 @@ class ServerConfig:
     max_request_body_bytes: int = flag(4 << 20, "a larger request body gets 413 before it is parsed",
                                        group=G.LIMITS, unit=SIZE)
     trust_request_chat_template: bool = flag(False, "accept a request's own chat_template (the server renders it; "
-                                             "refused by default)", group=G.SERVER)
+                                             "refused by default)", group=G.SERVER, negatable=True)
     request_log: str | None = flag(None, "append one JSON line per finished request to this file: times, token "
                                    "counts and each prompt's block-hash chain (keyed; no text), which `hotprefix "
                                    "lint FILE` reads", group=G.SERVER)
@@ -88,7 +88,7 @@ class ServerConfig:
                                             unit=TEXT_LIST)
     allowed_headers: tuple[str, ...] = flag(("*",), "CORS headers (with --allowed-origins)", group=G.HTTP,
                                             unit=TEXT_LIST)
-    allow_credentials: bool = flag(False, "CORS credentials (with --allowed-origins)", group=G.HTTP)
+    allow_credentials: bool = flag(False, "CORS credentials (with --allowed-origins)", group=G.HTTP, negatable=True)
     root_path: str = flag("", "the path prefix a proxy serves the API under", group=G.HTTP)
     ssl_keyfile: str | None = flag(None, "serve HTTPS with this key (and --ssl-certfile)", group=G.HTTP)
     ssl_certfile: str | None = flag(None, "serve HTTPS with this certificate", group=G.HTTP)
@@ -106,9 +106,9 @@ class ServerConfig:
     max_logprobs: int = flag(20, "the most logprobs a request may ask for (at most 20, the sampler's limit)",
                              group=G.SERVER)
     return_tokens_as_token_ids: bool = flag(False, 'logprob tokens written as "token_id:N" (for tokens that are not '
-                                            "whole characters)", group=G.SERVER)
+                                            "whole characters)", group=G.SERVER, negatable=True)
     docs: bool = flag(True, "no /docs, /redoc or /openapi.json", group=G.SERVER, names=("--disable-fastapi-docs",),
-                      negate=True)
+                      negate=True, negatable=True, inverse=True)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_logprobs <= 20:

@@ -1,14 +1,17 @@
 """vLLM launch lines, accepted as they are: `hotprefix serve` takes what `vllm serve`
 lines commonly carry.
 
-A flag is honoured where its concept exists here: it is declared on its config field
+Every flag of `vllm serve --help` (vLLM 0.32 and 0.33: tests/e2e/vllm_serve_flags.txt) is
+taken. A flag is honoured where its concept exists here: it is declared on its config field
 (config.py, under vLLM's name, with vLLM's spellings as aliases and vLLM's units). The
-rest are declared the same way on ForeignFlags: accepted (by `hotprefix serve` and by
-`LLM()`), and named at start-up with the reason they change nothing on this engine; a
-value that would silently change results (a LoRA adapter, a quantization method other
-than the file's own, pipeline parallelism) is refused with the reason instead. Also
-here: vLLM's human-readable integers (`4k`), its dtype spellings, and its `--config FILE`
-(a YAML file of long flag names; the command line wins).
+rest are declared the same way on ForeignFlags' groups (vllm_foreign*.py): accepted (by
+`hotprefix serve` and by `LLM()`), and named at start-up with the reason they change
+nothing on this engine; a value that would silently change results (a LoRA adapter, a
+quantization method other than the file's own, pipeline parallelism) is refused with the
+reason instead. An honoured flag that does nothing on the CPU (or in the mode chosen) is
+named at start-up too (`inert_lines`, its field's `Inert` rule). Also here: vLLM's
+human-readable integers (`4k`), its dtype spellings, and its `--config FILE` (a YAML file
+of long flag names; the command line wins).
 """
 
 from __future__ import annotations
@@ -16,97 +19,69 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hotprefix.flags import ConfigError, Declared, FlagGroup, build, declared, flag, given
-
-
-@dataclass(frozen=True)
-class NoEffect:
-    """Why a vLLM flag changes nothing here (logged at start when given); harmless: the
-    values that change nothing (None: every value); refuse: why any other value is refused."""
-
-    reason: str
-    harmless: Callable[[str], bool] | None = None
-    refuse: str = ""
-
-
-def no_effect(reason: str, names: tuple[str, ...] = (), takes_value: bool = False,
-              harmless: Callable[[str], bool] | None = None, refuse: str = "") -> Any:
-    """A ForeignFlags field: a switch (False: not given), or a flag that takes one value (None: not given)."""
-    return flag(None if takes_value else False, f"vLLM's; {reason or refuse}", group=FlagGroup.FOREIGN, names=names,
-                metavar="VALUE", shown="", rule=NoEffect(reason, harmless, refuse))
-
-
-def _never(value: str) -> bool:
-    return False
-
-
-_NO_PROMPT_LOGS = ("hotprefix logs no prompt or output to its log; --request-log writes one line per finished "
-                   "request (prompt text only with --request-log-prompts)")
-_ONE_ENGINE = "hotprefix runs one engine per device; run one server per device behind `hotprefix gateway` instead"
+from hotprefix.flags import ConfigError, build, declared, given
+from hotprefix.vllm_foreign import AdapterFlags, ExpertFlags, ParallelFlags, given_flags
+from hotprefix.vllm_foreign_frontend import FrontendFlags, MetricsFlags
+from hotprefix.vllm_foreign_model import ModelFlags, RuntimeFlags
 
 
 @dataclass(frozen=True)
 class ForeignFlags:
-    """The `vllm serve` flags (and `LLM()` keywords) with no effect here that were given:
-    True or a value for each given one. Raises ConfigError at construction for a value
-    that would change results."""
+    """The `vllm serve` flags (and `LLM()` keywords) with no effect here, in groups
+    (vllm_foreign*.py): each given one is True, False (a switch given off) or its value.
+    Raises ConfigError at construction for a value that would change results."""
 
-    disable_log_requests: bool = no_effect(_NO_PROMPT_LOGS)
-    enable_log_requests: bool = no_effect(_NO_PROMPT_LOGS)
-    trust_remote_code: bool = no_effect("hotprefix runs no code from a model repository: it implements the "
-                                        "architectures it loads (Llama-family) itself")
-    compilation_config: str | None = no_effect("hotprefix does not use torch.compile (its CPU kernels are compiled "
-                                               "C, built once)", ("-O", "--compilation-config"), takes_value=True)
-    calculate_kv_scales: bool = no_effect("fp8 KV is stored with a fixed scale here (--kv-cache-dtype fp8); there "
-                                          "are no per-layer scales to calculate")
-    enable_lora: bool = no_effect("no adapter is loaded without --lora-modules (which is refused)")
-    lora_modules: str | None = no_effect("", takes_value=True, harmless=_never,
-                                         refuse="LoRA adapters are not supported: answers would come from the base "
-                                                "model alone")
-    pipeline_parallel_size: str | None = no_effect("one pipeline stage: the whole model runs in one engine",
-                                                   ("-pp", "--pipeline-parallel-size"), takes_value=True,
-                                                   harmless=lambda v: v.strip() == "1", refuse=_ONE_ENGINE)
-    quantization: str | None = no_effect("the weights' format is read from the file (a GGUF's block types)",
-                                         ("-q", "--quantization"), takes_value=True,
-                                         harmless=lambda v: v.lower() in ("gguf", "none"),
-                                         refuse="only GGUF block weights and unquantized safetensors are loaded; "
-                                                "another method would serve other weights than the ones asked for")
-    tokenizer_mode: str | None = no_effect("the model's fast tokenizer is used (the same tokens as the slow one)",
-                                           takes_value=True, harmless=lambda v: v in ("auto", "hf", "slow"),
-                                           refuse="mistral's own tokenizer format (tekken) is not supported; its "
-                                                  "tokens would differ")
-    response_role: str | None = no_effect("chat replies have the role assistant", takes_value=True,
-                                          harmless=lambda v: v == "assistant",
-                                          refuse="chat replies always have the role assistant here; another role "
-                                                 "would change them")
-    guided_decoding_backend: str | None = no_effect(
-        "output constraints are enforced by llguidance: a token is allowed exactly when the constraint allows it, as "
-        "with every backend", ("--guided-decoding-backend", "--structured-outputs-config.backend"), takes_value=True)
-    enable_prompt_tokens_details: bool = no_effect("usage.prompt_tokens_details.cached_tokens is always reported")
-    enable_auto_tool_choice: bool = no_effect("tool_choice auto is always on")
-    disable_uvicorn_access_log: bool = no_effect("uvicorn's access log is always off here; --request-log writes "
-                                                 "one line per finished request")
-
-    def __post_init__(self) -> None:
-        for d, value, rule in self._given():
-            if value is not True and rule.harmless is not None and not rule.harmless(str(value)):
-                raise ConfigError(f"{d.names[-1]} {value}: {rule.refuse}")
-
-    def _given(self) -> list[tuple[Declared, Any, NoEffect]]:
-        return [(d, getattr(self, d.name), d.flag.rule) for d in declared(ForeignFlags)
-                if getattr(self, d.name) not in (None, False)]
+    parallel: ParallelFlags = field(default_factory=ParallelFlags)
+    experts: ExpertFlags = field(default_factory=ExpertFlags)
+    adapters: AdapterFlags = field(default_factory=AdapterFlags)
+    model: ModelFlags = field(default_factory=ModelFlags)
+    runtime: RuntimeFlags = field(default_factory=RuntimeFlags)
+    frontend: FrontendFlags = field(default_factory=FrontendFlags)
+    metrics: MetricsFlags = field(default_factory=MetricsFlags)
 
     def lines(self) -> list[str]:
         """The start-up lines naming each given flag and why it changes nothing."""
-        return [f"{d.names[-1]}{'' if value is True else f' {value}'}: accepted, no effect here ({rule.reason})"
-                for d, value, rule in self._given()]
+        out = []
+        for group in (getattr(self, f.name) for f in fields(self)):
+            for d, value, rule in given_flags(group):
+                spelled = d.names[-1] if value is not False else d.off_names[0]
+                out.append(f"{spelled}{'' if isinstance(value, bool) else f' {value}'}: accepted, no effect here "
+                           f"({rule.reason})")
+        return out
 
 
 FOREIGN_FLAGS = declared(ForeignFlags)
+
+
+@dataclass(frozen=True)
+class Inert:
+    """The rule of an honoured flag that does nothing in some configurations:
+    when(config, on_cpu) says it does nothing there; why says what happens instead."""
+
+    why: str
+    when: Callable[[Any, bool], bool]
+
+
+def on_cpu(_config: Any, cpu: bool) -> bool:
+    """An Inert rule's `when` for flags of CUDA alone."""
+    return cpu
+
+
+def inert_lines(a: argparse.Namespace, config: Any, cpu: bool) -> list[str]:
+    """The start-up lines naming each honoured flag given on the command line that does
+    nothing with `config` (an EngineConfig) on this device (cpu: it runs on the CPU)."""
+    out = []
+    for d in declared(type(config)):
+        given_value = getattr(a, d.dest, None)
+        if isinstance(d.flag.rule, Inert) and given_value is not None and d.flag.rule.when(config, cpu):
+            shown = "" if isinstance(given_value, bool) else " " + " ".join(map(str, given_value)) \
+                if isinstance(given_value, list) else f" {given_value}"
+            out.append(f"{d.names[0]}{shown}: accepted, no effect here ({d.flag.rule.why})")
+    return out
 
 
 def check_foreign(a: argparse.Namespace) -> list[str]:

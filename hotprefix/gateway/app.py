@@ -1,6 +1,7 @@
 """The gateway app: one `build_gateway_app()` factory; state on `app.state`.
 
-Client side: /v1/chat/completions, /v1/completions, /v1/models (a gateway key
+Client side: /v1/chat/completions, /v1/completions, /v1/responses (and GET/DELETE of a
+stored response: gateway/responses_proxy.py), /v1/models (a gateway key
 in `Authorization: Bearer sk-hp-...`), /health. Operator side: /admin (the admin
 key): tenants, the prompt pool, keys, usage, backends, warm-up, the dashboard's data;
 /metrics (the metrics key, else the admin key); /dashboard (a static page that asks for
@@ -32,6 +33,7 @@ from hotprefix.gateway.middleware import OperatorGuard
 from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.proxy import Proxy
 from hotprefix.gateway.ratelimit import Limiter
+from hotprefix.gateway.responses_proxy import responses_router
 from hotprefix.gateway.routing import Backend, Router
 from hotprefix.gateway.store import NotFound, Store, StoreError
 from hotprefix.gateway.usage import Accounting
@@ -77,6 +79,10 @@ def client_router(proxy: Proxy, monitor: BackendMonitor, counters: Counters) -> 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy.handle(request, "completions")
+
+    @api.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await proxy.handle(request, "responses")
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -162,6 +168,7 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
     app.state.proxy, app.state.router, app.state.store, app.state.monitor = proxy, router, store, monitor
     install_gateway_handlers(app)
     app.include_router(client_router(proxy, monitor, counters))
+    app.include_router(responses_router(proxy))
     app.include_router(admin_router(store, secret, proxy, monitor))
     page, data = dashboard_routes(store, monitor, ledger)
     app.include_router(page)

@@ -9,9 +9,11 @@ import os
 import re
 import socket
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 from hotprefix.config import KEEP_ALIVE_S, ConfigError, parse_size
+from hotprefix.flags import DefaultsOnce
 from hotprefix.gateway.budgets import Budget, PriceTable
 from hotprefix.gateway.budgets import parse_duration as parse_budget_duration
 
@@ -51,14 +53,21 @@ def _open(a: argparse.Namespace):
     return store
 
 
+def _cell(value: object) -> str:
+    """A table cell: a float as a plain decimal (0.00003, never 3e-05), None as nothing."""
+    if isinstance(value, float):
+        return format(Decimal(repr(value)), "f")
+    return "" if value is None else str(value)
+
+
 def _print(rows: list[dict], as_json: bool, columns: list[str]) -> None:
     if as_json:
         print(json.dumps(rows, indent=2, default=str))
         return
-    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
+    widths = {c: max([len(c)] + [len(_cell(r.get(c))) for r in rows]) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for r in rows:
-        print("  ".join(str("" if r.get(c) is None else r.get(c)).ljust(widths[c]) for c in columns))
+        print("  ".join(_cell(r.get(c)).ljust(widths[c]) for c in columns))
 
 
 # --- tenants and prompts --------------------------------------------------------------------------------
@@ -261,11 +270,11 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     gw = sub.add_parser("gateway", help="the multi-tenant gateway in front of OpenAI-compatible backends",
                         description="Keys, forced system prompts, cache salts, rate limits, usage, warm-up "
                                     "and prefix-affinity routing in front of one or more backends.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsOnce)
     gw.add_argument("--backend", action="append", required=True, metavar="URL",
                     help="base URL of a backend (hotprefix, vLLM, llama.cpp); repeat for several")
-    gw.add_argument("--host", default="127.0.0.1")
-    gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    gw.add_argument("--port", type=int, default=8080, help="port to listen on")
     _store_args(gw)
     gw.add_argument("--prices", default=None,
                     help="a JSON price table: {model: {input, cached_input, output}} per million tokens, for "

@@ -5,7 +5,8 @@ forward, relay the answer, end it exactly once.
 What a request becomes on its way to a backend (see tenant_api):
 - a new body built from the allow-listed fields the client set, with the tenant's
   prompt in force (chat: first, the client's system/developer messages dropped;
-  completions: before each prompt) and an explicit `max_tokens`: the client's (or
+  completions: before each prompt; Responses: first, as the operator's instructions,
+  responses_proxy.py) and an explicit `max_tokens` (Responses: `max_output_tokens`): the client's (or
   --default-max-tokens), cut to the key's remaining token budget and to the
   backend's max_model_len;
 - `cache_salt` is the tenant's (HMAC of the gateway secret). Private prompts are
@@ -45,14 +46,16 @@ from hotprefix.gateway import keys as K
 from hotprefix.gateway.budgets import Price, Scope
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.errors import GatewayError
-from hotprefix.gateway.ratelimit import Limits, Refusal
-from hotprefix.gateway.relay import Upstream, answer, relay
+from hotprefix.gateway.ratelimit import Decision, Limits, Refusal
+from hotprefix.gateway.relay import ChatReader, Upstream, answer, relay
+from hotprefix.gateway.responses_proxy import ResponsesReader, body_for_other, previous_of
 from hotprefix.gateway.routing import Backend, Router, route_key
 from hotprefix.gateway.store import Prompt, Store, UsageRow, UsageStatus, utcnow
 from hotprefix.gateway.tenant_api import (
-    TenantChat,
-    TenantCompletion,
+    LIMIT_FIELDS,
+    TenantRequest,
     TenantRequestError,
+    TenantResponses,
     backend_body,
     join_prompt,
     num_sequences,
@@ -63,7 +66,7 @@ from hotprefix.server.body_guard import BodyRejected, parse_json_object
 from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
 
 log = logging.getLogger(__name__)
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 TOKENIZE_ERRORS = (httpx.HTTPError, KeyError, ValueError, TypeError)  # a backend's /tokenize that did not answer
 PROBES = ("A", "z")  # two client inputs that share no first character
 REFUSALS = {Refusal.TOO_LARGE: "this request needs at least {least} tokens, more than the key's {tpm} tokens per "
@@ -170,7 +173,8 @@ class Proxy:
         counts = []
         for probe in PROBES:
             req = ({"messages": [{"role": "system", "content": prompt.text}, {"role": "user", "content": probe}]}
-                   if endpoint == "chat" else {"prompt": join_prompt(prompt.text, probe), "split_special_tokens": True})
+                   if endpoint != "completions" else {"prompt": join_prompt(prompt.text, probe),
+                                                      "split_special_tokens": True})
             try:
                 counts.append((await self._tokenize(backend, req))["tokens"])
             except TOKENIZE_ERRORS as e:
@@ -180,7 +184,7 @@ class Proxy:
         backend.token_counts[ck] = n
         return n
 
-    def _route_key(self, caller: Caller) -> str:
+    def route_key(self, caller: Caller) -> str:
         return route_key(caller.prompt.text if caller.prompt else None, bool(caller.prompt and caller.prompt.public),
                          caller.tenant.name)
 
@@ -194,7 +198,10 @@ class Proxy:
         """The prompt tokens `body` will carry: counted by the first hotprefix backend in
         its routing order (its /tokenize renders exactly what it will serve, tools and
         all), else prompt_token_bound, which never counts low."""
-        backend = next((b for b in self.router.order(self._route_key(caller)) if b.supports_salt), None)
+        if endpoint == "responses":  # counted as the chat it renders as
+            view = {k: v for k, v in body.items() if k != LIMIT_FIELDS[endpoint]}  # (its limit is not set yet)
+            endpoint, body = "chat", TenantResponses.model_validate(view).chat_view()
+        backend = next((b for b in self.router.order(self.route_key(caller)) if b.supports_salt), None)
         if backend is not None:
             try:
                 return sum([int((await self._tokenize(backend, req))["count"])
@@ -208,13 +215,14 @@ class Proxy:
         out = dict(body, cache_salt=K.tenant_salt(self.secret, caller.tenant.name))
         if not backend.supports_salt:  # another server renders tools as its template does (docs/gateway.md)
             out.pop("operator_messages", None)
+            out = body_for_other(out) if endpoint == "responses" else out
         if backend.supports_salt and caller.prompt is not None and caller.prompt.public:
             out["cache_salt_offset"] = await self._salt_offset(backend, endpoint, caller.prompt)
         if backend.supports_salt and endpoint == "completions":
             out["split_special_tokens"] = True
         if backend.max_model_len:
-            out["max_tokens"] = min(out["max_tokens"], backend.max_model_len)
-        if out.get("stream"):
+            out[LIMIT_FIELDS[endpoint]] = min(out[LIMIT_FIELDS[endpoint]], backend.max_model_len)
+        if out.get("stream") and endpoint != "responses":  # (a Responses stream reports its usage at its end)
             out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True,
                                      "continuous_usage_stats": True}
         return out
@@ -236,28 +244,46 @@ class Proxy:
                                "this key's or tenant's budget is in money", "BadRequestError", "model")
         return price
 
+    async def _parse(self, request: Request, endpoint: str, caller: Caller, row: UsageRow, t0: float) -> TenantRequest:
+        """The client's body as what a tenant may send. Raises GatewayError(400), the row refused."""
+        try:
+            try:
+                raw = parse_json_object(await request.body())  # whatever its content type says
+            except BodyRejected as e:
+                raise TenantRequestError(str(e)) from None
+            return parse_tenant_request(endpoint, raw)
+        except TenantRequestError as e:
+            await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
+            raise GatewayError(400, str(e), "BadRequestError", e.param) from None
+
+    @staticmethod
+    def _refusal(decision: Decision, caller: Caller, least: int) -> GatewayError:
+        """The 429 of a request the limiter or a budget refused."""
+        retry = max(1, math.ceil(decision.retry_after))
+        lim = caller.limits
+        what = REFUSALS[decision.reason].format(least=least, tpm=lim.tpm, rpm=lim.rpm,
+                                                max_concurrent=lim.max_concurrent, detail=decision.detail)
+        if decision.reason is Refusal.BUDGET and not decision.retry_after:  # a budget that never resets
+            return GatewayError(429, f"{what}; it does not reset", "RateLimitError", headers=decision.headers)
+        return GatewayError(429, f"{what}; retry after {retry}s", "RateLimitError",
+                            headers={**decision.headers, "Retry-After": str(retry)})
+
     async def handle(self, request: Request, endpoint: str) -> Response:
-        """Serve one /v1/chat/completions or /v1/completions request. Raises GatewayError."""
+        """Serve one /v1/chat/completions, /v1/completions or /v1/responses request.
+        Raises GatewayError."""
         t0 = time.monotonic()
         caller = await self.authenticate(request)
         rid = "gw-" + uuid.uuid4().hex
         row = UsageRow(caller.key.id, caller.tenant.name, endpoint,
                        prompt_name=caller.prompt.name if caller.prompt else None,
                        prompt_version=caller.prompt.version if caller.prompt else None)
-        try:
-            try:
-                raw = parse_json_object(await request.body())  # whatever its content type says
-            except BodyRejected as e:
-                raise TenantRequestError(str(e)) from None
-            req = parse_tenant_request(endpoint, raw)
-        except TenantRequestError as e:
-            await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
-            raise GatewayError(400, str(e), "BadRequestError", e.param) from None
+        req = await self._parse(request, endpoint, caller, row, t0)
         row = replace(row, stream=req.stream, model=req.model[:256] if req.model else None)
         price = await self._check_model(caller, req.model, row, t0)
         system = caller.prompt.text if caller.prompt else None
         body = backend_body(endpoint, req, system, 0)
-        seqs, estimate = num_sequences(req), await self._prompt_tokens(endpoint, body, caller)
+        held = await previous_of(self, req, caller, row, t0)  # (Responses: where its previous response is)
+        seqs, estimate = num_sequences(req), await self._prompt_tokens(endpoint, body, caller) + held.tokens
         cap = min(req.wanted_max_tokens() or self.cfg.default_max_tokens, self.router.max_model_len() or 2**31)
         try:
             decision, flight = await self.acct.admit(caller, rid, row, estimate + cap * seqs, estimate + seqs, t0,
@@ -266,35 +292,31 @@ class Proxy:
             raise GatewayError(503, f"{e}; try again later", "ServiceUnavailableError",
                                headers={"Retry-After": "1"}) from None
         if flight is None:
-            retry = max(1, math.ceil(decision.retry_after))
-            lim = caller.limits
-            what = REFUSALS[decision.reason].format(least=estimate + seqs, tpm=lim.tpm, rpm=lim.rpm,
-                                                    max_concurrent=lim.max_concurrent, detail=decision.detail)
-            if decision.reason is Refusal.BUDGET and not decision.retry_after:  # a budget that never resets
-                raise GatewayError(429, f"{what}; it does not reset", "RateLimitError", headers=decision.headers)
-            raise GatewayError(429, f"{what}; retry after {retry}s", "RateLimitError",
-                               headers={**decision.headers, "Retry-After": str(retry)})
-        body["max_tokens"] = max(1, (decision.granted - estimate) // seqs)
+            raise self._refusal(decision, caller, estimate + seqs)
+        body[LIMIT_FIELDS[endpoint]] = max(1, (decision.granted - estimate) // seqs)
         headers = {**decision.headers, "x-request-id": rid}
         try:
-            return await self._forward(request, endpoint, req, body, caller, flight, headers)
+            return await self._forward(request, endpoint, req, body, caller, flight, headers, held.backends)
         except BaseException as e:
             ending = flight.end_soon()
             if not isinstance(e, asyncio.CancelledError):  # the error answer goes out once the row is complete
                 await asyncio.shield(ending)
             raise
 
-    async def _forward(self, request: Request, endpoint: str, req: TenantChat | TenantCompletion,
-                       body: dict[str, Any], caller: Caller, flight: InFlight, headers: dict[str, str]) -> Response:
-        """Send and answer, while watching the client: one that goes away before the
-        answer (or the stream) starts cancels the upstream call, which closes its
-        connection, so the backend aborts too."""
+    async def _forward(self, request: Request, endpoint: str, req: TenantRequest, body: dict[str, Any],
+                       caller: Caller, flight: InFlight, headers: dict[str, str],
+                       backends: tuple[Backend, ...] = ()) -> Response:
+        """Send (to `backends`, else in routing order) and answer, while watching the
+        client: one that goes away before the answer (or the stream) starts cancels the
+        upstream call, which closes its connection, so the backend aborts too."""
+        reader = ResponsesReader() if endpoint == "responses" else ChatReader(req.stream_options)
+
         async def work() -> Response:
-            up = await self._send(endpoint, body, caller, flight)
+            up = await self._send(endpoint, body, caller, flight, backends)
             if req.stream and up.resp.status_code == 200:
-                return ClosingStreamingResponse(relay(request, up, req.stream_options, flight), flight.end_soon,
+                return ClosingStreamingResponse(relay(request, up, reader, flight), flight.end_soon,
                                                 media_type="text/event-stream", headers=headers)
-            return await answer(up, flight, headers, self.cfg.backend_timeout)
+            return await answer(up, flight, headers, self.cfg.backend_timeout, reader)
 
         task = asyncio.ensure_future(work())
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -311,15 +333,16 @@ class Proxy:
             return Response(status_code=499)  # nobody reads it
         return task.result()
 
-    async def _send(self, endpoint: str, body: dict[str, Any], caller: Caller, flight: InFlight) -> Upstream:
-        """Try backends in routing order until one answers with less than 500. Only a
+    async def _send(self, endpoint: str, body: dict[str, Any], caller: Caller, flight: InFlight,
+                    backends: tuple[Backend, ...] = ()) -> Upstream:
+        """Try `backends` (default: in routing order) until one answers with less than 500. Only a
         backend that cannot be connected to is skipped (the request never reached
         it; one that refuses is marked down); a timeout or a broken answer ends the request. Raises GatewayError."""
-        key = self._route_key(caller)
+        key = self.route_key(caller)
         outcome = flight.outcome
         fwd = {"x-request-id": flight.request_id, **self.backend_headers}
         errors = []
-        for backend in self.router.order(key):
+        for backend in backends or self.router.order(key):
             b = await self.body_for(backend, endpoint, body, caller)
             try:
                 up = await self._open(backend, self.client.build_request("POST", backend.url + ENDPOINTS[endpoint],

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import Request
@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from hotprefix.gateway.errors import GatewayError
 from hotprefix.gateway.routing import Backend
 from hotprefix.gateway.store import UsageStatus
-from hotprefix.gateway.usage import InFlight
+from hotprefix.gateway.usage import InFlight, Outcome
 from hotprefix.server.protocol import StreamOptions
 from hotprefix.server.responses import wait_disconnect
 
@@ -60,9 +60,10 @@ def sse_error(message: str, status: int = 502) -> str:
                                             "code": status}}) + "\n\n"
 
 
-async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeout_s: float) -> Response:
-    """A non-streamed answer, read whole and passed on. Raises GatewayError (a timeout:
-    504, a broken answer: 502)."""
+async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeout_s: float,
+                 reader: StreamReader) -> Response:
+    """A non-streamed answer, read whole and passed on (`reader` takes its usage and
+    finish). Raises GatewayError (a timeout: 504, a broken answer: 502)."""
     o = flight.outcome
     try:
         data = await up.resp.aread()
@@ -80,8 +81,7 @@ async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeou
     try:
         parsed = json.loads(data)
         if o.http_status == 200 and isinstance(parsed, dict):
-            o.take_usage(parsed.get("usage"))
-            o.take_choices(parsed.get("choices"))
+            reader.take(parsed, o)
     except ValueError:
         pass
     await flight.end()
@@ -89,11 +89,53 @@ async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeou
                     media_type=up.resp.headers.get("content-type", "application/json"))
 
 
-async def relay(request: Request, up: Upstream, opts: StreamOptions | None, flight: InFlight) -> AsyncIterator[str]:
-    """The backend's SSE stream, trimmed to what the client asked for (`opts`). A watcher
-    notices a disconnect even while the backend sends nothing, and closes the upstream
-    connection so that the backend aborts too."""
-    want = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+class StreamReader(Protocol):
+    """How a backend's stream reaches the client (one per request): each line as the client
+    gets it (None: dropped; it takes the stream's usage and finish into the outcome), whether
+    the stream ended complete, what is sent after it, and an error event of the format."""
+
+    done: bool
+    end: str
+
+    def line(self, line: str, flight: InFlight) -> str | None:
+        ...
+
+    def take(self, answer: dict[str, Any], outcome: Outcome) -> None:
+        """A whole (non-streamed) answer's usage and finish into `outcome`."""
+
+    def error(self, message: str) -> str:
+        ...
+
+
+class ChatReader:
+    """Completions and chat chunks (`data: {...}`), trimmed to what the client asked for
+    (`opts`: the gateway always asks the backend for usage on every chunk); complete at
+    `data: [DONE]`, which is sent at the end."""
+
+    end = "data: [DONE]\n\n"
+
+    def __init__(self, opts: StreamOptions | None) -> None:
+        self.want = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+        self.done = False
+
+    def line(self, line: str, flight: InFlight) -> str | None:
+        if line.startswith("data: ") and line[6:].strip() == "[DONE]":
+            self.done = True
+            return None
+        return _relayed(line, flight, *self.want)
+
+    def take(self, answer: dict[str, Any], outcome: Outcome) -> None:
+        outcome.take_usage(answer.get("usage"))
+        outcome.take_choices(answer.get("choices"))
+
+    def error(self, message: str) -> str:
+        return sse_error(message)
+
+
+async def relay(request: Request, up: Upstream, reader: StreamReader, flight: InFlight) -> AsyncIterator[str]:
+    """The backend's SSE stream as `reader` passes it on. A watcher notices a disconnect
+    even while the backend sends nothing, and closes the upstream connection so that the
+    backend aborts too."""
     o = flight.outcome
     o.status, o.http_status = UsageStatus.CLIENT_ABORTED, 200
     gone = asyncio.Event()
@@ -105,24 +147,22 @@ async def relay(request: Request, up: Upstream, opts: StreamOptions | None, flig
         flight.end_soon()
 
     watcher = asyncio.get_running_loop().create_task(watch())
-    done = False
     try:
         async for line in up.resp.aiter_lines():
-            if line.startswith("data: ") and line[6:].strip() == "[DONE]":
-                done = True
-            elif (text := _relayed(line, flight, *want)) is not None:
+            if (text := reader.line(line, flight)) is not None:
                 yield text
+        done = reader.done
         o.status = UsageStatus.OK if done else UsageStatus.BACKEND_ERROR
         await up.close()
         await flight.end()
-        yield "data: [DONE]\n\n" if done else sse_error("the backend ended the stream early")
+        yield reader.end if done else reader.error("the backend ended the stream early")
     except httpx.HTTPError as e:
         if gone.is_set():  # the watcher closed the upstream under us: the client's abort
             return
         o.status = UsageStatus.TIMEOUT if isinstance(e, httpx.TimeoutException) else UsageStatus.BACKEND_ERROR
         await up.close()
         await flight.end()
-        yield sse_error(f"the backend failed mid-stream: {type(e).__name__}")
+        yield reader.error(f"the backend failed mid-stream: {type(e).__name__}")
     finally:
         watcher.cancel()
         await up.close()

@@ -54,6 +54,11 @@ class Backend:
             log.warning("backend %s is down: %s", self.url, why)
         self.healthy, self.last_error = False, why
 
+    def note_error(self, why: str) -> None:
+        """An error that does not take it out of routing (a warm-up's): its last error, shown
+        on the dashboard until the next one or its next change of health."""
+        self.last_error = why
+
     def mark_up(self) -> None:
         """Back in routing; what was learnt of its prompts is forgotten (it may have
         restarted with another model or template)."""

@@ -10,12 +10,13 @@ unknown field is refused as unsupported; roles are OpenAI's, matched exactly.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hotprefix.errors import InvalidRequestError
 from hotprefix.server.protocol import NamedToolChoice, ResponseFormat, SamplingFields, ToolCall, ToolDef
+from hotprefix.server.responses_request import ResponsesRequest, to_chat
 
 # Fields a backend honours but only the operator may set: they change the prompt's
 # construction (templates, special tokens, the forced prompt), the cache (salts,
@@ -24,7 +25,7 @@ OPERATOR_FIELDS = frozenset({
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "add_special_tokens", "split_special_tokens", "echo", "suffix", "priority", "pin_prefix", "request_id",
     "cache_salt", "cache_salt_offset", "documents", "mm_processor_kwargs", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens", "kv_transfer_params", "vllm_xargs", "operator_messages",
+    "truncate_prompt_tokens", "kv_transfer_params", "vllm_xargs", "operator_messages", "operator_instructions",
 })
 
 
@@ -130,15 +131,55 @@ class TenantCompletion(_Sampling):
         return self.logprobs
 
 
-MODELS: dict[str, type[_Sampling]] = {"chat": TenantChat, "completions": TenantCompletion}
+class TenantResponses(ResponsesRequest):
+    """A Responses request as a tenant may send it: the fields of OpenAI's request
+    (ALLOWED: an explicit list, so that a field the server adds stays closed to tenants
+    until it is put here), checked by the server's own model and rules
+    (responses_request.py). One sample; the tenant's prompt goes first, as the operator's
+    instructions (backend_body)."""
+
+    n: ClassVar[int] = 1
+    ALLOWED: ClassVar[frozenset[str]] = frozenset({
+        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
+        "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "text", "metadata", "user", "seed",
+        "top_logprobs", "include", "truncation", "reasoning", "service_tier", "prompt_cache_key",
+        "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "stream_options", "max_tool_calls",
+        "access_programs", "image", "background_options", "background", "conversation", "prompt",
+        "context_management", "moderation"})
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.wants_logprobs() else None
+
+    def chat_view(self) -> dict[str, Any]:
+        """The chat body it renders as (without a stored conversation): for counting its
+        prompt tokens. Raises InvalidRequestError."""
+        return to_chat(self, []).model_dump(include={"messages", "tools", "operator_messages"}, exclude_none=True)
+
+    def check_all(self) -> None:
+        """The server's checks, before anything is admitted: its refusals, then those of
+        the chat it stands for (input items, tools, sampling). Raises InvalidRequestError."""
+        self.check()
+        chat = to_chat(self, [])
+        chat.check()
+        chat.sampling_params(chat.limit(), self.wanted_logprobs())
 
 
-def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
+MODELS: dict[str, type[_Sampling] | type[TenantResponses]] = {"chat": TenantChat, "completions": TenantCompletion,
+                                                             "responses": TenantResponses}
+TenantRequest = TenantChat | TenantCompletion | TenantResponses
+
+
+def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> TenantRequest:
     """The client's body as the model of its endpoint. Raises TenantRequestError
     naming an operator-only field, an unsupported one, or the first invalid value."""
     for k in raw:
         if k in OPERATOR_FIELDS:
             raise TenantRequestError(f"'{k}' is set by the operator; the gateway does not accept it from clients", k)
+        if endpoint == "responses" and k not in TenantResponses.ALLOWED:
+            raise TenantRequestError(f"unsupported parameter '{k}'", k)
     try:
         req = MODELS[endpoint].model_validate(raw)
     except ValidationError as e:
@@ -150,7 +191,13 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> _Sampling:
             raise TenantRequestError("the gateway accepts 'prompt' as a string or a list of strings (token-id "
                                      "prompts cannot be prefixed with the tenant's system prompt)", "prompt") from None
         raise TenantRequestError(f"{loc or 'body'}: {err.get('msg')}", loc.split(".")[0] if loc else None) from None
-    check_sampling(req)
+    try:
+        if isinstance(req, TenantResponses):
+            req.check_all()
+        else:
+            check_sampling(req)
+    except InvalidRequestError as e:
+        raise TenantRequestError(str(e), e.param) from None
     return req
 
 
@@ -170,6 +217,7 @@ def check_sampling(req: _Sampling) -> None:
 
 NOT_FORWARDED = {"messages", "prompt", "max_completion_tokens", "max_tokens",  # rebuilt
                  *SamplingFields.IGNORED}  # dropped: they cannot change a result
+LIMIT_FIELDS = {"chat": "max_tokens", "completions": "max_tokens", "responses": "max_output_tokens"}
 
 
 def join_prompt(system: str, user: str) -> str:
@@ -178,11 +226,16 @@ def join_prompt(system: str, user: str) -> str:
     return system + user if not system or system[-1].isspace() else system + "\n\n" + user
 
 
-def backend_body(endpoint: str, req: _Sampling, system: str | None, max_tokens: int) -> dict[str, Any]:
+def backend_body(endpoint: str, req: TenantRequest, system: str | None, max_tokens: int) -> dict[str, Any]:
     """The body a backend gets: the validated fields the client set (nothing else),
     the tenant's prompt in force and an explicit max_tokens. The caller adds the
     cache salt. Chat: the client's system and developer messages are dropped and the
-    tenant's prompt goes first; completions: each prompt is prefixed with it."""
+    tenant's prompt goes first; completions: each prompt is prefixed with it; Responses:
+    the tenant's prompt is the operator's instructions, before the client's instructions
+    and input (tools render after it)."""
+    if isinstance(req, TenantResponses):
+        body = req.model_dump(exclude_unset=True, exclude_none=True, exclude=set(req.IGNORED))
+        return body | {LIMIT_FIELDS[endpoint]: max_tokens} | ({"operator_instructions": system} if system else {})
     body = req.model_dump(exclude_unset=True, exclude_none=True, exclude=NOT_FORWARDED, by_alias=True)
     body["max_tokens"] = max_tokens
     if isinstance(req, TenantChat):
@@ -210,7 +263,7 @@ def _forwarded(m: Message) -> dict[str, Any]:
     return out
 
 
-def num_sequences(req: _Sampling) -> int:
+def num_sequences(req: TenantRequest) -> int:
     """Output sequences the request asks for (prompts x n): what max_tokens multiplies."""
     prompts = len(req.prompt) if isinstance(req, TenantCompletion) and isinstance(req.prompt, list) else 1
     return prompts * req.n

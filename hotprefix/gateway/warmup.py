@@ -42,7 +42,8 @@ def warm_items(store: Store) -> list[WarmItem]:
 async def warm_backend(client: httpx.AsyncClient, router: Router, backend: Backend, items: list[WarmItem],
                        secret: bytes, headers: dict[str, str]) -> int:
     """Warm the items whose home is `backend`; returns how many succeeded. Never raises
-    for a backend error (it is logged: warm-up is an optimisation)."""
+    for a backend error: it is logged with the backend's reason and kept as the backend's
+    last error (the dashboard shows it): warm-up is an optimisation."""
     mine = [it for it in items if (r := router.ranking(it.key)) and r[0] is backend]
     done = 0
     for i, it in enumerate(mine, 1):
@@ -58,11 +59,30 @@ async def warm_backend(client: httpx.AsyncClient, router: Router, backend: Backe
                 if backend.model:
                     body["model"] = backend.model
                 r = await client.post(backend.url + "/v1/chat/completions", json=body, headers=headers, timeout=600)
-            r.raise_for_status()
+            if (why := refusal(r)) is not None:
+                raise WarmUpRefused(why)
             done += 1
             log.info("warm-up %s: %d/%d prompt %s v%d (%s)%s", backend.url, i, len(mine), it.prompt.name,
                      it.prompt.version, "public" if it.prompt.public else f"private to {it.tenant}",
                      f", pinned {r.json().get('pinned_blocks')} blocks" if backend.supports_salt else "")
-        except (httpx.HTTPError, ValueError) as e:
-            log.warning("warm-up %s: prompt %s v%d failed: %s", backend.url, it.prompt.name, it.prompt.version, e)
+        except (httpx.HTTPError, ValueError, WarmUpRefused) as e:
+            why = str(e) if isinstance(e, WarmUpRefused) else f"{type(e).__name__}: {e}"
+            log.warning("warm-up %s: prompt %s v%d failed: %s", backend.url, it.prompt.name, it.prompt.version, why)
+            backend.note_error(f"warm-up of prompt {it.prompt.name} v{it.prompt.version}: {why}")
     return done
+
+
+class WarmUpRefused(Exception):
+    """The backend answered a warm-up with an error (the message: its status and reason)."""
+
+
+def refusal(r: httpx.Response) -> str | None:
+    """Why a backend refused a request, in its own words (its OpenAI error message, else
+    the start of its body), with the status; None when it did not refuse."""
+    if r.status_code < 400:
+        return None
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:200] or r.reason_phrase
+    return f"HTTP {r.status_code}: {message}"

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from hotprefix.engine.async_engine import EngineDeadError
 from hotprefix.errors import PinError, QueueFullError, RequestFailedError
 from hotprefix.server.http_errors import error_response as _error
 from hotprefix.server.http_errors import install_common_handlers
 from hotprefix.server.metrics import ServerMetrics
+from hotprefix.server.responses import ClientGone
+
+log = logging.getLogger("hotprefix.requests")
 
 
 class ModelNotFound(Exception):
@@ -41,6 +46,12 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         reject("engine_not_running")
         return _error(503, str(exc), "ServiceUnavailableError")
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        log.info("%s %s: the client went away before the answer; request %s aborted", request.method,
+                 request.url.path, exc)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:

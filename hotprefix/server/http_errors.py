@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotprefix.errors import InvalidRequestError
+from hotprefix.errors import InvalidRequestError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_common_handlers(app: FastAPI, on_reject: Callable[[str], None] | None = None) -> None:
-    """400 for invalid bodies and parameters, the status of HTTP exceptions, 500
+    """400 for invalid bodies and parameters, 404 for what a request names that is not
+    kept (NotFoundError), the status of HTTP exceptions, 500
     (logged) for anything unexpected: always as an OpenAI error object.
     on_reject("invalid") is called for each 400 (a rejection metric)."""
     reject = on_reject or (lambda _reason: None)
@@ -57,6 +58,11 @@ def install_common_handlers(app: FastAPI, on_reject: Callable[[str], None] | Non
     async def _bad(_: Request, exc: InvalidRequestError) -> JSONResponse:
         reject("invalid")
         return error_response(400, str(exc), "BadRequestError", exc.param)
+
+    @app.exception_handler(NotFoundError)
+    async def _missing(_: Request, exc: NotFoundError) -> JSONResponse:
+        reject("invalid")
+        return error_response(404, str(exc), "NotFoundError", exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -29,6 +29,14 @@ def _preload_renderer() -> None:
     log.info("chat template renderer (transformers) imported in %.1fs, after the start", time.monotonic() - t0)
 
 
+def runs_on_cpu(engine_cfg: EngineConfig) -> bool:
+    """Whether the engine will run on the CPU (its --device, auto: CUDA when there is one)."""
+    import torch
+
+    device = engine_cfg.model.device
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
 def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     """Load the engine and build the uvicorn server (not started). Raises
     ModelLoadError / ConfigError with a one-line message."""

@@ -1,5 +1,5 @@
-"""A streaming response that always ends what it streams, and the wait for a client that
-leaves (shared by the server and the gateway)."""
+"""A streaming response that always ends what it streams, the wait for a client that
+leaves, and the error that says it left (shared by the server and the gateway)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 DISCONNECT_POLL_S = 0.1  # how often a waiting handler asks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The client went away before its (non-streamed) answer: an ordinary end, answered
+    with nothing (HTTP 499, which no one reads) and logged at INFO, never as an error."""
 
 
 async def wait_disconnect(request: Request) -> None:

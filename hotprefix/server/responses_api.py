@@ -1,5 +1,5 @@
 """OpenAI's Responses API (`POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`) over
-the chat path: a request becomes a chat completion (messages, tools, output format),
+the chat path: a request (responses_request.py) becomes a chat completion (messages, tools, output format),
 submitted by serving.Serving.start_chat (one owner for templates, tools, constraints
 and parsing); its typed answer, or its stream of typed events (server/results.py),
 is written here as a Response object or Responses' typed stream events: a third wire
@@ -7,24 +7,28 @@ format beside OpenAI's completions and chat (openai_format.py).
 
 `previous_response_id` continues a stored response: with `store` (the default) a
 response's conversation (its input and its output items) is kept in memory, the newest
-STORED_RESPONSES of them within STORED_BYTES; an id not kept is a 400 naming it. Nothing
-is kept on disk.
+STORED_RESPONSES of them within STORED_BYTES; an id not kept is a 404 naming it. Nothing
+is kept on disk. A response is kept under its id and the cache salt of the request that
+made it (`scoped`): a gateway gives each tenant its own salt, so another tenant's id is
+a 404 as an unknown one is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
 
-from hotprefix.errors import InvalidRequestError
-from hotprefix.server.protocol import ChatCompletionRequest, Strict
+from hotprefix.errors import NotFoundError
+from hotprefix.sampling_params import TokenLogprobs
+from hotprefix.server.openai_format import ChatFormat
+from hotprefix.server.responses_request import ResponsesRequest, to_chat
 from hotprefix.server.results import Choice, Done, Failed, StreamEvent, Usage
 from hotprefix.server.serving import Serving
 from hotprefix.server.tool_parsers import new_item_id
@@ -33,116 +37,21 @@ STORED_RESPONSES = 1024  # conversations kept for previous_response_id (the newe
 STORED_BYTES = 64 << 20  # and at most this much of them (their JSON), so that no client fills the memory
 
 
-class ResponsesRequest(Strict):
-    """The fields of OpenAI's Responses request that hotprefix honours; the others
-    that cannot change a result (metadata, store, user, reasoning on a model without
-    it, service_tier, truncation "disabled") are accepted; anything else is a 400."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    previous_response_id: str | None = Field(None, max_length=128)
-    store: bool = True
-    text: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    reasoning: dict[str, Any] | None = None
-    service_tier: str | None = None
-    truncation: Literal["disabled"] | None = None
-    seed: int | None = None
-    top_logprobs: int | None = None
+def scoped(rid: str, salt: str | None) -> str:
+    """The key a response is kept under: its id, and the cache salt of the request that
+    made it (a gateway's tenant), so that only a request with the same salt reaches it."""
+    return rid if salt is None else f"{rid}@{hashlib.sha256(salt.encode()).hexdigest()}"
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or input_text/output_text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise InvalidRequestError(f"{where}: content must be a string or input_text parts (no images or files here)",
-                              "input")
-
-
-def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input items as chat messages: messages, function_call items (an
-    assistant's tool calls) and function_call_output items (tool answers). Raises
-    InvalidRequestError naming an item it cannot take."""
-    messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise InvalidRequestError(f"input[{i}]: role must be system, developer, user or assistant", "input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}]")})
-        elif kind == "function_call":
-            call = {"id": str(item.get("call_id", "")), "type": "function",
-                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                             "content": str(item.get("output", ""))})
-        else:
-            raise InvalidRequestError(f"input[{i}]: items of type {kind!r} are not supported", "input")
-    return messages
-
-
-def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat completion a Responses request stands for. Raises InvalidRequestError."""
-    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
-        else body.input
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history \
-        + to_messages(items)
-    chat: dict[str, Any] = {"model": body.model, "messages": messages,
-                            "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
-                            "top_p": body.top_p, "seed": body.seed, "user": body.user,
-                            "parallel_tool_calls": body.parallel_tool_calls}
-    if body.top_logprobs:
-        chat |= {"logprobs": True, "top_logprobs": body.top_logprobs}
-    if body.tools:
-        chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
-    if isinstance(body.tool_choice, dict):
-        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.get("name")}}
-    elif body.tool_choice is not None:
-        chat["tool_choice"] = body.tool_choice
-    fmt = (body.text or {}).get("format")
-    if fmt and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "response"), "schema": fmt.get("schema", {}), "strict": fmt.get("strict")}}
-    elif fmt and fmt.get("type") in ("json_object", "text"):
-        chat["response_format"] = {"type": fmt["type"]}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-    except ValueError as e:
-        raise InvalidRequestError(f"the request cannot be served: {str(e).splitlines()[0]}", "input") from None
-
-
-def _chat_tool(t: dict[str, Any], i: int) -> dict[str, Any]:
-    if t.get("type") != "function" or not isinstance(t.get("name"), str):
-        raise InvalidRequestError(f"tools[{i}]: only function tools (with a name) are supported", "tools")
-    fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-    return {"type": "function", "function": fn}
-
-
-def output_items(choice: Choice, msg_id: str | None = None) -> list[dict[str, Any]]:
-    """An answer as Responses output items: a message with its text (when it has text),
-    and a function_call item per tool call."""
+def output_items(choice: Choice, msg_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """An answer as Responses output items: a message with its text (when it has text;
+    with its tokens' logprobs when asked), and a function_call item per tool call."""
     items = []
     if choice.text:
+        part = {"type": "output_text", "text": choice.text, "annotations": []}
         items.append({"type": "message", "id": msg_id or new_item_id("msg"), "status": "completed",
-                      "role": "assistant", "content": [{"type": "output_text", "text": choice.text,
-                                                        "annotations": []}]})
+                      "role": "assistant", "content": [part | ({} if logprobs is None else {"logprobs": logprobs})]})
     for call in choice.calls:
         items.append({"type": "function_call", "id": new_item_id("fc"), "call_id": call.id, "name": call.name,
                       "arguments": call.arguments, "status": "completed"})
@@ -177,11 +86,11 @@ class ResponseStore:
         self.bytes = 0
 
     def history(self, rid: str | None) -> list[dict[str, Any]]:
-        """The messages of stored response `rid` ([] for None). Raises InvalidRequestError."""
+        """The messages of stored response `rid` ([] for None). Raises NotFoundError."""
         if rid is None:
             return []
         if rid not in self._items:
-            raise InvalidRequestError(f"previous response {rid!r} is not kept here (stored responses are kept in "
+            raise NotFoundError(f"previous response {rid!r} is not kept here (stored responses are kept in "
                                       f"memory, the newest {self.capacity})", "previous_response_id")
         self._items.move_to_end(rid)
         return [dict(m) for m in self._items[rid][0]]
@@ -210,13 +119,14 @@ class ResponsesStream:
     """A chat's stream of typed events as Responses' stream events (serving.StreamWriter):
     response.created and in_progress, the message's text deltas, a function_call item
     per tool call, then response.completed (or incomplete); `on_done(choice, response)`
-    gets the whole answer first. A failure is one `error` event."""
+    gets the whole answer first. A failure is one `error` event. logprobs: writes a
+    choice's token logprobs as Responses' entries (None: not asked)."""
 
-    def __init__(self, rid: str, body: ResponsesRequest, model: str,
-                 on_done: Callable[[Choice, dict[str, Any]], None]) -> None:
-        self.rid, self.body, self.model, self.on_done = rid, body, model, on_done
+    def __init__(self, rid: str, body: ResponsesRequest, model: str, on_done: Callable[[Choice, dict[str, Any]], None],
+                 logprobs: Callable[[tuple[TokenLogprobs, ...]], list[dict[str, Any]]] | None = None) -> None:
+        self.rid, self.body, self.model, self.on_done, self.logprobs = rid, body, model, on_done, logprobs
         self.seq, self.msg_id, self.opened = 0, new_item_id("msg"), False
-        self.text, self.calls, self.finish = "", [], None
+        self.text, self.calls, self.finish, self.entries = "", [], None, []
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -235,11 +145,13 @@ class ResponsesStream:
         for c in ev.choices:  # (one: a Responses request has one sample)
             self.finish = c.finish_reason or self.finish
             self.calls += c.calls
+            entries = self.logprobs(c.logprobs) if self.logprobs and c.logprobs else []
+            self.entries += entries
             if c.text:
-                out += self._text(c.text)
+                out += self._text(c.text, entries)
         return out
 
-    def _text(self, delta: str) -> list[str]:
+    def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[str]:
         out = []
         if not self.opened:
             self.opened = True
@@ -249,15 +161,15 @@ class ResponsesStream:
                                part={"type": "output_text", "text": "", "annotations": []})]
         self.text += delta
         return out + [self.event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                                 content_index=0, delta=delta)]
+                                 content_index=0, delta=delta, logprobs=logprobs)]
 
     def _done(self, usage: Usage) -> list[str]:
         choice = Choice(0, self.text or None, tuple(self.calls), finish_reason=self.finish)
-        output = output_items(choice, self.msg_id)
+        output = output_items(choice, self.msg_id, self.entries if self.logprobs else None)
         out = []
         if self.opened:
             out += [self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                               text=self.text),
+                               text=self.text, logprobs=self.entries),
                     self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
                                part=output[0]["content"][0]),
                     self.event("response.output_item.done", output_index=0, item=output[0])]
@@ -273,10 +185,18 @@ class ResponsesStream:
 
 
 async def create(serving: Serving, store: ResponseStore, body: ResponsesRequest, raw: Request, model: str) -> Any:
-    """POST /v1/responses: the answer as a Response object, or its stream of events."""
-    chat = to_chat(body, store.history(body.previous_response_id))
+    """POST /v1/responses: the answer as a Response object, or its stream of events.
+    Raises InvalidRequestError (NotFoundError: a previous response not kept, or not this
+    request's cache salt's)."""
+    body.check()
+    serving.note_ignored(body)
+    history = store.history(None if body.previous_response_id is None
+                            else scoped(body.previous_response_id, body.cache_salt))
+    chat = to_chat(body, history)
     rid = new_item_id("resp")
-    keep_from = 1 if body.instructions else 0  # the instructions are per request: not carried on
+    keep_from = bool(body.operator_instructions) + bool(body.instructions)  # per request: not carried on
+    fmt = ChatFormat(serving.token_text, body.top_logprobs or 0)
+    logprobs = (lambda lps: fmt.logprob_block(lps, 0)["content"]) if body.wants_logprobs() else None
 
     def done(choice: Choice, response: dict[str, Any]) -> None:
         if body.store:
@@ -284,13 +204,15 @@ async def create(serving: Serving, store: ResponseStore, body: ResponsesRequest,
             answer: dict[str, Any] = {"role": "assistant", "content": choice.text}
             if choice.calls:
                 answer["tool_calls"] = [c.openai() for c in choice.calls]
-            store.keep(rid, msgs + [answer], response)
+            store.keep(scoped(rid, body.cache_salt), msgs + [answer], response)
 
     run = await serving.start_chat(chat, model)
     if body.stream:
-        return serving.stream(run, ResponsesStream(rid, body, model, done))
+        return serving.stream(run, ResponsesStream(rid, body, model, done, logprobs))
     answer = await serving.answer(run, raw)
     (choice,) = answer.choices
-    response = response_object(rid, body, model, output_items(choice), choice.finish_reason, answer.usage)
+    entries = logprobs(choice.logprobs or ()) if logprobs else None
+    response = response_object(rid, body, model, output_items(choice, logprobs=entries), choice.finish_reason,
+                               answer.usage)
     done(choice, response)
     return JSONResponse(response)

@@ -119,15 +119,22 @@ StreamEvent = Step | Done | Failed
 class Choices:
     """Engine outputs as typed choices. tools: the parser of tool calls in the text
     (chat with tools; None: the text is all content); logprobs: whether the client
-    asked for them. Streaming keeps per-choice state (text offsets, the tool streamer,
-    the calls sent), so one Choices serves one request."""
+    asked for them; parallel: several calls per answer (else the first call only, as
+    vLLM's parallel_tool_calls false). Streaming keeps per-choice state (text offsets,
+    the tool streamer, the calls sent), so one Choices serves one request.
 
-    def __init__(self, tools: ToolParser | None, logprobs: bool) -> None:
+    An answer cut by length never shows a cut call as text: the parser drops it, and
+    an answer that is then only complete calls ends "tool_calls" (what it holds);
+    otherwise it ends "length", its text without the cut markup."""
+
+    def __init__(self, tools: ToolParser | None, logprobs: bool, parallel: bool = True) -> None:
         self.tools = tools
         self.logprobs = logprobs
+        self.parallel = parallel
         self._emitted: dict[int, int] = {}  # characters streamed per choice
         self._streamers: dict[int, ToolStreamer] = {}
         self._calls: dict[int, int] = {}  # calls streamed per choice
+        self._texted: set[int] = set()  # choices that streamed content beside their calls
 
     def step(self, i: int, out: RequestOutput, n: int) -> list[Choice]:
         """What one engine output adds to prompt i's n samples (no choice for a sample
@@ -136,7 +143,7 @@ class Choices:
         for j, o in enumerate(out.outputs):
             index, new = i * n + j, out.new_token_ids[j]
             ending = out.finished and o.finished
-            text, calls = self._delta(index, out.deltas[j], ending)
+            text, calls = self._delta(index, out.deltas[j], ending, ending and o.finish_reason == "length")
             if not text and not calls and not ending and not (self.logprobs and new):
                 continue
             first = self._calls.get(index, 0)
@@ -149,17 +156,31 @@ class Choices:
                                   o.stop_reason if out.finished else None))
         return choices
 
-    def _delta(self, index: int, text: str, ending: bool) -> tuple[str, tuple[FunctionCall, ...]]:
-        """The content and the completed calls in one step's text of choice `index`."""
+    def _delta(self, index: int, text: str, ending: bool, cut: bool) -> tuple[str, tuple[FunctionCall, ...]]:
+        """The content and the completed calls in one step's text of choice `index`
+        (cut: the output ended by length, what is held is dropped)."""
         if self.tools is None:
             return text, ()
         streamer = self._streamers.setdefault(index, self.tools.streamer())
-        events = streamer.feed(text) + (streamer.finish() if ending else [])
+        events = streamer.feed(text) + (streamer.finish(cut) if ending else [])
         content = "".join(e for kind, e in events if kind == "content")
-        return content, tuple(FunctionCall.of(e) for kind, e in events if kind == "call")
+        if content:
+            self._texted.add(index)
+        calls = [e for kind, e in events if kind == "call"]
+        return content, tuple(FunctionCall.of(e) for e in self._allowed(calls, self._calls.get(index, 0)))
+
+    def _allowed(self, calls: list[ParsedCall], before: int) -> list[ParsedCall]:
+        """The calls an answer may return after `before` others (parallel: all, else the first)."""
+        return calls if self.parallel else calls[:max(0, 1 - before)]
+
+    @staticmethod
+    def _reason(reason: str | None, calls: bool, texted: bool) -> str | None:
+        """An answer's finish reason: "tool_calls" when it has calls and stopped, or was cut
+        while it held only calls (the cut call dropped); else the engine's."""
+        return "tool_calls" if calls and (reason == "stop" or (reason == "length" and not texted)) else reason
 
     def _finish_reason(self, index: int, o: CompletionOutput) -> str | None:
-        return "tool_calls" if self._calls.get(index) and o.finish_reason == "stop" else o.finish_reason
+        return self._reason(o.finish_reason, bool(self._calls.get(index)), index in self._texted)
 
     def whole(self, index: int, o: CompletionOutput, prefix: str = "") -> Choice:
         """A sample's whole answer; prefix: the echoed prompt (completions)."""
@@ -167,9 +188,13 @@ class Choices:
         calls: tuple[FunctionCall, ...] = ()
         reason = o.finish_reason
         if self.tools is not None:
-            content, parsed = self.tools.parse(o.text)
+            cut = reason == "length"
+            content, parsed = self.tools.parse(o.text, cut)
+            parsed = self._allowed(parsed, 0)
             if parsed:
                 text, calls = content, tuple(FunctionCall.of(c) for c in parsed)
-                reason = "tool_calls" if reason == "stop" else reason
+                reason = self._reason(reason, True, content is not None)
+            elif cut and content != (o.text.strip() or None):  # a cut call dropped: the text before it
+                text = content
         return Choice(index, text, calls, 0, tuple(o.logprobs or []) if self.logprobs else None, len(prefix),
                       reason, o.stop_reason)

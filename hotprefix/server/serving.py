@@ -42,12 +42,19 @@ from hotprefix.server.protocol import (
     random_id,
 )
 from hotprefix.server.request_log import LogRow, LogStatus, RequestLog
-from hotprefix.server.responses import ClosingStreamingResponse, wait_disconnect
+from hotprefix.server.responses import ClientGone, ClosingStreamingResponse, wait_disconnect
 from hotprefix.server.results import Answer, Choices, Done, Failed, Step, StreamEvent, Usage
 from hotprefix.server.tenancy import tenant_of
 from hotprefix.server.tool_parsers import PARSERS
 
 log = logging.getLogger("hotprefix.requests")
+
+
+class Ignoring(Protocol):
+    """A request with fields accepted and not acted on (they cannot change a result)."""
+
+    def ignored(self) -> list[str]:
+        """The names of those fields this request set."""
 
 
 @dataclass
@@ -133,7 +140,7 @@ class Serving:
                       structured: StructuredOutput | None = None) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
-        self._note_ignored(body)
+        self.note_ignored(body)
         if body.priority != 0 and self.options.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
         if body.n > self.options.max_n:
@@ -155,7 +162,7 @@ class Serving:
                                         else params.max_tokens)
         return streams
 
-    def _note_ignored(self, body: SamplingFields) -> None:
+    def note_ignored(self, body: Ignoring) -> None:
         """Log, once per field, that a field which cannot change a result here was ignored."""
         for name in body.ignored():
             if name not in self._noted:
@@ -163,7 +170,7 @@ class Serving:
                 log.info("request field %s accepted and ignored: it cannot change a result on this server "
                          "(logged once)", name)
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         """A token's text in logprobs (or "token_id:N", --return-tokens-as-token-ids)."""
         return f"token_id:{token_id}" if self.options.tokens_as_ids else self.engine.token_text(token_id)
 
@@ -212,8 +219,9 @@ class Serving:
 
     async def _collect(self, run: Run, raw: Request) -> list[RequestOutput]:
         """Final outputs of every stream. Raises RequestFailedError when the engine
-        failed one of them; aborts them all if the client goes away (or this is
-        cancelled); however it ends, every stream is closed and the request logged."""
+        failed one of them, ClientGone when the client went away (every stream is then
+        aborted, as when this is cancelled); however it ends, every stream is closed and
+        the request logged."""
         async def consume(s: RequestStream) -> RequestOutput:
             final = None
             async for out in s:
@@ -227,11 +235,12 @@ class Serving:
 
         status = LogStatus.CLIENT_DISCONNECTED
         work = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in run.streams)))
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read: no "never retrieved" noise)
         watch = asyncio.ensure_future(wait_disconnect(raw))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientGone(run.request_id)
             status = LogStatus.ERROR
             finals = work.result()
             status = LogStatus.OK
@@ -318,7 +327,7 @@ class Serving:
                                      rid, body.split_special_tokens)
         run = Run(rid, "completions", body.user, model, streams, Choices(None, body.logprobs is not None), body.n,
                   scope)
-        fmt = CompletionFormat(self._token_text, body.logprobs or 0)
+        fmt = CompletionFormat(self.token_text, body.logprobs or 0)
         if body.stream:
             return self.stream(run, OpenAIStream(fmt, rid, model, body.n, body.stream_options))
         finals = await self._collect(run, raw)
@@ -364,12 +373,12 @@ class Serving:
         scope = CacheScope(body.cache_salt, body.cache_salt_offset)
         streams = await self._submit(body, scope, [prompt], body.limit(), k if body.logprobs else None, False, rid,
                                      structured=self._tool_grammar(body, tools))
-        return Run(rid, "chat.completions", body.user, model, streams, Choices(parser, bool(body.logprobs)), body.n,
-                   scope)
+        return Run(rid, "chat.completions", body.user, model, streams,
+                   Choices(parser, bool(body.logprobs), body.parallel_tool_calls), body.n, scope)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, model: str) -> Any:
         run = await self.start_chat(body, model)
-        fmt = ChatFormat(self._token_text, body.top_logprobs or 0)
+        fmt = ChatFormat(self.token_text, body.top_logprobs or 0)
         if body.stream:
             return self.stream(run, OpenAIStream(fmt, run.request_id, model, body.n, body.stream_options))
         answer = await self.answer(run, raw)

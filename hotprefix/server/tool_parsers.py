@@ -46,13 +46,17 @@ class ToolStreamer(Protocol):
     def feed(self, delta: str) -> list[Event]:
         """Events for one more piece of generated text (text that may start a call is held)."""
 
-    def finish(self) -> list[Event]:
-        """Events for what is still held at the end."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """Events for what is still held at the end. cut: the output was cut short (its
+        finish reason is length): what is held (an unfinished call, or text that may
+        start one) is dropped, never sent as content."""
 
 
 class ToolParser(Protocol):
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content outside the calls, or None when there is none; the calls)."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
+        """(content outside the calls, or None when there is none; the calls). cut: the
+        text was cut short: an unfinished call at its end is dropped, the calls before
+        it are kept."""
 
     keeps_special_tokens: bool  # the format's marker is a special token: the text must keep it
 
@@ -86,9 +90,9 @@ class HermesParser:
     """<tool_call>{"name": "f", "arguments": {...}}</tool_call> blocks; a block that does
     not parse, or is not closed, stays content."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
         s = self.streamer()
-        events = s.feed(text) + s.finish()
+        events = s.feed(text) + s.finish(cut)
         content = "".join(e for kind, e in events if kind == "content").strip()
         return content or None, [e for kind, e in events if kind == "call"]
 
@@ -141,9 +145,9 @@ class HermesStreamer:
             else:
                 events += self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
         rest, self.buf, self.inside = (TOOL_CALL_OPEN if self.inside else "") + self.buf, "", False
-        return self._content(rest)
+        return [] if cut else self._content(rest)
 
 
 def call_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> str:
@@ -157,27 +161,26 @@ def call_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) 
             f"args: %json {json.dumps(schema)}\n")
 
 
-def _json_calls(text: str, sep: str) -> list[ParsedCall] | None:
-    """Calls written as JSON objects ({"name": ..., "parameters" or "arguments": {...}})
-    one after another, `sep` (and whitespace) between them; None unless all of `text` is
-    such calls."""
-    dec, i, calls = json.JSONDecoder(), 0, []
+def _json_calls(text: str, sep: str | None) -> tuple[list[ParsedCall], str]:
+    """The calls written as JSON objects ({"name": ..., "parameters" or "arguments":
+    {...}}) at the start of `text`, one after another with `sep` (and whitespace)
+    between them (None: one object at most), and the rest of the text after the last
+    of them (a separator with no call after it belongs to the rest)."""
+    dec, i, last, calls = json.JSONDecoder(), 0, 0, []
     while True:
         while i < len(text) and text[i].isspace():
             i += 1
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            return None
+            return calls, text[last:]
         call = _call(json.dumps(obj)) if isinstance(obj, dict) else None
         if call is None:
-            return None
+            return calls, text[last:]
         calls.append(call)
-        rest = text[i:].lstrip()
-        if not rest:
-            return calls
-        if not rest.startswith(sep):
-            return None
+        last, rest = i, text[i:].lstrip()
+        if sep is None or not rest.startswith(sep):
+            return calls, text[last:]
         i = len(text) - len(rest) + len(sep)
 
 
@@ -202,13 +205,14 @@ class _HeldStreamer:
         self.sent += out
         return [("content", out)] if out else []
 
-    def finish(self) -> list[Event]:
-        """The held text parsed: its calls, or (when it does not parse) it as content."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The held text parsed: its calls, or (when it does not parse) it as content
+        (cut: dropped)."""
         if not self.held:
             rest, self.buf = self.buf, ""
-            return [("content", rest)] if rest else []
-        content, calls = self.parser.parse(self.buf)
-        if not calls:  # not calls after all: the held text is content, as it was written
+            return [("content", rest)] if rest and not cut else []
+        content, calls = self.parser.parse(self.buf, cut)
+        if not calls and not cut:  # not calls after all: the held text is content, as it was written
             content = self.buf
         self.buf = ""
         return ([("content", content)] if content else []) + [("call", c) for c in calls]
@@ -227,11 +231,15 @@ class Llama3JsonParser:
     TAG = "<|python_tag|>"
     keeps_special_tokens = False
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
         body = body[len(self.TAG):] if body.startswith(self.TAG) else body
-        calls = _json_calls(body, ";") if body.startswith("{") else None
-        return (None, calls) if calls else (text.strip() or None, [])
+        if not body.startswith("{"):
+            return text.strip() or None, []
+        calls, rest = _json_calls(body, ";")
+        if calls and (cut or not rest.strip()):
+            return None, calls
+        return (None, []) if cut else (text.strip() or None, [])  # cut: a call cut short is dropped
 
     def call_start(self, buf: str, at_start: bool) -> tuple[int | None, int]:
         """(where a call starts in buf, or None; how much of buf's tail to hold
@@ -258,19 +266,16 @@ class MistralParser:
     MARK = "[TOOL_CALLS]"
     keeps_special_tokens = True
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
         i = text.find(self.MARK)
         if i < 0:
             return text.strip() or None, []
-        try:
-            items = json.loads(text[i + len(self.MARK):])
-        except json.JSONDecodeError:
-            return text.strip() or None, []
-        items = items if isinstance(items, list) else [items]
-        calls = [_call(json.dumps(x)) if isinstance(x, dict) else None for x in items]
-        if not calls or None in calls:
-            return text.strip() or None, []
-        return text[:i].strip() or None, calls  # type: ignore[return-value]
+        body = text[i + len(self.MARK):].strip()
+        listed = body.startswith("[")
+        calls, rest = _json_calls(body[1:], ",") if listed else _json_calls(body, None)
+        if calls and (cut or rest.strip() == ("]" if listed else "")):
+            return text[:i].strip() or None, calls
+        return (text[:i].strip() or None, []) if cut else (text.strip() or None, [])
 
     def call_start(self, buf: str, at_start: bool) -> tuple[int | None, int]:
         i = buf.find(self.MARK)

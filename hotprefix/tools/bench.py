@@ -1,4 +1,4 @@
-"""`hotprefix bench`: the shared-prefix workloads of BENCHMARKS.md against any OpenAI-compatible server.
+"""`hotprefix bench`: the shared-prefix workloads (docs/benchmarks.md) against any OpenAI-compatible server.
 
 Prompts are built deterministically from a seed and sent as text to
 /v1/completions (every server sees identical text), streamed, greedy, with a
@@ -296,7 +296,7 @@ def render(results: list[dict[str, Any]], ratio: dict[str, Any] | None = None) -
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="shared-prefix workloads against any OpenAI-compatible server",
-                       description="Run BENCHMARKS.md's workloads (ttft, tenants, rag, chat, unique), a "
+                       description="Run the workloads of docs/benchmarks.md (ttft, tenants, rag, chat, unique), a "
                                    "single-stream decode one (decode) and 8 concurrent requests on a warm "
                                    "shared prefix (shared) against a server.")
     p.add_argument("url", help="base URL of the server, e.g. http://127.0.0.1:8000")

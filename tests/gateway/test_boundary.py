@@ -295,8 +295,9 @@ def test_the_tenant_allow_list_is_a_subset_of_the_servers_table():
     opens it), and the values are checked by the server's rules (test above)."""
     from hotprefix.gateway.tenant_api import MODELS
     from hotprefix.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+    from hotprefix.server.responses_request import ResponsesRequest
 
-    server = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+    server = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest}
     gateway_only = {"messages"}  # rebuilt by the gateway (the forced prompt first): its own model
     for endpoint, model in MODELS.items():
         theirs = server[endpoint].model_fields

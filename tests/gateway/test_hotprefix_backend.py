@@ -10,7 +10,7 @@ import pytest
 
 from hotprefix.gateway import keys as K
 from hotprefix.gateway.store import Store
-from tests.gateway.conftest import SECRET, start_gateway, wait_until, wait_warm
+from tests.gateway.conftest import ADMIN, SECRET, start_gateway, wait_until, wait_warm
 
 SYSTEM = ("You are the assistant of a company that sells garden tools. Answer questions about rakes, "
           "spades, hoes and watering cans in a short and friendly way.")
@@ -99,6 +99,27 @@ def test_warm_up_pins_each_prompt_on_start(logged_server, store):
         system = [{"role": "system", "content": SYSTEM}]  # leave the backend as we found it
         for salt in ({"cache_salt": K.tenant_salt(SECRET, "a")}, {"cache_salt": K.tenant_salt(SECRET, "b")}, {}):
             assert httpx.post(server.url + "/unpin", json={"messages": system, **salt}).json()["unpinned_blocks"] > 0
+
+
+def test_a_warm_up_the_backend_refuses_is_logged_with_its_reason(logged_server, tmp_path, caplog):
+    """A prompt shorter than one block cannot be pinned: the log and the dashboard's
+    last error say the backend's reason, not HTTP's generic "400 Bad Request"."""
+    server, _ = logged_server
+    st = Store(f"sqlite:///{tmp_path / 'short.db'}")
+    st.migrate()
+    st.add_prompt("tiny-prompt", "Hi.", public=True)
+    st.create_tenant("t", "tiny-prompt")
+    gw = start_gateway([server.url], st)
+    try:
+        wait_warm(gw)
+        data = httpx.get(gw.url + "/admin/dashboard", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    finally:
+        gw.stop()
+    (backend,) = data["backends"]
+    why = "HTTP 400: the prefix is shorter than one block (16 tokens)"
+    assert backend["healthy"] and backend["last_error"] == f"warm-up of prompt tiny-prompt v1: {why}"
+    assert [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage() and "failed" in r.getMessage()] \
+        == [f"warm-up {server.url}: prompt tiny-prompt v1 failed: {why}"]
 
 
 def test_usage_rows_equal_the_backend_request_log(logged_server, store):

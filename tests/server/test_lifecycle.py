@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -73,6 +76,47 @@ def test_disconnect_while_waiting_for_a_non_streaming_response(live):
     except httpx.TimeoutException:
         pass
     live.wait_idle()
+    assert live.engine.kv.pool.num_free_blocks == live.engine.kv.num_blocks
+
+
+def test_a_client_leaving_before_its_answer_is_an_info_line_not_an_error(live, caplog):
+    """The engine is held between steps, so no answer can come before the client's
+    timeout: the client goes; the server logs one INFO line per request, no error
+    and no traceback (uvicorn's "Exception in ASGI application" included)."""
+    uvicorn_log = logging.getLogger("uvicorn.error")  # (uvicorn's loggers do not propagate to the root)
+    uvicorn_log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="hotprefix.requests")
+    try:
+        for path, body in (("/responses", {"input": "hi", "max_output_tokens": 50}),
+                           ("/completions", {"prompt": "hi", "max_tokens": 50}),
+                           ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50})):
+            gate, held = threading.Event(), threading.Event()
+
+            def hold(_engine, gate=gate, held=held):
+                held.set()
+                gate.wait(30)
+
+            holder = threading.Thread(target=live.on_engine, args=(hold, 60))
+            holder.start()
+            try:
+                assert held.wait(30)
+                with pytest.raises(httpx.TimeoutException):
+                    httpx.post(live.v1 + path, json={"model": "tiny", **body}, timeout=0.5)
+                deadline = time.monotonic() + 10
+                while not any(f"/v1{path}: the client went away" in r.getMessage() for r in caplog.records) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            finally:
+                gate.set()
+                holder.join(60)
+        live.wait_idle()
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    gone = [r for r in caplog.records if "the client went away" in r.getMessage()]
+    assert [(r.levelno, r.getMessage().split(":")[0]) for r in gone] == [
+        (logging.INFO, "POST /v1/responses"), (logging.INFO, "POST /v1/completions"),
+        (logging.INFO, "POST /v1/chat/completions")]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert live.engine.kv.pool.num_free_blocks == live.engine.kv.num_blocks
 
 

@@ -83,8 +83,8 @@ def test_function_calls_and_their_outputs_continue_a_stored_conversation(client,
 
 def test_what_is_not_kept_or_not_supported_is_named(client, srv):
     r = client.responses.create(model="tiny", input="hi", max_output_tokens=2, store=False)
-    for rid in (r.id, "resp_unknown"):
-        with pytest.raises(openai.BadRequestError, match="previous_response_id|not kept"):
+    for rid in (r.id, "resp_unknown"):  # (404, as OpenAI answers: the same for another tenant's, see the gateway)
+        with pytest.raises(openai.NotFoundError, match="not kept"):
             client.responses.create(model="tiny", input="again", previous_response_id=rid, max_output_tokens=2)
     kept = client.responses.create(model="tiny", input="hi", max_output_tokens=2)
     assert httpx.delete(f"{srv.v1}/responses/{kept.id}").json()["deleted"] is True
@@ -94,6 +94,36 @@ def test_what_is_not_kept_or_not_supported_is_named(client, srv):
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools")):
         bad = httpx.post(srv.v1 + "/responses", json={"model": "tiny", **body})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    srv.check_drained()
+
+
+def test_a_response_is_kept_for_the_cache_salt_that_made_it(client, srv):
+    r = client.responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    assert httpx.get(f"{srv.v1}/responses/{r.id}", params={"cache_salt": "tenant-a"}).json()["id"] == r.id
+    for other in ({"cache_salt": "tenant-b"}, {}):  # another salt, or none, does not reach it
+        assert httpx.get(f"{srv.v1}/responses/{r.id}", params=other).status_code == 404
+        assert httpx.delete(f"{srv.v1}/responses/{r.id}", params=other).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="tiny", input="again", previous_response_id=r.id, max_output_tokens=2,
+                                    extra_body=other)
+    nxt = client.responses.create(model="tiny", input="again", previous_response_id=r.id, max_output_tokens=2,
+                                  extra_body={"cache_salt": "tenant-a"})
+    assert nxt.previous_response_id == r.id
+    srv.check_drained()
+
+
+def test_a_forced_call_cut_by_length_is_never_a_message_of_markup(client, srv):
+    """tool_choice required with too few tokens for the call: no message item (no raw
+    markup), no call, status incomplete; with enough, one call (parallel_tool_calls false)."""
+    for seed in range(3):
+        cut = client.responses.create(model="tiny", input="What is the weather in Oslo?", tools=[WEATHER],
+                                      tool_choice="required", temperature=1.0, extra_body={"seed": seed},
+                                      max_output_tokens=8)
+        assert (cut.status, cut.incomplete_details.reason, cut.output) == ("incomplete", "max_output_tokens", [])
+        one = client.responses.create(model="tiny", input="What is the weather in Oslo?", tools=[WEATHER],
+                                      tool_choice="required", temperature=1.0, extra_body={"seed": seed},
+                                      max_output_tokens=60, parallel_tool_calls=False)
+        assert [o.type for o in one.output] == ["function_call"] and one.status == "completed"
     srv.check_drained()
 
 

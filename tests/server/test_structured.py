@@ -208,6 +208,33 @@ def test_required_tool_calls_match_the_schema(client):
         assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
 
 
+def test_a_call_cut_by_length_never_leaks_as_content(client):
+    """A forced call with a tight max_tokens: a call cut short is dropped, never content;
+    the answer ends "tool_calls" with the calls it completed, else "length" with none.
+    Too few tokens for one call: always the latter (the grammar writes a call at once)."""
+    seen = set()
+    for max_tokens, seeds in ((8, range(3)), (45, range(6))):
+        for seed in seeds:
+            r = chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=max_tokens)
+            c = r.choices[0]
+            assert c.message.content is None, c
+            assert c.finish_reason == ("tool_calls" if c.message.tool_calls else "length"), c
+            assert max_tokens > 8 or c.message.tool_calls is None
+            for call in c.message.tool_calls or ():
+                jsonschema.validate(_call_args(call), {t["function"]["name"]: t["function"] for t in TOOLS}[
+                    call.function.name]["parameters"])
+            seen.add((len(c.message.tool_calls or ()), r.usage.completion_tokens == max_tokens))
+    assert (0, True) in seen  # (a cut that completed no call happened, at 8 tokens)
+
+
+def test_streamed_a_cut_call_is_never_content(client):
+    for chunk in chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=1, max_tokens=8,
+                      stream=True):
+        if chunk.choices:
+            assert not chunk.choices[0].delta.content and not chunk.choices[0].delta.tool_calls
+            assert chunk.choices[0].finish_reason in (None, "length")
+
+
 def test_a_named_tool_choice_and_no_parallel_calls_give_one_call_to_it(client):
     for seed in range(3):
         r = chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},

@@ -118,10 +118,10 @@ def test_vllm_keywords_with_no_effect_are_named_or_refused():
     foreign = build(ForeignFlags, take_keywords({"trust_remote_code": True, "pipeline_parallel_size": 1,
                                                  "quantization": None}, ForeignFlags))
     assert foreign.lines() == [
-        "--trust-remote-code: accepted, no effect here (hotprefix runs no code from a model repository: it "
-        "implements the architectures it loads (Llama-family) itself)",
         "--pipeline-parallel-size 1: accepted, no effect here (one pipeline stage: the whole model runs in one "
-        "engine)"]
+        "engine)",
+        "--trust-remote-code: accepted, no effect here (hotprefix runs no code from a model repository: it "
+        "implements the architectures it loads (Llama-family) itself)"]
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2: hotprefix runs one engine per device"):
         build(ForeignFlags, {"pipeline_parallel_size": 2})
 

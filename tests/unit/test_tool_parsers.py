@@ -179,3 +179,18 @@ def test_a_forced_call_fills_its_required_strings(accepts):
     assert accepts(g, call('{"a": "", "b": "", "c": {"d": "x"}}'))  # a optional, b's own minLength 0
     assert not accepts(g, call('{"b": "", "c": {"d": ""}}'))  # nested required d
     assert opt["function"]["parameters"]["properties"]["c"]["properties"]["d"] == {"type": "string"}  # not mutated
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    (W_CALL + "\n<tool_call>\n{\"name\":", None, [W]),  # the cut second call is dropped
+    ('<tool_call>\n{"name": "get_we', None, []),
+    ("Let me look.\n<tool_c", "Let me look.", []),  # a cut marker too
+    ("Let me look.\n" + W_CALL, "Let me look.", [W]),  # nothing cut: as without cut
+    ("a plain answer, cut", "a plain answer, cut", []),
+])
+def test_a_call_cut_by_length_is_never_content(text, content, calls):
+    assert P.parse(text, cut=True) == (content, calls)
+    s = P.streamer()
+    events = [e for ch in text for e in s.feed(ch)] + s.finish(cut=True)
+    assert "".join(v for k, v in events if k == "content").strip() == (content or "")
+    assert [v for k, v in events if k == "call"] == calls

@@ -108,3 +108,20 @@ def test_the_grammars_accept_exactly_calls_in_their_format(accepts, parser, only
     assert accepts(grammar, text) is ok
     if ok:  # and what the grammar lets through parses back into those calls
         assert parser.parse(text)[1]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", [
+    (L, L_W + '; {"name": "get_ti', None, [W]),  # the cut second call is dropped, the first kept
+    (L, '{"name": "get_weather", "param', None, []),
+    (L, L_W + "; " + L_C, None, [W, C]),
+    (L, "The weather is", "The weather is", []),
+    (M, M_BOTH[:-30], None, [W]),
+    (M, 'Let me check. [TOOL_CALLS][{"name": "get_w', "Let me check.", []),
+    (M, M_BOTH, None, [W, C]),
+])
+def test_a_call_cut_by_length_is_never_content(parser, text, content, calls):
+    assert parser.parse(text, cut=True) == (content, calls)
+    s = parser.streamer()
+    events = [e for ch in text for e in s.feed(ch)] + s.finish(cut=True)
+    assert "".join(v for k, v in events if k == "content").strip() == (content or "")
+    assert [v for k, v in events if k == "call"] == calls

@@ -72,3 +72,39 @@ def test_a_failure_is_one_error_in_each_format():
     (err,) = responses.write(Failed("engine died", own=False))
     assert err.startswith("event: error\n") and json.loads(payloads([err])[0]) == {
         "type": "error", "sequence_number": 1, "code": "500", "message": "engine died", "param": None}
+
+
+CUT = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', "\n<tool_call>\n",
+       '{"name":']
+
+
+def _answer(pieces: list[str], reason: str, parallel: bool = True, stream: bool = True) -> tuple:
+    """(content, call names, finish reason) of a chat answer made of `pieces`, streamed or whole."""
+    choices = Choices(HermesParser(), logprobs=False, parallel=parallel)
+    text, calls, finish = "", [], None
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        o = CompletionOutput(0, "".join(pieces[:k + 1]), list(range(k + 1)), reason if last else None)
+        if not stream:
+            if last:
+                c = choices.whole(0, o)
+                return c.text, [f.name for f in c.calls], c.finish_reason
+            continue
+        for c in choices.step(0, RequestOutput("r", None, [7], [o], [piece], last, [[k]]), 1):
+            text, calls, finish = text + (c.text or ""), calls + [f.name for f in c.calls], c.finish_reason or finish
+    return text or None, calls, finish
+
+
+def test_a_call_cut_by_length_is_dropped_and_the_answer_says_what_it_holds():
+    for stream in (True, False):
+        assert _answer(CUT, "length", stream=stream) == (None, ["get_weather"], "tool_calls")  # complete calls
+        assert _answer(CUT[1:], "length", stream=stream) == (None, [], "length")  # only a cut call: no text
+        assert _answer(["Let me see.", *CUT[1:]], "length", stream=stream) == ("Let me see.", [], "length")
+        assert _answer(["Let me see.\n", *CUT], "length", stream=stream) == ("Let me see.", ["get_weather"], "length")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = [CUT[0], "\n" + CUT[0].replace("get_weather", "get_time")]
+    for stream in (True, False):
+        assert _answer(two, "stop", stream=stream) == (None, ["get_weather", "get_time"], "tool_calls")
+        assert _answer(two, "stop", parallel=False, stream=stream) == (None, ["get_weather"], "tool_calls")
