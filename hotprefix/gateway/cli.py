@@ -217,10 +217,12 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from hotprefix.gateway.app import build_gateway_app, make_limiter
     from hotprefix.gateway.config import GatewayConfig
     from hotprefix.gateway.keys import default_database_url, load_secret
+    from hotprefix.server.log_lines import escape_log_lines
 
     cfg = GatewayConfig(backends=tuple(u.rstrip("/") for u in a.backend), host=a.host, port=a.port,
                         database_url=a.database_url or default_database_url(), redis_url=a.redis_url,
                         admin_key=a.admin_key, secret_file=a.secret_file, backend_api_key=a.backend_api_key,
+                        backend_admin_key=a.backend_admin_key, docs=a.docs,
                         health_interval=a.health_interval, health_fails=a.health_fails,
                         timeout_keep_alive=a.timeout_keep_alive,
                         load_factor=a.load_factor, min_cap=a.min_cap,
@@ -243,9 +245,10 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         except (redis.RedisError, OSError) as e:
             raise ConfigError(f"cannot reach Redis at {cfg.redis_url}: {e}") from None
     app = build_gateway_app(cfg, store, secret, make_limiter(cfg))
-    uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                  access_log=False, timeout_graceful_shutdown=30,
-                                  timeout_keep_alive=cfg.timeout_keep_alive)).run()
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                            timeout_graceful_shutdown=30, timeout_keep_alive=cfg.timeout_keep_alive)
+    escape_log_lines()
+    uvicorn.Server(config).run()
     return 0
 
 
@@ -277,6 +280,11 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"bearer key of the /admin API (env {ADMIN_ENV}; without it the admin API is off)")
     gw.add_argument("--backend-api-key", default=os.environ.get("HOTPREFIX_BACKEND_API_KEY"),
                     help="bearer key the backends expect (env HOTPREFIX_BACKEND_API_KEY)")
+    gw.add_argument("--backend-admin-key", default=os.environ.get("HOTPREFIX_BACKEND_ADMIN_KEY"),
+                    help="the backends' --admin-api-key, for warm-up pins and a request's usage by id (env "
+                         "HOTPREFIX_BACKEND_ADMIN_KEY; default: --backend-api-key)")
+    gw.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help="serve /docs, /redoc and /openapi.json (their pages load Swagger UI from a CDN)")
     gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between backend health checks")
     gw.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                     help="seconds an idle client keep-alive connection stays open")

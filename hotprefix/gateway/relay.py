@@ -74,14 +74,14 @@ async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeou
         raise GatewayError(502, f"the backend failed mid-answer: {type(e).__name__}", "BadGatewayError") from None
     finally:
         await up.close()
-    o.http_status = up.resp.status_code
+    o.http_status = o.answered = up.resp.status_code
     o.status = UsageStatus.OK if o.http_status == 200 else UsageStatus.ERROR
     o.ttft_s = time.monotonic() - flight.t0
     try:
         parsed = json.loads(data)
-        if o.http_status == 200 and isinstance(parsed, dict):
+        if isinstance(parsed, dict):  # (an error answer is charged its usage, if it has one, else nothing)
             o.take_usage(parsed.get("usage"))
-            o.take_choices(parsed.get("choices"))
+            o.take_choices(parsed.get("choices") if o.http_status == 200 else None)
     except ValueError:
         pass
     await flight.end()
@@ -113,6 +113,7 @@ async def relay(request: Request, up: Upstream, opts: StreamOptions | None, flig
             elif (text := _relayed(line, flight, *want)) is not None:
                 yield text
         o.status = UsageStatus.OK if done else UsageStatus.BACKEND_ERROR
+        o.answered = 200 if done else None  # a stream cut short is settled by the backend's count
         await up.close()
         await flight.end()
         yield "data: [DONE]\n\n" if done else sse_error("the backend ended the stream early")
