@@ -22,9 +22,10 @@ What a request becomes on its way to a backend (see tenant_api):
 A client that goes away, streaming or not, closes the upstream connection, so
 the backend aborts too; the request is charged what the backend did (usage.Outcome:
 the backend is recorded before the request is sent; a hotprefix backend is asked for
-its count by request id, backend_usage.py). A backend that does not answer within --backend-timeout
-is a 504 (not a dead backend: it is not marked down, and the request is not sent
-again); only a backend that cannot be connected to is skipped for the next one.
+its count by request id, backend_usage.py). A backend that does not answer within
+--backend-timeout is a 504 (not a dead backend: it is not marked down, and the
+request is not sent again); only a backend that cannot be connected to is skipped
+for the next one.
 """
 
 from __future__ import annotations

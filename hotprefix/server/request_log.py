@@ -22,7 +22,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -228,7 +228,7 @@ class RequestLog:
                  row.ttft_s, row.latency_s, row.finish_reason)
         if self.file is not None:
             self.file.write(json.dumps(row.to_json()) + "\n")
-        self.recent[row.request_id] = row
+        self.recent[row.request_id] = replace(row, kv=None, prefix=None)  # (its chains: no one asks for them)
         self.recent.move_to_end(row.request_id)
         while len(self.recent) > self.capacity:
             self.recent.popitem(last=False)
