@@ -61,6 +61,10 @@ class ServerConfig:
         names=("--served-model-name",), nargs="+", shown="the model file's or folder's name")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1 and admin endpoints",
                                group=G.SERVER, env="HOTPREFIX_API_KEY")
+    admin_api_key: str | None = flag(None, "require this key instead of --api-key on the operator's endpoints "
+                                     "(/pin, /unpin, /reset_prefix_cache, /prefix_groups, /requests, "
+                                     "/dashboard/data): the client key then cannot use them", group=G.SERVER,
+                                     env="HOTPREFIX_ADMIN_API_KEY")
     chat_template: str | None = flag(None, "a Jinja chat template (file or string) to override the model's",
                                      group=G.SERVER, unit=FILE_OR_TEXT)
     admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
@@ -117,6 +121,9 @@ class ServerConfig:
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ConfigError(f"--metrics-prefix must be a Prometheus name (letters, digits, _), "
                               f"got {self.metrics_prefix!r}")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ConfigError("--admin-api-key must differ from --api-key (the client key would open the operator's "
+                              "endpoints)")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ConfigError("give --ssl-keyfile and --ssl-certfile together")
         if not self.stats_interval > 0:

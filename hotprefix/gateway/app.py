@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 import hotprefix
 from hotprefix.gateway.admin import admin_router
+from hotprefix.gateway.backend_usage import UsageLookup
 from hotprefix.gateway.budgets import Ledger, MemoryLedger, RedisLedger
 from hotprefix.gateway.config import GatewayConfig
 from hotprefix.gateway.dashboard import dashboard_routes
@@ -42,6 +43,7 @@ from hotprefix.server.http_errors import error_response as _error
 from hotprefix.server.http_errors import install_common_handlers
 
 log = logging.getLogger(__name__)
+NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}  # /docs and its kin: only with --docs
 
 
 class Counters:
@@ -136,7 +138,8 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
     client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.backend_timeout, connect=5.0),
                                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
     ledger = ledger or make_ledger(cfg)
-    acct = Accounting(store, limiter, counters, cfg.gateway_id, cfg.heartbeat_s, cfg.orphan_after_s, ledger)
+    acct = Accounting(store, limiter, counters, cfg.gateway_id, cfg.heartbeat_s, cfg.orphan_after_s, ledger,
+                      UsageLookup(client, router, cfg.backend_headers(admin=True)))
     proxy = Proxy(cfg, store, secret, router, client, acct)
     background: set[asyncio.Task] = set()
 
@@ -164,18 +167,25 @@ def build_gateway_app(cfg: GatewayConfig, store: Store, secret: bytes, limiter: 
         await limiter.close()
         await ledger.close()
 
-    app = FastAPI(title="hotprefix gateway", version=hotprefix.__version__, lifespan=lifespan)
+    app = FastAPI(title="hotprefix gateway", version=hotprefix.__version__, lifespan=lifespan,
+                  **({} if cfg.docs else NO_DOCS))
     app.state.proxy, app.state.router, app.state.store, app.state.monitor = proxy, router, store, monitor
+    _mount(app, cfg, proxy, monitor, counters, ledger)
+    return app
+
+
+def _mount(app: FastAPI, cfg: GatewayConfig, proxy: Proxy, monitor: BackendMonitor, counters: Counters,
+           ledger: Ledger) -> None:
+    """The gateway's handlers, routes and edge middleware on `app`. Mutates app."""
     install_gateway_handlers(app)
     app.include_router(client_router(proxy, monitor, counters))
     app.include_router(responses_router(proxy))
-    app.include_router(admin_router(store, secret, proxy, monitor))
-    page, data = dashboard_routes(store, monitor, ledger)
+    app.include_router(admin_router(proxy.store, proxy.secret, proxy, monitor))
+    page, data = dashboard_routes(proxy.store, monitor, ledger)
     app.include_router(page)
     app.include_router(data, prefix="/admin")
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes)
     app.add_middleware(OperatorGuard, admin_key=cfg.admin_key, metrics_key=cfg.metrics_key)
-    return app
 
 
 def make_limiter(cfg: GatewayConfig) -> Limiter:

@@ -16,6 +16,7 @@ from hotprefix.config import KEEP_ALIVE_S, ConfigError, parse_size
 from hotprefix.flags import DefaultsOnce
 from hotprefix.gateway.budgets import Budget, PriceTable
 from hotprefix.gateway.budgets import parse_duration as parse_budget_duration
+from hotprefix.gateway.cli_limits import add_gateway_limits
 
 MAX_DURATION_S = 10 * 365 * 86400.0
 
@@ -226,10 +227,12 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from hotprefix.gateway.app import build_gateway_app, make_limiter
     from hotprefix.gateway.config import GatewayConfig
     from hotprefix.gateway.keys import default_database_url, load_secret
+    from hotprefix.server.log_lines import escape_log_lines
 
     cfg = GatewayConfig(backends=tuple(u.rstrip("/") for u in a.backend), host=a.host, port=a.port,
                         database_url=a.database_url or default_database_url(), redis_url=a.redis_url,
                         admin_key=a.admin_key, secret_file=a.secret_file, backend_api_key=a.backend_api_key,
+                        backend_admin_key=a.backend_admin_key, docs=a.docs,
                         health_interval=a.health_interval, health_fails=a.health_fails,
                         timeout_keep_alive=a.timeout_keep_alive,
                         load_factor=a.load_factor, min_cap=a.min_cap,
@@ -252,9 +255,10 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         except (redis.RedisError, OSError) as e:
             raise ConfigError(f"cannot reach Redis at {cfg.redis_url}: {e}") from None
     app = build_gateway_app(cfg, store, secret, make_limiter(cfg))
-    uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                  access_log=False, timeout_graceful_shutdown=30,
-                                  timeout_keep_alive=cfg.timeout_keep_alive)).run()
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                            timeout_graceful_shutdown=30, timeout_keep_alive=cfg.timeout_keep_alive)
+    escape_log_lines()
+    uvicorn.Server(config).run()
     return 0
 
 
@@ -286,6 +290,11 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"bearer key of the /admin API (env {ADMIN_ENV}; without it the admin API is off)")
     gw.add_argument("--backend-api-key", default=os.environ.get("HOTPREFIX_BACKEND_API_KEY"),
                     help="bearer key the backends expect (env HOTPREFIX_BACKEND_API_KEY)")
+    gw.add_argument("--backend-admin-key", default=os.environ.get("HOTPREFIX_BACKEND_ADMIN_KEY"),
+                    help="the backends' --admin-api-key, for warm-up pins and a request's usage by id (env "
+                         "HOTPREFIX_BACKEND_ADMIN_KEY; default: --backend-api-key)")
+    gw.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help="serve /docs, /redoc and /openapi.json (their pages load Swagger UI from a CDN)")
     gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between backend health checks")
     gw.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                     help="seconds an idle client keep-alive connection stays open")
@@ -296,34 +305,8 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help="bounded load: skip a tenant's home backend when it has this many times the mean load")
     gw.add_argument("--load-min-cap", type=int, default=4, dest="min_cap",
                     help="bounded load: never skip a home backend with fewer requests in flight than this")
-    _add_gateway_limits(gw)
+    add_gateway_limits(gw)
     gw.set_defaults(func=cmd_gateway)
-
-
-def _add_gateway_limits(gw: argparse.ArgumentParser) -> None:
-    """The gateway's defaults for keys, its timeouts, its identity and its warm-up."""
-    gw.add_argument("--default-rpm", type=int, default=None, help="requests per minute for keys that set none")
-    gw.add_argument("--default-tpm", type=int, default=None, help="tokens per minute for keys that set none")
-    gw.add_argument("--default-max-concurrent", type=int, default=None,
-                    help="concurrent requests for keys that set none")
-    gw.add_argument("--default-max-tokens", type=int, default=512,
-                    help="max_tokens of a request that sets none (every forwarded request carries one, also cut to "
-                         "the key's token budget and the model's context)")
-    gw.add_argument("--backend-timeout", type=float, default=600.0,
-                    help="seconds a backend may take to send its next bytes; then 504 (the backend is not marked "
-                         "down and the request is not sent again)")
-    gw.add_argument("--gateway-id", default=None,
-                    help="this gateway's name in usage rows (default HOST:PORT); restarted with the same id, it "
-                         "closes the rows its previous run left running")
-    gw.add_argument("--heartbeat", type=float, default=5.0,
-                    help="seconds between renewals of running requests' leases and usage checkpoints")
-    gw.add_argument("--metrics-key", default=os.environ.get("HOTPREFIX_METRICS_KEY"),
-                    help="bearer key of /metrics (env HOTPREFIX_METRICS_KEY; default: the admin key)")
-    gw.add_argument("--max-request-body-bytes", default="4MiB", help="a larger request body gets 413")
-    gw.add_argument("--auth-cache-s", type=float, default=5.0,
-                    help="seconds a key lookup is reused (revocations by other processes apply within this)")
-    gw.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                    help="send every tenant's prompt to its backend when the backend comes up, and pin it")
 
 
 def _add_tenants_parser(sub: argparse._SubParsersAction) -> None:

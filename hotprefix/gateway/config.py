@@ -21,6 +21,9 @@ class GatewayConfig:
     id closes the rows its previous run left running.
     heartbeat_s: how often running requests renew their leases and checkpoint usage.
     metrics_key: bearer key of /metrics (default: the admin key; neither: /metrics is off).
+    backend_admin_key: the backends' --admin-api-key, for /pin (warm-up) and a request's usage
+    by id (default: backend_api_key).
+    docs: serve /docs, /redoc and /openapi.json (off: the Swagger page loads from a CDN).
     max_request_body_bytes: a larger request body gets 413.
     prices: per model, the price per million tokens (budgets in money, and spend reports).
     """
@@ -33,6 +36,7 @@ class GatewayConfig:
     admin_key: str | None = None
     secret_file: str | None = None
     backend_api_key: str | None = None
+    backend_admin_key: str | None = None
     health_interval: float = 2.0
     health_fails: int = 3
     timeout_keep_alive: float = KEEP_ALIVE_S
@@ -51,6 +55,12 @@ class GatewayConfig:
     warmup: bool = True
     prices: PriceTable = field(default_factory=PriceTable)
     log_level: str = "info"
+    docs: bool = False
+
+    def backend_headers(self, admin: bool = False) -> dict[str, str]:
+        """The Authorization header for a backend: its client key, or (admin) its operator key."""
+        key = (self.backend_admin_key or self.backend_api_key) if admin else self.backend_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
 
     @property
     def health_timeout(self) -> float:

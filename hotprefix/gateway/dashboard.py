@@ -14,7 +14,6 @@ import asyncio
 import datetime as dt
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Query
@@ -24,6 +23,7 @@ from hotprefix.gateway.budgets import Ledger, Scope
 from hotprefix.gateway.monitor import BackendMonitor
 from hotprefix.gateway.routing import route_key
 from hotprefix.gateway.store import ActivityRow, Store, UsageStatus, utcnow
+from hotprefix.server.static_page import StaticPage
 
 ERRORS = {UsageStatus.ERROR, UsageStatus.BACKEND_ERROR, UsageStatus.TIMEOUT, UsageStatus.INVALID,
           UsageStatus.INTERRUPTED}
@@ -100,18 +100,14 @@ def activity(store: Store, monitor: BackendMonitor, minutes: float, bucket_s: in
     }
 
 
-def page() -> str:
-    return resources.files("hotprefix.gateway").joinpath("static/dashboard.html").read_text()
-
-
 def dashboard_routes(store: Store, monitor: BackendMonitor, ledger: Ledger) -> tuple[APIRouter, APIRouter]:
     """(the open router with /dashboard, the admin router's /dashboard: mounted under /admin)."""
     open_api, admin_api = APIRouter(), APIRouter()
-    html = page()
+    page = StaticPage.load("hotprefix.gateway", "dashboard.html")
 
     @open_api.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
-        return HTMLResponse(html)
+        return page.response()
 
     @admin_api.get("/dashboard")
     async def data(minutes: float = Query(60, gt=0, le=31 * 1440),

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 async def probe(client: httpx.AsyncClient, backend: Backend, headers: dict[str, str]) -> None:
-    """Learn the backend's kind (hotprefix or other), its first model id and context."""
+    """Learn the backend's kind (hotprefix or other), its first model id, its context and its
+    limit of samples per request (hotprefix's model card says both)."""
     try:
         v = await client.get(backend.url + "/version", headers=headers, timeout=5)
         ours = v.status_code == 200 and v.json().get("server") == "hotprefix"
@@ -34,10 +35,13 @@ async def probe(client: httpx.AsyncClient, backend: Backend, headers: dict[str, 
     try:
         m = (await client.get(backend.url + "/v1/models", headers=headers, timeout=5)).json()["data"][0]
         backend.model = m["id"]
-        n = m.get("max_model_len")
-        backend.max_model_len = n if isinstance(n, int) and n > 0 else None
+        backend.max_model_len, backend.max_n = _positive(m.get("max_model_len")), _positive(m.get("max_n"))
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-        backend.model = backend.max_model_len = None
+        backend.model = backend.max_model_len = backend.max_n = None
+
+
+def _positive(n: object) -> int | None:
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 class BackendMonitor:
@@ -49,7 +53,7 @@ class BackendMonitor:
         """`client` carries the warm-up traffic; `health_client` only the checks and probes."""
         self.cfg, self.store, self.secret, self.router, self.client = cfg, store, secret, router, client
         self.health_client = health_client
-        self.headers = {"authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else {}
+        self.headers = cfg.backend_headers()
         self.spawn = spawn
         self.warmups = 0
         self.timeouts: dict[str, int] = {}  # backend url -> health checks timed out in a row
@@ -57,7 +61,8 @@ class BackendMonitor:
     async def warm(self, backend: Backend) -> None:
         """Send every prompt whose home is `backend` to it (and pin it on hotprefix)."""
         items = await asyncio.to_thread(warm_items, self.store)
-        n = await warm_backend(self.client, self.router, backend, items, self.secret, self.headers)
+        n = await warm_backend(self.client, self.router, backend, items, self.secret, self.headers,
+                               self.cfg.backend_headers(admin=True))
         self.warmups += 1
         log.info("warm-up of %s done: %d prompt(s)", backend.url, n)
 

@@ -21,9 +21,12 @@ What a request becomes on its way to a backend (see tenant_api):
   passes the answer on).
 
 A client that goes away, streaming or not, closes the upstream connection, so
-the backend aborts too. A backend that does not answer within --backend-timeout
-is a 504 (not a dead backend: it is not marked down, and the request is not sent
-again); only a backend that cannot be connected to is skipped for the next one.
+the backend aborts too; the request is charged what the backend did (usage.Outcome:
+the backend is recorded before the request is sent; a hotprefix backend is asked for
+its count by request id, backend_usage.py). A backend that does not answer within
+--backend-timeout is a 504 (not a dead backend: it is not marked down, and the
+request is not sent again); only a backend that cannot be connected to is skipped
+for the next one.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class Proxy:
 
     @property
     def backend_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.cfg.backend_api_key}"} if self.cfg.backend_api_key else {}
+        return self.cfg.backend_headers()
 
     # --- who is asking ------------------------------------------------------------------------------
 
@@ -210,12 +213,16 @@ class Proxy:
                 log.debug("tokenize on %s: %s; reserving the bound", backend.url, e)
         return prompt_token_bound(body)
 
-    async def body_for(self, backend: Backend, endpoint: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        """`body` for one backend: salted, capped to its context, asking for usage when streamed."""
+    async def body_for(self, backend: Backend, endpoint: str, body: dict[str, Any], caller: Caller,
+                       request_id: str) -> dict[str, Any]:
+        """`body` for one backend: salted, capped to its context, asking for usage when streamed;
+        to a backend that can say later what a request used, with the gateway's request id."""
         out = dict(body, cache_salt=K.tenant_salt(self.secret, caller.tenant.name))
         if not backend.supports_salt:  # another server renders tools as its template does (docs/gateway.md)
             out.pop("operator_messages", None)
             out = body_for_other(out) if endpoint == "responses" else out
+        if backend.supports_lookup:
+            out["request_id"] = request_id
         if backend.supports_salt and caller.prompt is not None and caller.prompt.public:
             out["cache_salt_offset"] = await self._salt_offset(backend, endpoint, caller.prompt)
         if backend.supports_salt and endpoint == "completions":
@@ -229,10 +236,16 @@ class Proxy:
 
     # --- one request --------------------------------------------------------------------------------
 
-    async def _check_model(self, caller: Caller, model: str | None, row: UsageRow, t0: float) -> Price | None:
+    async def _check_model(self, caller: Caller, req: TenantRequest, row: UsageRow,
+                           t0: float) -> Price | None:
         """The model's price. Raises GatewayError: 403 for a model the key may not use, 400
-        for a model without a price when a budget of the caller is in money."""
-        allowed = caller.key.models
+        for a model without a price when a budget of the caller is in money, or for more
+        samples per prompt than the backends take (--max-n: refused here, not charged there)."""
+        model, allowed, most = req.model, caller.key.models, self.router.max_n()
+        if most is not None and max(req.n, getattr(req, "best_of", None) or 1) > most:
+            await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
+            raise GatewayError(400, f"n and best_of must be <= {most} (the backends' limit)", "BadRequestError",
+                               "n")
         if allowed is not None and model not in allowed:
             await self.acct.record_refused(caller, row, UsageStatus.INVALID, 403, t0)
             raise GatewayError(403, f"this key may not use model {model!r}; it may use: {', '.join(allowed)}",
@@ -279,7 +292,7 @@ class Proxy:
                        prompt_version=caller.prompt.version if caller.prompt else None)
         req = await self._parse(request, endpoint, caller, row, t0)
         row = replace(row, stream=req.stream, model=req.model[:256] if req.model else None)
-        price = await self._check_model(caller, req.model, row, t0)
+        price = await self._check_model(caller, req, row, t0)
         system = caller.prompt.text if caller.prompt else None
         body = backend_body(endpoint, req, system, 0)
         held = await previous_of(self, req, caller, row, t0)  # (Responses: where its previous response is)
@@ -343,27 +356,28 @@ class Proxy:
         fwd = {"x-request-id": flight.request_id, **self.backend_headers}
         errors = []
         for backend in backends or self.router.order(key):
-            b = await self.body_for(backend, endpoint, body, caller)
+            b = await self.body_for(backend, endpoint, body, caller, flight.request_id)
+            outcome.sending(backend.url)  # before it is sent: from here on the backend may be computing
             try:
                 up = await self._open(backend, self.client.build_request("POST", backend.url + ENDPOINTS[endpoint],
                                                                          json=b, headers=fwd))
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: try the next
+                outcome.sending(None)
                 if isinstance(e, httpx.ConnectError):  # refused: down. A connect timeout may be a busy
                     backend.mark_down(f"{type(e).__name__}: {e}")  # back up: the health checks decide
                 errors.append(f"{backend.url}: {type(e).__name__}")
                 continue
             except httpx.TimeoutException:
-                outcome.backend, outcome.status, outcome.http_status = backend.url, UsageStatus.TIMEOUT, 504
+                outcome.status, outcome.http_status = UsageStatus.TIMEOUT, 504
                 raise GatewayError(504, f"the backend did not answer within {self.cfg.backend_timeout:g}s "
                                         "(--backend-timeout)", "GatewayTimeoutError") from None
             except httpx.TransportError as e:
-                outcome.backend = backend.url
                 raise GatewayError(502, f"the backend failed: {type(e).__name__}", "BadGatewayError") from None
             if up.resp.status_code >= 500:  # it answered, with an error: nothing reached the client yet
+                outcome.answered = up.resp.status_code
                 await up.close()
                 errors.append(f"{backend.url}: HTTP {up.resp.status_code}")
                 continue
-            outcome.backend = backend.url
             self.acct.counters.routed(backend.url)
             return up
         raise GatewayError(503, "no backend could serve the request: " + ("; ".join(errors) or "none is up"),

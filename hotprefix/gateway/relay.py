@@ -75,13 +75,15 @@ async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeou
         raise GatewayError(502, f"the backend failed mid-answer: {type(e).__name__}", "BadGatewayError") from None
     finally:
         await up.close()
-    o.http_status = up.resp.status_code
+    o.http_status = o.answered = up.resp.status_code
     o.status = UsageStatus.OK if o.http_status == 200 else UsageStatus.ERROR
     o.ttft_s = time.monotonic() - flight.t0
     try:
         parsed = json.loads(data)
-        if o.http_status == 200 and isinstance(parsed, dict):
+        if isinstance(parsed, dict) and o.http_status == 200:
             reader.take(parsed, o)
+        elif isinstance(parsed, dict):  # an error answer is charged its usage, if it has one, else nothing
+            o.take_usage(parsed.get("usage"))
     except ValueError:
         pass
     await flight.end()
@@ -153,6 +155,7 @@ async def relay(request: Request, up: Upstream, reader: StreamReader, flight: In
                 yield text
         done = reader.done
         o.status = UsageStatus.OK if done else UsageStatus.BACKEND_ERROR
+        o.answered = 200 if done else None  # a stream cut short is settled by the backend's count
         await up.close()
         await flight.end()
         yield reader.end if done else reader.error("the backend ended the stream early")

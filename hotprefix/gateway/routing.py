@@ -43,8 +43,15 @@ class Backend:
     last_error: str | None = None
     token_counts: dict[str, int] = field(default_factory=dict)  # prompt text hash -> tokens, per backend
 
+    max_n: int | None = None  # the most samples one request may ask for, when it says (hotprefix: --max-n)
+
     @property
     def supports_salt(self) -> bool:
+        return self.kind is BackendKind.HOTPREFIX
+
+    @property
+    def supports_lookup(self) -> bool:
+        """It answers GET /requests/{id}: a request's usage by the id the gateway gave it."""
         return self.kind is BackendKind.HOTPREFIX
 
     def mark_down(self, why: str) -> None:
@@ -89,10 +96,20 @@ class Router:
         self.load_factor = load_factor
         self.min_cap = min_cap
 
+    def _smallest(self, limit: str) -> int | None:
+        known = [getattr(b, limit) for b in self.backends if b.healthy and getattr(b, limit)]
+        return min(known) if known else None
+
     def max_model_len(self) -> int | None:
         """The smallest context any healthy backend reports (None: none reports one)."""
-        known = [b.max_model_len for b in self.backends if b.healthy and b.max_model_len]
-        return min(known) if known else None
+        return self._smallest("max_model_len")
+
+    def max_n(self) -> int | None:
+        """The smallest samples-per-request limit any healthy backend reports (None: none reports one)."""
+        return self._smallest("max_n")
+
+    def find(self, url: str) -> Backend | None:
+        return next((b for b in self.backends if b.url == url), None)
 
     def ranking(self, key: str, healthy_only: bool = True) -> list[Backend]:
         """Backends in rendezvous order for `key` (the first is the key's home)."""

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hotprefix.errors import InvalidRequestError
-from hotprefix.server.protocol import NamedToolChoice, ResponseFormat, SamplingFields, ToolCall, ToolDef
+from hotprefix.server.protocol import Metadata, NamedToolChoice, ResponseFormat, SamplingFields, ToolCall, ToolDef
 from hotprefix.server.responses_request import ResponsesRequest, to_chat
 
 # Fields a backend honours but only the operator may set: they change the prompt's
@@ -92,7 +92,7 @@ class _Sampling(_Strict):
     user: str | None = Field(None, max_length=256)
     response_format: ResponseFormat | None = None
     # accepted from SDKs and not forwarded: they cannot change a result
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None

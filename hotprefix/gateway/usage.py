@@ -6,10 +6,15 @@ row from admission on, a reservation and a concurrency lease, and ends exactly o
   request is served unaccounted.
 - While a request runs, a heartbeat renews its lease and checkpoints its usage
   so far into its row (one transaction for all running requests).
-- The end (`InFlight.end`) settles the reservation with what the backend
-  reported, releases the lease and completes the row: each step guarded, so a
-  Redis error cannot lose the row nor a database error the lease; it runs as a
-  task of its own, so a cancelled caller cannot stop it.
+- The end (`InFlight.end`) settles the reservation with what the backend did,
+  releases the lease and completes the row: each step guarded, so a Redis error
+  cannot lose the row nor a database error the lease; it runs as a task of its
+  own, so a cancelled caller cannot stop it. What the backend did (Outcome.used):
+  the usage it reported; for a request it had and whose whole answer never came
+  (the client went away, a timeout, a broken connection), its own accounting, asked
+  by request id (`lookup`, backend_usage.py), else the whole reservation; nothing
+  for a request no backend had, or one a backend refused (an error answer without
+  usage).
 - Rows a dead gateway left `started` are closed as `interrupted` with the usage
   last checkpointed: at start-up by the same gateway (`--gateway-id`), and by any
   gateway once no heartbeat touched them for `orphan_after_s`.
@@ -21,7 +26,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +35,7 @@ from hotprefix.gateway.ratelimit import Decision, Limiter, Limits, Refusal
 from hotprefix.gateway.store import KeyRecord, Prompt, Store, Tenant, Tokens, UsageEnd, UsageRow, UsageStatus, utcnow
 
 log = logging.getLogger(__name__)
+Lookup = Callable[[str, str], Awaitable[Tokens | None]]
 
 
 class UsageStoreUnavailable(RuntimeError):
@@ -48,29 +54,53 @@ class Caller:
     scopes: tuple[Scope, ...] = ()
 
 
+def tokens_of(usage: Any, base: Tokens | None = None) -> Tokens:
+    """`base` (default: nothing known) with the counts an OpenAI usage object holds
+    (non-negative integers only)."""
+    base = base or Tokens()
+    if not isinstance(usage, dict):
+        return base
+    details = usage.get("prompt_tokens_details")
+    found = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+             "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None}
+    return replace(base, **{k: v for k, v in found.items()
+                            if isinstance(v, int) and not isinstance(v, bool) and v >= 0})
+
+
 @dataclass
 class Outcome:
     """What the usage row of one request says (filled in as the request goes): how it
-    ended, the backend's, the tokens the backend reported, the stream chunks relayed."""
+    ended, the backend that has the request (set before it is sent: None when no backend
+    had it), the backend's HTTP status once its whole answer came (None until then), the
+    tokens the backend reported, the stream chunks relayed."""
 
     status: UsageStatus = UsageStatus.BACKEND_ERROR
     http_status: int = 502
     backend: str | None = None
+    answered: int | None = None
     finish_reason: str | None = None
     ttft_s: float | None = None
     reported: Tokens = Tokens()
     chunks: int = 0
 
-    def take_usage(self, usage: dict[str, Any] | None) -> None:
+    def sending(self, backend: str | None) -> None:
+        """The request goes to `backend` now (None: it never reached the one it was sent to)."""
+        self.backend, self.answered = backend, None
+
+    @property
+    def unsettled(self) -> bool:
+        """A backend had the request and its whole answer never came: what it did is
+        known only to the backend (Accounting asks it, else charges the reservation)."""
+        return self.backend is not None and self.answered is None
+
+    def _charged_whole(self) -> bool:
+        """Without reported usage: the whole reservation (a backend had the request, and
+        did not refuse it with an error answer), else nothing."""
+        return self.backend is not None and (self.answered is None or self.answered < 400)
+
+    def take_usage(self, usage: Any) -> None:
         """Take the counts of an OpenAI usage object the backend sent (what it holds)."""
-        if not isinstance(usage, dict):
-            return
-        counts = {name: usage[name] for name in ("prompt_tokens", "completion_tokens")
-                  if isinstance(usage.get(name), int)}
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            counts["cached_tokens"] = details["cached_tokens"]
-        self.reported = replace(self.reported, **counts)
+        self.reported = tokens_of(usage, self.reported)
 
     def take_choices(self, choices: Any) -> None:
         for c in choices if isinstance(choices, list) else ():
@@ -80,20 +110,20 @@ class Outcome:
 
     def cost(self, price: Price | None, budget: Reservation | None) -> int:
         """Micro-units to charge against a money budget: the reported usage at `price`, else
-        the whole reservation once a backend had the request."""
+        the whole reservation or nothing (see _charged_whole)."""
         t = self.reported
         if price is None or budget is None:
             return 0
         if t.prompt_tokens is None and t.completion_tokens is None:
-            return budget.micros if self.backend is not None else 0
+            return budget.micros if self._charged_whole() else 0
         return price.cost_micros(t.prompt_tokens or 0, t.cached_tokens or 0, t.completion_tokens or 0)
 
     def used(self, reserved: int) -> int:
-        """Tokens to charge against the key's tokens-per-minute limit: what the backend
-        reported, else the whole reservation once a backend had the request."""
+        """Tokens to charge against the key's limits: what the backend reported, else the
+        whole reservation or nothing (see _charged_whole)."""
         t = self.reported
         if t.prompt_tokens is None and t.completion_tokens is None:
-            return reserved if self.backend is not None else 0
+            return reserved if self._charged_whole() else 0
         return (t.prompt_tokens or 0) + (t.completion_tokens or 0)
 
     def progress(self) -> Tokens:
@@ -139,8 +169,11 @@ class Accounting:
     """Admission, the in-flight registry and its heartbeat. Lives on the event loop."""
 
     def __init__(self, store: Store, limiter: Limiter, counters: Any, gateway_id: str, heartbeat_s: float = 5.0,
-                 orphan_after_s: float = 60.0, ledger: Ledger | None = None) -> None:
+                 orphan_after_s: float = 60.0, ledger: Ledger | None = None, lookup: Lookup | None = None) -> None:
+        """lookup(backend url, request id): the backend's own count of a request's tokens
+        (None: it cannot say), for requests that end unsettled."""
         self.store = store
+        self.lookup = lookup
         self.limiter = limiter
         self.ledger = ledger or MemoryLedger()
         self.counters = counters
@@ -196,7 +229,22 @@ class Accounting:
         except Exception:
             log.exception("could not write the usage row of a refused %s request", caller.tenant.name)
 
+    async def _settle_from_backend(self, f: InFlight) -> None:
+        """An unsettled request's tokens from its backend's own accounting (left as they are
+        when the backend cannot say). Mutates f.outcome.reported."""
+        o = f.outcome
+        if self.lookup is None or not o.unsettled or o.backend is None:
+            return
+        try:
+            found = await self.lookup(o.backend, f.request_id)
+        except Exception:
+            log.exception("could not ask %s for the usage of request %s", o.backend, f.request_id)
+            return
+        if found is not None:
+            o.reported = found
+
     async def _end(self, f: InFlight) -> None:
+        await self._settle_from_backend(f)  # (still in flight meanwhile: its lease is renewed)
         self.inflight.pop(f.request_id, None)
         o, k = f.outcome, f.caller
         try:

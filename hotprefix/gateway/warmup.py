@@ -40,10 +40,11 @@ def warm_items(store: Store) -> list[WarmItem]:
 
 
 async def warm_backend(client: httpx.AsyncClient, router: Router, backend: Backend, items: list[WarmItem],
-                       secret: bytes, headers: dict[str, str]) -> int:
-    """Warm the items whose home is `backend`; returns how many succeeded. Never raises
-    for a backend error: it is logged with the backend's reason and kept as the backend's
-    last error (the dashboard shows it): warm-up is an optimisation."""
+                       secret: bytes, headers: dict[str, str], admin_headers: dict[str, str]) -> int:
+    """Warm the items whose home is `backend` (/pin with `admin_headers`, a chat with
+    `headers`); returns how many succeeded. Never raises for a backend error: it is
+    logged with the backend's reason and kept as the backend's last error (the dashboard
+    shows it): warm-up is an optimisation."""
     mine = [it for it in items if (r := router.ranking(it.key)) and r[0] is backend]
     done = 0
     for i, it in enumerate(mine, 1):
@@ -52,7 +53,7 @@ async def warm_backend(client: httpx.AsyncClient, router: Router, backend: Backe
         try:
             if backend.supports_salt:
                 body = {"messages": system} | ({"cache_salt": salt} if salt else {})
-                r = await client.post(backend.url + "/pin", json=body, headers=headers, timeout=600)
+                r = await client.post(backend.url + "/pin", json=body, headers=admin_headers, timeout=600)
             else:
                 body = {"messages": system + [{"role": "user", "content": "."}], "max_tokens": 1,
                         "cache_salt": K.tenant_salt(secret, it.tenant)}

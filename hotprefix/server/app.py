@@ -25,7 +25,14 @@ from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.middleware import ApiKeyGuard
 from hotprefix.server.prefix_log import LogKey, PrefixGroups, PrefixRecorder
 from hotprefix.server.request_log import KVShape, RequestLog
-from hotprefix.server.routes import ServerContext, cache_router, openai_router, ops_router, tokens_router
+from hotprefix.server.routes import (
+    ServerContext,
+    cache_router,
+    openai_router,
+    ops_router,
+    requests_router,
+    tokens_router,
+)
 from hotprefix.server.serving import Serving, ServingOptions
 from hotprefix.server.stats_log import StatsLogger
 from hotprefix.server.tenancy import ClientTenant
@@ -51,7 +58,7 @@ def server_limits(engine: AsyncEngine, cfg: ServerConfig) -> dict[str, object]:
             "kv_cache_dtype": info["cache_dtype"], "prefix_caching": info["enable_prefix_caching"] == "True",
             "max_num_queued_requests": cfg.admission.max_num_queued_requests, "max_n": cfg.max_n,
             "max_logprobs": cfg.max_logprobs, "max_request_body_bytes": cfg.max_request_body_bytes,
-            "api_key": cfg.api_key is not None}
+            "api_key": cfg.api_key is not None, "admin_api_key": cfg.admin_api_key is not None}
 
 
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
@@ -88,13 +95,13 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     docs = {} if cfg.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="hotprefix", version=hotprefix.__version__, lifespan=lifespan, **docs)
     app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, cfg
-    app.state.model_name = names[0]
+    app.state.model_name, app.state.responses = names[0], ctx.responses
     install_error_handlers(app, metrics)
-    for router in (openai_router, tokens_router, cache_router, ops_router):
+    for router in (openai_router, tokens_router, cache_router, requests_router, ops_router):
         app.include_router(router(ctx))
     app.include_router(dashboard_router(dash))
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes, on_reject=metrics.rejected)
-    app.add_middleware(ApiKeyGuard, api_key=cfg.api_key, on_reject=metrics.rejected)
+    app.add_middleware(ApiKeyGuard, api_key=cfg.api_key, on_reject=metrics.rejected, admin_key=cfg.admin_api_key)
     app.add_middleware(ClientTenant)
     if cfg.allowed_origins:  # outermost: preflights need no key
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),

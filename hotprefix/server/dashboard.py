@@ -1,5 +1,6 @@
 """The built-in dashboard: GET /dashboard (one static page from the package: no build step,
-no CDN, works offline) and GET /dashboard/data (the JSON it draws, behind --api-key).
+no CDN, works offline) and GET /dashboard/data (the JSON it draws, behind --admin-api-key, else --api-key). The page
+is sent with a Content-Security-Policy (server/static_page.py).
 
 The numbers are the ones /metrics exports: the engine's counters (prefix-cache queries
 and hits, cached tokens by source, tokens computed) and the handlers' counters, sampled
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Query
@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.prefix_log import PrefixRecorder
+from hotprefix.server.static_page import StaticPage
 from hotprefix.server.stats_log import Sample, rates
 
 
@@ -111,19 +112,14 @@ def _tiers(t: Any) -> dict[str, Any]:
             "disk": {"blocks": t.disk_blocks, "capacity": t.disk_capacity}}
 
 
-def page() -> str:
-    """The page (hotprefix/server/static/dashboard.html, shipped in the wheel)."""
-    return resources.files("hotprefix.server").joinpath("static/dashboard.html").read_text()
-
-
 def dashboard_router(dash: Dashboard) -> APIRouter:
     """/dashboard (the page; it holds no data) and /dashboard/data (behind --api-key)."""
     api = APIRouter()
-    html = page()
+    page = StaticPage.load("hotprefix.server", "dashboard.html")
 
     @api.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
-        return HTMLResponse(html)
+        return page.response()
 
     @api.get("/dashboard/data")
     async def dashboard_data(minutes: float | None = Query(None, gt=0, le=1440)) -> dict[str, Any]:

@@ -26,9 +26,13 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
 
 
+MAX_ERRORS_SAID = 5  # a body with many bad values gets a message of the first few, not of all
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_ERRORS_SAID]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
@@ -38,7 +42,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"invalid JSON: {err.get('msg')}")
         else:
             parts.append(f"{where or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request", param
+    more = f" (and {len(errors) - MAX_ERRORS_SAID} more)" if len(errors) > MAX_ERRORS_SAID else ""
+    return ("; ".join(parts) or "invalid request") + more, param
 
 
 def install_common_handlers(app: FastAPI, on_reject: Callable[[str], None] | None = None) -> None:

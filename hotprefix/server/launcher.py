@@ -12,6 +12,7 @@ from hotprefix.config import EngineConfig, ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.server.app import build_app
+from hotprefix.server.log_lines import escape_log_lines
 from hotprefix.tokenizers.fast_tokenizer import preload_renderer
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
                             timeout_graceful_shutdown=cfg.shutdown_timeout, access_log=False,
                             root_path=cfg.root_path, ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
                             ssl_ca_certs=cfg.ssl_ca_certs, timeout_keep_alive=cfg.timeout_keep_alive)
+    escape_log_lines()  # (uvicorn's handlers are set up by its Config)
     return uvicorn.Server(config)
 
 

@@ -1,4 +1,9 @@
-"""ASGI middleware of the server (besides server.body_guard): the API key."""
+"""ASGI middleware of the server (besides server.body_guard): the API keys.
+
+Two kinds of paths: the clients' (CLIENT_PATHS: the OpenAI API, tokenizing) need
+--api-key; the operator's (OPERATOR_PATHS: the prefix cache's controls, what other
+requests shared and used, the dashboard's data) need --admin-api-key when it is set
+(the client key then does not open them), else --api-key."""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ import hmac
 
 from hotprefix.server.http_errors import error_response
 
-PROTECTED = ("/v1/", "/reset_prefix_cache", "/pin", "/unpin", "/tokenize", "/detokenize", "/prefix_groups",
-             "/dashboard/data")
+CLIENT_PATHS = ("/v1", "/tokenize", "/detokenize")
+OPERATOR_PATHS = ("/reset_prefix_cache", "/pin", "/unpin", "/prefix_groups", "/requests", "/dashboard/data")
 
 
 def app_path(scope) -> str:
@@ -16,23 +21,35 @@ def app_path(scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-class ApiKeyGuard:
-    """ASGI middleware: with an API key set, the protected paths need
-    `Authorization: Bearer <key>` (checked before any body is read)."""
+def under(path: str, areas: tuple[str, ...]) -> bool:
+    """Whether `path` is one of `areas` or below one (/pin, /pin/x: yes; /ping: no)."""
+    return any(path == a or path.startswith(a + "/") for a in areas)
 
-    def __init__(self, app, api_key: str | None, on_reject) -> None:
+
+def _bearer(key: str | None) -> bytes | None:
+    return f"Bearer {key}".encode() if key else None
+
+
+class ApiKeyGuard:
+    """ASGI middleware: the protected paths need `Authorization: Bearer <key>` of their
+    kind (see the module doc), checked before any body is read."""
+
+    def __init__(self, app, api_key: str | None, on_reject, admin_key: str | None = None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.client = _bearer(api_key)
+        self.operator = _bearer(admin_key) or self.client
+        self.admin_named = admin_key is not None
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.expected is None or scope["type"] != "http" or not app_path(scope).startswith(PROTECTED):
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
-        if hmac.compare_digest(given, self.expected):
+        path = app_path(scope) if scope["type"] == "http" else ""
+        operator = under(path, OPERATOR_PATHS)
+        expected = self.operator if operator else self.client if under(path, CLIENT_PATHS) else None
+        given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
+        if expected is None or hmac.compare_digest(given, expected):
             await self.app(scope, receive, send)
             return
         self.on_reject("unauthorized")
-        resp = error_response(401, "invalid or missing API key (Authorization: Bearer <key>)", "AuthenticationError")
+        which = "admin API key (--admin-api-key)" if operator and self.admin_named else "API key"
+        resp = error_response(401, f"invalid or missing {which} (Authorization: Bearer <key>)", "AuthenticationError")
         await resp(scope, receive, send)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import SamplingParams, StructuredKind, StructuredOutput
@@ -23,6 +23,23 @@ from hotprefix.sampling_params import SamplingParams, StructuredKind, Structured
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
+
+
+def _bounded_metadata(v: Any) -> Any:
+    """OpenAI's `metadata` (before its values are checked one by one): at most 16 pairs, keys
+    of at most 64 characters, values of at most 512. Raises ValueError."""
+    if isinstance(v, dict) and (len(v) > METADATA_KEYS or any(
+            len(str(k)) > METADATA_KEY_CHARS or (isinstance(x, str) and len(x) > METADATA_VALUE_CHARS)
+            for k, x in v.items())):
+        raise ValueError(f"metadata holds at most {METADATA_KEYS} keys of at most {METADATA_KEY_CHARS} characters, "
+                         f"with string values of at most {METADATA_VALUE_CHARS}")
+    return v
+
+
+Metadata = Annotated[dict[str, str] | None, BeforeValidator(_bounded_metadata)]
 
 
 class StreamOptions(Strict):
@@ -86,7 +103,7 @@ class SamplingFields(Strict):
     cache_salt: str | None = None
     cache_salt_offset: int = 0
     pin_prefix: bool = False
-    request_id: str | None = Field(None, max_length=256)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names of structured_outputs
@@ -97,7 +114,7 @@ class SamplingFields(Strict):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob (and this many alternatives)
     # accepted, not acted on: they cannot change what the model returns (IGNORED; the server
     # logs each once)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -105,6 +122,15 @@ class SamplingFields(Strict):
     reasoning_effort: str | None = Field(None, max_length=32)  # no model served here reasons before answering
     IGNORED: ClassVar[tuple[str, ...]] = ("metadata", "store", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "reasoning_effort")
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        """A request id goes into logs and headers: printable characters only (no line breaks,
+        no terminal escapes)."""
+        if v is not None and not v.isprintable():
+            raise ValueError("request_id must be printable characters (no control characters or line breaks)")
+        return v
 
     def ignored(self) -> list[str]:
         """The fields of IGNORED this request set."""

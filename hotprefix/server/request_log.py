@@ -16,15 +16,25 @@ have the same JSON and read the same.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
 log = logging.getLogger("hotprefix.requests")
 
+RECENT_ROWS = 10_000  # finished requests' rows kept by id (GET /requests/{id})
+# What no server's row holds (a reader refuses more, rather than allocate for it):
+MAX_BLOCK_SIZE = 1024  # --block-size's own limit
+MAX_BLOCKS = 1 << 24  # a pool's or host tier's blocks (16.7M: more than any server has)
+MAX_TOKENS = 1 << 24  # one prompt's tokens or one request's completion tokens
+MAX_PROMPTS = 1 << 16  # prompts of one request
+MAX_DIGEST_CHARS = 128  # one block digest, in hex
 REPLAYED = "`prefix` or times"  # what lint replays: the prompts' chains, the cache, the order of arrival
 _MISSING = object()
 
@@ -51,24 +61,28 @@ def _positive(x: Any) -> bool:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _hex_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(b, str) and len(b) % 2 == 0 and all(
-        c in "0123456789abcdef" for c in b) for b in x)
+    return isinstance(x, list) and len(x) <= MAX_TOKENS and all(
+        isinstance(b, str) and len(b) % 2 == 0 and len(b) <= MAX_DIGEST_CHARS and all(
+            c in "0123456789abcdef" for c in b) for b in x)
 
 
 def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str, group: str,
-           default: Any = _MISSING, where: str = "") -> Any:
-    """obj[name] if ok(it), else default when it is absent. Raises LogRowError naming it."""
+           default: Any = _MISSING, where: str = "", most: int | None = None) -> Any:
+    """obj[name] if ok(it) (and, with `most`, it is at most that), else default when it is
+    absent. Raises LogRowError naming it (one line: the value shown is cut short)."""
     if name not in obj and default is not _MISSING:
         return default
     value = obj.get(name, _MISSING)
-    if value is _MISSING or not ok(value):
+    bad = value is _MISSING or not ok(value)
+    if bad or (most is not None and value > most):
         shown = "missing" if value is _MISSING else f"{json.dumps(value)[:40]}"
         verb = "are" if group == REPLAYED else "is"
-        raise LogRowError(f"a request-log row whose {group} {verb} malformed: {where}{name} must be {what}, "
+        must = what if bad else f"at most {most} (no server's row holds more)"
+        raise LogRowError(f"a request-log row whose {group} {verb} malformed: {where}{name} must be {must}, "
                           f"got {shown}")
     return value
 
@@ -88,9 +102,9 @@ class KVShape:
     def from_json(cls, obj: Any) -> KVShape:
         """Raises LogRowError."""
         kv = _field({"kv": obj}, "kv", lambda x: isinstance(x, dict), "an object", REPLAYED)
-        return cls(_field(kv, "block_size", _positive, "an integer >= 1", REPLAYED, where="kv."),
-                   _field(kv, "blocks", _positive, "an integer >= 1", REPLAYED, where="kv."),
-                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv."))
+        return cls(_field(kv, "block_size", _positive, "an integer >= 1", REPLAYED, where="kv.", most=MAX_BLOCK_SIZE),
+                   _field(kv, "blocks", _positive, "an integer >= 1", REPLAYED, where="kv.", most=MAX_BLOCKS),
+                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv.", MAX_BLOCKS))
 
 
 @dataclass(frozen=True)
@@ -123,10 +137,10 @@ class PrefixEntry:
         e = _field({"entry": obj}, "entry", lambda x: isinstance(x, dict), "an object", REPLAYED, where=where)
 
         def get(name: str, ok: Callable[[Any], bool], what: str, default: Any = _MISSING) -> Any:
-            return _field(e, name, ok, what, REPLAYED, default, where)
+            return _field(e, name, ok, what, REPLAYED, default, where, MAX_TOKENS if ok is _count else None)
 
         blocks = get("blocks", lambda x: x is None or _hex_list(x), "null or a list of hex digests", None)
-        return cls(get("tokens", _positive, "an integer >= 1"),
+        return cls(_field(e, "tokens", _positive, "an integer >= 1", REPLAYED, where=where, most=MAX_TOKENS),
                    get("cached", _count, "an integer >= 0", 0), get("completion", _count, "an integer >= 0", 0),
                    None if blocks is None else tuple(blocks),
                    get("salt", lambda x: x is None or isinstance(x, str), "null or a string", None),
@@ -173,7 +187,8 @@ class LogRow:
     def from_json(cls, obj: dict[str, Any]) -> LogRow:
         """The row a JSON object holds. Raises LogRowError naming the first malformed field
         (what lint replays first: the prompts' entries, the cache, the times)."""
-        entries = _field(obj, "prefix", lambda x: isinstance(x, list), "a list", REPLAYED, None)
+        entries = _field(obj, "prefix", lambda x: isinstance(x, list) and len(x) <= MAX_PROMPTS,
+                         f"a list of at most {MAX_PROMPTS} prompts", REPLAYED, None)
         prefix = None if entries is None else tuple(PrefixEntry.from_json(e, f"prefix[{i}].")
                                                     for i, e in enumerate(entries))
         kv = None if obj.get("kv") is None else KVShape.from_json(obj["kv"])
@@ -196,17 +211,48 @@ class LogRow:
 
 
 class RequestLog:
-    """One line per finished request, to the log and optionally as JSON lines to a file."""
+    """One line per finished request, to the log and optionally as JSON lines to a file;
+    the newest `recent` rows are kept by request id (GET /requests/{id}: what a request
+    used, for a gateway whose client went away). Event loop only."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, recent: int = RECENT_ROWS) -> None:
         self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the app
+        self.recent: OrderedDict[str, LogRow] = OrderedDict()
+        self.capacity = recent
+        self._waiters: dict[str, tuple[asyncio.Event, int]] = {}  # request id -> (its row is written, waiters)
 
     def write(self, row: LogRow) -> None:
+        """Log and keep a finished request's row; wake whoever waits for it."""
         log.info("request %s %s: prompt=%d cached=%d completion=%d ttft=%s latency=%.3fs finish=%s",
                  row.request_id, row.status.value, row.prompt_tokens, row.cached_tokens, row.completion_tokens,
                  row.ttft_s, row.latency_s, row.finish_reason)
         if self.file is not None:
             self.file.write(json.dumps(row.to_json()) + "\n")
+        self.recent[row.request_id] = replace(row, kv=None, prefix=None)  # (its chains: no one asks for them)
+        self.recent.move_to_end(row.request_id)
+        while len(self.recent) > self.capacity:
+            self.recent.popitem(last=False)
+        if row.request_id in self._waiters:
+            self._waiters[row.request_id][0].set()
+
+    async def finished(self, request_id: str, wait_s: float = 0.0) -> LogRow | None:
+        """The row of request `request_id`, waiting up to `wait_s` seconds for it to be
+        written (the request still runs, or has not arrived yet); None if it is not."""
+        if request_id in self.recent or wait_s <= 0:
+            return self.recent.get(request_id)
+        event, n = self._waiters.get(request_id, (asyncio.Event(), 0))
+        self._waiters[request_id] = (event, n + 1)
+        try:
+            await asyncio.wait_for(event.wait(), wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            event, n = self._waiters[request_id]
+            if n > 1:
+                self._waiters[request_id] = (event, n - 1)
+            else:
+                del self._waiters[request_id]
+        return self.recent.get(request_id)
 
     def close(self) -> None:
         if self.file is not None:

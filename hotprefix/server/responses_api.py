@@ -6,11 +6,13 @@ is written here as a Response object or Responses' typed stream events: a third 
 format beside OpenAI's completions and chat (openai_format.py).
 
 `previous_response_id` continues a stored response: with `store` (the default) a
-response's conversation (its input and its output items) is kept in memory, the newest
-STORED_RESPONSES of them within STORED_BYTES; an id not kept is a 404 naming it. Nothing
-is kept on disk. A response is kept under its id and the cache salt of the request that
-made it (`scoped`): a gateway gives each tenant its own salt, so another tenant's id is
-a 404 as an unknown one is.
+response's conversation (its input and its output items) is kept in memory, as its JSON
+bytes (what is counted is what is held), the newest STORED_RESPONSES of them within
+STORED_BYTES, none larger than STORED_RESPONSE_BYTES; an id not kept is a 404 naming it.
+Nothing is kept on disk. A response is kept under its id and the cache salt of the
+request that made it (`scoped`): a gateway gives each tenant its own salt, so another
+tenant's id is a 404 as an unknown one is. `metadata` is bounded as OpenAI bounds it
+(protocol.Metadata).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from hotprefix.server.serving import Serving
 from hotprefix.server.tool_parsers import new_item_id
 
 STORED_RESPONSES = 1024  # conversations kept for previous_response_id (the newest)
-STORED_BYTES = 64 << 20  # and at most this much of them (their JSON), so that no client fills the memory
+STORED_BYTES = 64 << 20  # and at most this much of them (their JSON bytes), so that no client fills the memory
+STORED_RESPONSE_BYTES = 8 << 20  # one larger conversation is answered and not kept
+ENTRY_BYTES = 256  # what one kept entry holds besides its JSON (its id, the table's slot): counted too
 
 
 def scoped(rid: str, salt: str | None) -> str:
@@ -78,12 +82,17 @@ def response_object(rid: str, body: ResponsesRequest, model: str, output: list[d
 
 class ResponseStore:
     """The newest STORED_RESPONSES conversations, by response id (event loop only):
-    each the chat messages a continuation starts from."""
+    each the chat messages a continuation starts from and its Response object, held as
+    their compact JSON bytes; `bytes` counts them (and ENTRY_BYTES each)."""
 
-    def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES) -> None:
-        self.capacity, self.max_bytes = capacity, max_bytes
-        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
+    def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES,
+                 max_entry_bytes: int = STORED_RESPONSE_BYTES) -> None:
+        self.capacity, self.max_bytes, self.max_entry_bytes = capacity, max_bytes, max_entry_bytes
+        self._items: OrderedDict[str, bytes] = OrderedDict()
         self.bytes = 0
+
+    def _size(self, data: bytes) -> int:
+        return len(data) + ENTRY_BYTES
 
     def history(self, rid: str | None) -> list[dict[str, Any]]:
         """The messages of stored response `rid` ([] for None). Raises NotFoundError."""
@@ -93,25 +102,29 @@ class ResponseStore:
             raise NotFoundError(f"previous response {rid!r} is not kept here (stored responses are kept in "
                                       f"memory, the newest {self.capacity})", "previous_response_id")
         self._items.move_to_end(rid)
-        return [dict(m) for m in self._items[rid][0]]
+        return json.loads(self._items[rid])[0]
 
     def response(self, rid: str) -> dict[str, Any] | None:
         """The Response object of a stored response (None when it is not kept)."""
         kept = self._items.get(rid)
-        return None if kept is None else kept[1]
+        return None if kept is None else json.loads(kept)[1]
 
-    def keep(self, rid: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
-        """Keep a conversation; the oldest go while more than `capacity` or `max_bytes`
-        are kept (one larger than max_bytes is not kept at all)."""
-        size = len(json.dumps([messages, response]))
-        self._items[rid] = (messages, response, size)
-        self.bytes += size
-        while self._items and (len(self._items) > self.capacity or self.bytes > self.max_bytes):
-            self.bytes -= self._items.popitem(last=False)[1][2]
+    def keep(self, rid: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> bool:
+        """Keep a conversation (whether it was: one larger than max_entry_bytes or max_bytes is
+        not); the oldest go while more than `capacity` or `max_bytes` are kept."""
+        data = json.dumps([messages, response], ensure_ascii=False, separators=(",", ":")).encode()
+        if self._size(data) > min(self.max_entry_bytes, self.max_bytes):
+            return False
+        self.delete(rid)
+        self._items[rid] = data
+        self.bytes += self._size(data)
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            self.bytes -= self._size(self._items.popitem(last=False)[1])
+        return True
 
     def delete(self, rid: str) -> bool:
         kept = self._items.pop(rid, None)
-        self.bytes -= kept[2] if kept is not None else 0
+        self.bytes -= self._size(kept) if kept is not None else 0
         return kept is not None
 
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from hotprefix.errors import InvalidRequestError
-from hotprefix.server.protocol import ChatCompletionRequest, Strict
+from hotprefix.server.protocol import ChatCompletionRequest, Metadata, Strict
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to what is returned here
 INCLUDABLE = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -48,7 +48,7 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = Field(None, max_length=128)
     store: bool = True
     text: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     user: str | None = None
     seed: int | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)

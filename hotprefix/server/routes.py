@@ -3,7 +3,7 @@ api_router shape: thin routes; protocol.py holds the models, serving.py the work
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -30,19 +30,23 @@ from hotprefix.server.protocol import (
 )
 from hotprefix.server.responses_api import ResponseStore, scoped
 from hotprefix.server.responses_request import ResponsesRequest
+from hotprefix.server.results import Usage
 from hotprefix.server.serving import Serving, tenant_of
+
+MAX_WAIT_S = 60.0  # the longest /requests/{id} waits for a request to end
 
 
 @dataclass(frozen=True)
 class ServerContext:
     """What the routes share: the engine's facade, the handlers, the metrics, the
-    config and the served names (the first is the one reported)."""
+    config, the served names (the first is the one reported) and the stored responses."""
 
     engine: AsyncEngine
     serving: Serving
     metrics: ServerMetrics
     cfg: ServerConfig
     names: tuple[str, ...]
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with. Raises ModelNotFound for a name not served."""
@@ -87,9 +91,9 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     def card(name: str) -> dict[str, Any]:
         e = ctx.engine
         return {"id": name, "object": "model", "created": now(), "owned_by": "hotprefix", "root": e.model_name,
-                "max_model_len": e.max_model_len}
+                "max_model_len": e.max_model_len, "max_n": ctx.cfg.max_n}
 
-    store = ResponseStore()
+    store = ctx.responses
 
     @api.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Any:
@@ -182,6 +186,25 @@ def cache_router(ctx: ServerContext) -> APIRouter:
         ctx.check_model(body.model)
         ids = await ctx.prompt_ids(body, False, True)
         return {"unpinned_blocks": await engine.unpin(ids, CacheScope(body.cache_salt, body.cache_salt_offset))}
+
+    return api
+
+
+def requests_router(ctx: ServerContext) -> APIRouter:
+    """/requests/{id}: what a finished request used, by its request_id (an operator's: a
+    gateway whose client went away is charged what this server computed)."""
+    api = APIRouter()
+
+    @api.get("/requests/{request_id:path}")
+    async def finished_request(request_id: str, wait: float = Query(0.0, ge=0, le=MAX_WAIT_S)) -> Any:
+        """The request's row: how it ended and its usage. `wait`: seconds to wait for a request
+        still running (or not arrived yet) to end; 404 when none with this id ended meanwhile."""
+        row = await ctx.serving.request_log.finished(request_id, wait)
+        if row is None:
+            return error_response(404, f"no finished request {request_id!r} is kept here", "NotFoundError",
+                                  "request_id")
+        return {"request_id": row.request_id, "status": row.status.value, "finish_reason": row.finish_reason,
+                "usage": Usage(row.prompt_tokens, row.completion_tokens, row.cached_tokens).openai()}
 
     return api
 

@@ -26,11 +26,14 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 from hotprefix.core.hashing import BlockHasher, CacheScope
-from hotprefix.server.request_log import LogRow, LogRowError, PrefixEntry
-from hotprefix.sizing import max_cached_blocks
+from hotprefix.errors import InvalidRequestError
+from hotprefix.server.log_lines import escape_controls
+from hotprefix.server.request_log import MAX_BLOCK_SIZE, PrefixEntry
+from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
 from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
-from hotprefix.tools.jsonl import iter_objects
+from hotprefix.tools.jsonl import MAX_LINE_BYTES, MAX_ROWS, json_text
+from hotprefix.tools.lint_input import read_requests
 from hotprefix.tools.volatile import Placement, Volatile, find_volatile, move, spans_of
 
 MAX_ROUNDS = 8
@@ -142,7 +145,15 @@ class Linter:
 
     # -- analysis ------------------------------------------------------------------------
     def run(self, reqs: list[LintRequest], size: CacheSize | None = None) -> Replay:
-        return replay([r.sim for r in reqs], self.block_size, size or self.size)
+        return replay([r.sim for r in reqs], self.block_size, self._within(reqs, size or self.size))
+
+    def _within(self, reqs: list[LintRequest], size: CacheSize) -> CacheSize:
+        """`size` cut to the blocks the requests can ever hold (a pool or tier larger than that
+        never evicts: the same replay, without allocating what a log says it had)."""
+        if size.device_blocks is None:
+            return size
+        most = sum(blocks_for_tokens(r.sim.computed_tokens, self.block_size) for r in reqs) + 1
+        return replace(size, device_blocks=min(size.device_blocks, most), host_blocks=min(size.host_blocks, most))
 
     def rate(self, reqs: list[LintRequest], size: CacheSize | None = None) -> float:
         return _share(self.run(reqs, size).total_hits, sum(r.tokens for r in reqs))
@@ -338,49 +349,6 @@ def render(r: dict[str, Any]) -> str:
 # -- reading ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LogInput:
-    """What a file held: request bodies, or the server's log rows (prompt entries in
-    arrival order, and the cache the server had, if the log says)."""
-
-    bodies: list[dict[str, Any]]
-    entries: list[PrefixEntry]
-    block_size: int | None = None
-    size: CacheSize | None = None
-
-
-def read_requests(path: Path) -> LogInput:
-    """OpenAI request bodies, or `hotprefix serve --request-log` rows (request_log.LogRow),
-    one per line. Raises ConfigError naming the line of a row that is neither."""
-    bodies: list[dict[str, Any]] = []
-    rows: list[tuple[float, int, LogRow]] = []
-    for i, obj in iter_objects(path):
-        if "prefix" in obj:
-            try:
-                row = LogRow.from_json(obj)
-            except LogRowError as e:
-                raise ConfigError(f"{path}:{i}: {e}") from None
-            rows.append((row.arrival, i, row))
-        elif "request_id" in obj and "prompt_tokens" in obj:
-            raise ConfigError(f"{path}:{i}: a request-log row without block hashes (a server without prefix "
-                              "caching, or older than this lint)")
-        elif "messages" in obj or "prompt" in obj:
-            bodies.append(obj)
-        else:
-            raise ConfigError(f"{path}:{i}: neither `messages` nor `prompt`")
-    if bodies and rows:
-        raise ConfigError(f"{path}: mixes request bodies and request-log rows")
-    if not bodies and not rows:
-        raise ConfigError(f"{path}: no requests")
-    entries = [e for _, _, row in sorted(rows, key=lambda t: t[:2]) for e in row.prefix or ()
-               if e.blocks is not None]
-    if rows and not entries:
-        raise ConfigError(f"{path}: no request-log row carries block hashes")
-    kv = next((row.kv for _, _, row in rows if row.kv is not None), None)
-    size = None if kv is None else CacheSize(kv.blocks, kv.host_blocks, "from the log")
-    return LogInput(bodies, entries, kv.block_size if kv else None, size)
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lint", help="find what breaks prefix sharing in a log of requests",
                        description="Read OpenAI request bodies or the server's request log (JSONL), replay them "
@@ -403,6 +371,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--host-blocks", type=int, default=None, help="host KV tier blocks")
     c.add_argument("--unbounded", action="store_true", help="assume a cache that never evicts")
     p.add_argument("--write-fixed", default=None, help="write the requests with volatile content moved here")
+    p.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES,
+                   help="a longer line of the file is an error (it is never read whole)")
+    p.add_argument("--max-rows", type=int, default=MAX_ROWS, help="more rows in the file is an error")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -451,13 +422,27 @@ def run(a: argparse.Namespace) -> int:
     template = a.chat_template
     if template and Path(template).is_file():
         template = Path(template).read_text()
-    data = read_requests(Path(a.file))
+    if not (a.max_line_bytes >= 1 and a.max_rows >= 1):
+        raise ConfigError("--max-line-bytes and --max-rows must be >= 1")
+    data = read_requests(Path(a.file), a.max_line_bytes, a.max_rows)
     block_size = a.block_size or data.block_size or 16
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
     linter = Linter(load_encoder(a.model), block_size, template, cache_size(a, block_size, data.size))
-    reqs = [linter.prepare(b) for b in data.bodies] + linter.from_log_entries(data.entries)
+    reqs = [_prepared(linter, a.file, line, b) for line, b in data.bodies] + linter.from_log_entries(data.entries)
     rep, fixed = linter.report(reqs)
     if a.write_fixed:
         Path(a.write_fixed).write_text("".join(json.dumps(b) + "\n" for b in fixed))
-    print(json.dumps(rep, indent=2, ensure_ascii=False) if a.json else render(rep))
+    print(json_text(rep) if a.json else render(rep))
     return 0
+
+
+def _prepared(linter: Linter, path: str, line: int, body: dict[str, Any]) -> LintRequest:
+    """A body of line `line` as the server would tokenize it. Raises ConfigError (one line,
+    naming the line) for one the server would refuse."""
+    try:
+        return linter.prepare(body)
+    except (InvalidRequestError, ValueError, TypeError) as e:
+        raise ConfigError(f"{path}:{line}: a request the server would refuse: "
+                          f"{escape_controls(str(e)) or type(e).__name__}") from None
 

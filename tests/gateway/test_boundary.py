@@ -79,6 +79,7 @@ def test_the_backend_gets_a_body_rebuilt_from_the_allow_list(setup):
     assert sent["body"] == {
         "model": "fake-model", "temperature": 0.5, "top_k": 3, "seed": 11, "stop": ["x"], "stream": True,
         "user": "u1", "max_tokens": 7, "cache_salt": K.tenant_salt(SECRET, "acme"),
+        "request_id": sent["request_id"],  # the gateway's id (its x-request-id): the backend's rows say it
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "messages": [{"role": "system", "content": ACME}, {"role": "user", "content": "a b", "name": "bob"},
                      {"role": "assistant", "content": "ok"}, {"role": "user", "content": SMUGGLE}]}
@@ -87,9 +88,11 @@ def test_the_backend_gets_a_body_rebuilt_from_the_allow_list(setup):
     # and an explicit max_tokens even when the client set none
     r = post(gw, keys["acme"], "/v1/completions", {"prompt": ["Q1", "Q2"]})
     assert r.status_code == 200
-    assert records(fake, "completions")[-1]["body"] == {
+    sent = records(fake, "completions")[-1]
+    assert sent["body"] == {
         "prompt": [ACME + "\n\nQ1", ACME + "\n\nQ2"], "max_tokens": 300, "split_special_tokens": True,
-        "cache_salt": K.tenant_salt(SECRET, "acme")}
+        "cache_salt": K.tenant_salt(SECRET, "acme"), "request_id": sent["request_id"]}
+    assert sent["request_id"].startswith("gw-") and sent["request_id"] == r.headers["x-request-id"]
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -107,9 +110,10 @@ def test_structured_outputs_and_tool_turns_are_forwarded_exactly(setup):
         "messages": msgs, "max_tokens": 5, "response_format": fmt, "tools": [TOOL],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False})
     assert r.status_code == 200, r.text
-    assert records(fake, "chat")[-1]["body"] == {
+    sent = records(fake, "chat")[-1]
+    assert sent["body"] == {
         "max_tokens": 5, "response_format": fmt, "tools": [TOOL], "parallel_tool_calls": False,
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "request_id": sent["request_id"],
         "cache_salt": K.tenant_salt(SECRET, "acme"), "operator_messages": 1,  # tools render after ACME's turn
         "messages": [{"role": "system", "content": ACME}, {"role": "user", "content": "weather?"},
                      {"role": "assistant", "content": "", "tool_calls": [call]},

@@ -1,14 +1,17 @@
 """A hostile tenant against `hotprefix gateway` with a real `hotprefix serve` behind it
-(the default model, in its own process), over HTTP: the five attacks that broke the
-tenant boundary, with their bodies. Each is refused with the attacker's own 4xx or is
+(the default model, in its own process), over HTTP: the attacks that broke the tenant
+boundary, with their bodies. Each is refused with the attacker's own 4xx or is
 harmless, while another tenant is served normally; token limits hold; the forced prompt's
-tokens do not change; a forged disk block is a miss. The server's size limits on output
-constraints are raised here, so that the attack bodies reach the compiler and its CPU
-budget, the last defence (at the default limits they are refused at once:
-tests/server/test_grammar_limits.py)."""
+tokens do not change; a forged disk block is a miss; nothing is computed for free (a
+client that goes away is charged what the backend's own rows say, a backend's refusal
+nothing). The server's size limits on output constraints are raised here, so that the
+attack bodies reach the compiler and its CPU budget, the last defence (at the default
+limits they are refused at once: tests/server/test_grammar_limits.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -21,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hotprefix.gateway.ratelimit import RedisLimiter
+from hotprefix.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from hotprefix.gateway.store import Store
-from tests.gateway.conftest import SECRET, start_gateway, wait_until
+from tests.gateway.conftest import ADMIN, SECRET, start_gateway, wait_until
 from tests.server.conftest import free_port, launch_server, stop_process
 
 pytestmark = pytest.mark.slow
@@ -247,3 +250,126 @@ def test_forged_disk_blocks_are_misses_after_a_restart(tmp_path):
     bad = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
            if line.startswith("hotprefix:kv_tier_bad_files_total")]
     assert bad and bad[0] >= 1
+
+
+# -- 6. nothing for free: every admitted request is charged what the backend did -----------------------
+
+def distinct_prompt(tag: str, words: int = 240) -> str:
+    """~1,100 tokens no earlier prompt shares (the attack's prompts)."""
+    return " ".join(f"{tag}{i}x" for i in range(words))
+
+
+def backend_rows(world: World) -> dict[str, dict]:
+    """The server's own request-log rows, by request id."""
+    rows = [json.loads(line) for line in world.log.read_text().splitlines()] if world.log.exists() else []
+    return {r["request_id"]: r for r in rows}
+
+
+def settled(store: Store, key_id: str) -> list:
+    """The key's rows once none is still running."""
+    wait_until(lambda: all(r.status != "started" for r in store.usage_rows(key_id)), timeout=90,
+               what="every request of the key to be settled")
+    return store.usage_rows(key_id)
+
+
+async def leave_once_running(world: World, gw_url: str, key: str, body: dict) -> int | None:
+    """Send `body` through the gateway, not streamed; once the backend holds the request,
+    the client goes away (its connection closed, as a client timeout does). The status
+    when the gateway answered first (a refusal), else None."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        task = asyncio.ensure_future(c.post(gw_url + "/v1/chat/completions", json=body,
+                                            headers={"Authorization": f"Bearer {key}"}))
+        while not task.done() and (await c.get(world.server + "/load")).json()["server_load"] < 1:
+            await asyncio.sleep(0.02)
+        if task.done():
+            return task.result().status_code
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+
+
+def spent(gw_url: str, scope: str) -> int:
+    r = httpx.get(gw_url + "/admin/budgets", headers={"Authorization": f"Bearer {ADMIN}"})
+    return next(b["tokens_spent"] for b in r.json()["data"] if b["scope"] == scope)
+
+
+def assert_charged_as_the_backend_computed(world: World, rows: list) -> int:
+    """Each admitted row of the gateway carries its backend row's tokens; their sum."""
+    mine = backend_rows(world)
+    total = 0
+    for row in rows:
+        if row.status == "rate_limited":
+            continue
+        b = mine[row.request_id]  # the gateway's id is the backend's request_id
+        assert (row.status, b["status"]) == ("client_aborted", "client_disconnected"), (row, b)
+        assert (row.prompt_tokens, row.completion_tokens) == (b["prompt_tokens"], b["completion_tokens"]), (row, b)
+        total += b["prompt_tokens"] + b["completion_tokens"]
+    return total
+
+
+def test_clients_that_time_out_pay_what_the_backend_computed_under_a_token_budget(world):
+    """The attack: a key capped at 5,000 tokens a day, prompts of ~1,100 distinct tokens,
+    max_tokens 1500, the client gone while the backend computes (before: 6 of 6 admitted,
+    the backend's rows said client_disconnected, and the key had spent 0). Now each is
+    charged exactly its backend row, and the budget refuses once they have spent it."""
+    key, rec = world.store.create_key(SECRET, "acme")
+    world.store.set_budget(key_id=rec.id, tokens=5000, duration="1d")
+    body = {"max_tokens": 1500, "ignore_eos": True}
+    codes = [asyncio.run(leave_once_running(world, world.gw.url, key, {
+        **body, "messages": [{"role": "user", "content": distinct_prompt(f"b{i}")}]})) for i in range(6)]
+    rows = settled(world.store, rec.id)
+    total = assert_charged_as_the_backend_computed(world, rows)
+    assert codes.count(None) >= 2 and codes[-1] == 429, codes  # some ran and were cut; then the budget held
+    assert set(codes) <= {None, 429}
+    assert spent(world.gw.url, f"key:{rec.id}") == total <= 5000
+
+
+def test_clients_that_time_out_pay_what_the_backend_computed_under_tpm(world):
+    """The same under --tpm 3000 (before: 6,648 tokens in 28 s, all admitted), on a
+    gateway whose limiter's clock stands still: the bucket is down by exactly the backend's
+    rows, nothing refilled, and it refuses once they have used it."""
+    limiter = MemoryLimiter(clock=lambda: 0.0)
+    gw = start_gateway([world.server], world.store, warmup=False, limiter=limiter)
+    key, rec = world.store.create_key(SECRET, "acme", tpm=3000)
+    try:
+        wait_until(lambda: httpx.get(gw.url + "/health").status_code == 200, what="gateway")
+        codes = [asyncio.run(leave_once_running(world, gw.url, key, {
+            "max_tokens": 1500, "ignore_eos": True,
+            "messages": [{"role": "user", "content": distinct_prompt(f"t{i}")}]})) for i in range(6)]
+        rows = settled(world.store, rec.id)
+    finally:
+        gw.stop()
+    total = assert_charged_as_the_backend_computed(world, rows)
+    assert codes.count(None) >= 1 and codes[-1] == 429 and set(codes) <= {None, 429}, codes
+    assert limiter.tok[rec.id].level == 3000 - total
+
+
+def test_n_above_the_backends_limit_is_refused_at_the_gateway(world):
+    """n 17 (the backend's --max-n is 16; the gateway admitted up to 128, and the backend's
+    400 cost the key 1,723 tokens): refused at the gateway, nothing reaches the backend,
+    nothing is charged; n 16 is served and charged its backend row."""
+    key, rec = world.store.create_key(SECRET, "acme")
+    world.store.set_budget(key_id=rec.id, tokens=100_000, duration="1d")
+    before = len(backend_rows(world))
+    bad = post(world.gw.url, key, "/v1/chat/completions", {**HI, "n": 17})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n", bad.text
+    assert "<= 16" in bad.json()["error"]["message"]
+    assert len(backend_rows(world)) == before and spent(world.gw.url, f"key:{rec.id}") == 0
+    ok = post(world.gw.url, key, "/v1/chat/completions", {**HI, "n": 16, "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 16, ok.text
+    row = backend_rows(world)[ok.headers["x-request-id"]]
+    assert spent(world.gw.url, f"key:{rec.id}") == row["prompt_tokens"] + row["completion_tokens"]
+
+
+def test_a_backend_refusal_after_admission_charges_nothing(world):
+    """A prompt longer than the backend's context passes the gateway's admission and is
+    refused by the backend (400, no usage): the key is charged nothing (before: the whole
+    reservation), the row says the backend's status."""
+    key, rec = world.store.create_key(SECRET, "acme")
+    world.store.set_budget(key_id=rec.id, tokens=1_000_000, duration="1d")
+    context = httpx.get(world.server + "/v1/models").json()["data"][0]["max_model_len"]
+    r = post(world.gw.url, key, "/v1/completions", {"prompt": distinct_prompt("c", context), "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    (row,) = settled(world.store, rec.id)
+    assert (row.status, row.http_status, row.prompt_tokens, row.backend) == ("error", 400, None, world.server)
+    assert row.reserved_tokens > context and spent(world.gw.url, f"key:{rec.id}") == 0

@@ -71,6 +71,8 @@ def test_schemathesis_fuzz_of_every_operation_never_gives_a_5xx(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     seen: list[tuple[str, int]] = []
     for result in schema.get_all_operations():
+        if result.ok().path == "/requests/{request_id}":  # waits `wait` seconds by design: its own test below
+            continue
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
             fuzz_operation(result.ok(), mode, server.url, seen)
     paths = {p for p, _ in seen}
@@ -385,3 +387,187 @@ def test_without_chunked_prefill_long_and_preempted_prompts_all_finish(tiny_llam
         s.check_drained()
     finally:
         s.stop()
+
+
+# -- what a request used, by its id ----------------------------------------------------------------
+
+def request_log(s: LiveServer):
+    return s.server.config.app.state.serving.request_log
+
+
+@pytest.mark.parametrize("rid", ["plain-1", "with/slash", "ünï-cödé", "x" * 256])
+def test_a_finished_request_is_told_by_its_id(server, rid):
+    r = httpx.post(server.v1 + "/completions", json={"prompt": "tell me", "max_tokens": 3, "ignore_eos": True,
+                                                     "request_id": rid}, timeout=60)
+    assert r.status_code == 200, r.text
+    told = httpx.get(server.url + "/requests/" + rid)
+    assert told.status_code == 200, told.text
+    assert told.json() == {"request_id": rid, "status": "ok", "finish_reason": "length", "usage": r.json()["usage"]}
+
+
+def test_the_lookup_waits_for_a_request_that_ends_later_and_says_what_an_abort_used(server):
+    """The gateway's case: its client went away, it closed the connection, and asks at once;
+    the server aborts the request and its row answers the waiting lookup (asked before the
+    request even arrived). Unknown ids: 404 once the wait is over; bad waits: 400."""
+    async def main() -> tuple[httpx.Response, int]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            lookup = asyncio.ensure_future(c.get(server.url + "/requests/gone-1", params={"wait": 30}))
+            await asyncio.to_thread(wait_until, lambda: "gone-1" in request_log(server)._waiters)
+            sent = asyncio.ensure_future(c.post(server.v1 + "/completions", json={
+                "prompt": "a long answer please", "max_tokens": 400, "ignore_eos": True, "request_id": "gone-1"}))
+            while server.async_engine.num_unfinished < 1:
+                await asyncio.sleep(0.01)
+            sent.cancel()  # the client goes away (its connection closed)
+            await asyncio.gather(sent, return_exceptions=True)
+            prompt = len((await c.post(server.url + "/tokenize", json={"prompt": "a long answer please"})).json()[
+                "tokens"])
+            return await lookup, prompt
+
+    told, prompt = asyncio.run(main())
+    assert told.status_code == 200, told.text
+    body = told.json()
+    assert body["status"] == "client_disconnected" and body["usage"]["prompt_tokens"] == prompt
+    assert 0 <= body["usage"]["completion_tokens"] < 400
+    missing = httpx.get(server.url + "/requests/never-sent", params={"wait": 0})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+    for wait in (-1, 61, "soon"):
+        assert httpx.get(server.url + "/requests/x", params={"wait": wait}).status_code == 400
+    server.check_drained()
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("rid", ["ok\nrequest forged ok: prompt=1", "a\rb", "\x1b[2J\x1b[31mred", "a\u2028b",
+                                 "nul\x00", "tab\there", "\x85next", ""])
+def test_a_request_id_with_control_characters_is_refused(server, rid):
+    for endpoint, body in (("/completions", {"prompt": "x"}), ("/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(server.v1 + endpoint, json={**body, "max_tokens": 1, "request_id": rid}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    assert rid not in request_log(server).recent
+
+
+def test_every_log_line_is_one_line():
+    """The filter `serve` and `gateway` install on their handlers: a value with line breaks
+    and terminal escapes is written escaped, on the record's one line (a traceback after it
+    keeps its lines)."""
+    import io
+    import logging
+
+    from hotprefix.server.log_lines import EscapeControls, escape_log_lines
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        escape_log_lines()
+        escape_log_lines()  # idempotent
+        assert sum(isinstance(f, EscapeControls) for f in handler.filters) == 1
+        log = logging.getLogger("hotprefix.requests")
+        log.warning("request %s %s: prompt=%d", "x\nWARNING hotprefix.requests: request forged", "ok", 3)
+        log.warning("model \x1b]0;pwned\x07\x1b[2J %s", "\u2028\x9b31m")
+    finally:
+        root.removeHandler(handler)
+    assert out.getvalue().splitlines() == [
+        "WARNING hotprefix.requests: request x\\nWARNING hotprefix.requests: request forged ok: prompt=3",
+        "WARNING hotprefix.requests: model \\x1b]0;pwned\\x07\\x1b[2J \\u2028\\x9b31m"]
+
+
+# -- the operator's key, and the dashboard page's headers -------------------------------------------
+
+OPERATOR_CALLS = [("POST", "/reset_prefix_cache", None), ("POST", "/pin", {"prompt": "x"}),
+                  ("POST", "/unpin", {"prompt": "x"}), ("GET", "/dashboard/data", None),
+                  ("GET", "/prefix_groups", None), ("GET", "/requests/x", None)]
+
+
+def test_the_admin_key_alone_opens_the_operators_endpoints(tiny_llama):
+    client, admin = {"Authorization": "Bearer client-key-0123456789"}, {"Authorization": "Bearer admin-key-0123456789"}
+    s = start_server(tiny_llama[0], server_kw={"api_key": "client-key-0123456789",
+                                               "admin_api_key": "admin-key-0123456789"})
+    try:
+        def call(method: str, path: str, body, headers) -> httpx.Response:
+            return httpx.request(method, s.url + path, json=body, headers=headers, timeout=60)
+
+        as_client = {path: call(m, path, b, client) for m, path, b in OPERATOR_CALLS}
+        as_admin = {path: call(m, path, b, admin) for m, path, b in OPERATOR_CALLS}
+        v1 = (httpx.get(s.v1 + "/models", headers=client), httpx.get(s.v1 + "/models", headers=admin))
+        tokenize = httpx.post(s.url + "/tokenize", json={"prompt": "x"}, headers=admin)
+        open_ = [httpx.get(s.url + p).status_code for p in ("/health", "/ping", "/version", "/dashboard")]
+    finally:
+        s.stop()
+    for path, r in as_client.items():  # the client's key: refused, nothing done
+        assert r.status_code == 401 and "--admin-api-key" in r.json()["error"]["message"], (path, r.text)
+    assert {p: r.status_code for p, r in as_admin.items()} == {
+        "/reset_prefix_cache": 200, "/pin": 400, "/unpin": 200, "/dashboard/data": 200, "/prefix_groups": 200,
+        "/requests/x": 404}  # (the pin's prompt is shorter than a block; no request x ran)
+    assert as_admin["/dashboard/data"].json()["limits"]["admin_api_key"] is True
+    assert [r.status_code for r in v1] == [200, 401] and tokenize.status_code == 401  # the admin key is no client's
+    assert open_ == [200, 200, 200, 200]
+
+
+def test_the_dashboard_page_runs_only_its_own_script(server):
+    import base64
+    import hashlib
+    import re
+
+    r = httpx.get(server.url + "/dashboard")
+    (script,) = re.findall(r"<script>(.*?)</script>", r.text, re.S)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    csp = dict(part.strip().split(" ", 1) for part in r.headers["content-security-policy"].split(";"))
+    assert csp == {"default-src": "'none'", "script-src": f"'sha256-{digest}'", "style-src": "'unsafe-inline'",
+                   "img-src": "data:", "connect-src": "'self'", "base-uri": "'none'", "form-action": "'none'",
+                   "frame-ancestors": "'none'"}
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+    assert "<script src" not in r.text  # (tests/server/test_dashboard.py: the page works in Chromium under it)
+
+
+# -- the Responses store --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("metadata", "said"), [
+    ({f"k{i}": "v" for i in range(17)}, "at most 16 keys"),
+    ({"k" * 65: "v"}, "keys of at most 64 characters"),
+    ({"k": "v" * 513}, "string values of at most 512"),
+    ({"k": {}}, "Input should be a valid string"),
+    ({"k": 1}, "Input should be a valid string"),
+])
+def test_responses_metadata_is_bounded_as_openai_bounds_it(server, metadata, said):
+    r = httpx.post(server.v1 + "/responses", json={"input": "hi", "max_output_tokens": 1, "metadata": metadata})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata" and said in r.text, r.text
+
+
+def test_the_metadata_attack_is_refused_before_it_is_stored(server):
+    """The attack: `metadata` of empty objects, stored and never rendered (before: ~90 MB of
+    memory a request, 17x what the store counted)."""
+    raw = b'{"input": "hi", "max_output_tokens": 1, "metadata": {' + b", ".join(
+        b'"k%d": {}' % i for i in range(10_000)) + b"}}"
+    r = post_raw(server, "/v1/responses", raw)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text[:300]
+    assert server.server.config.app.state.responses.bytes == sum(
+        len(v) + 256 for v in server.server.config.app.state.responses._items.values())
+
+
+def test_the_responses_store_counts_the_bytes_it_holds(server):
+    store = server.server.config.app.state.responses
+    ok = httpx.post(server.v1 + "/responses", json={"input": "remember " * 60, "max_output_tokens": 2,
+                                                    "metadata": {"team": "x" * 512}}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    held = store._items[ok.json()["id"]]
+    assert isinstance(held, bytes) and store.bytes == sum(len(v) + 256 for v in store._items.values())
+    assert httpx.get(server.v1 + "/responses/" + ok.json()["id"]).json()["metadata"] == {"team": "x" * 512}
+    assert len(held) > 1024 + 100
+    store.max_entry_bytes = 1024  # one as large is now over the cap: answered, not kept
+    try:
+        big = httpx.post(server.v1 + "/responses", json={"input": "remember " * 60, "max_output_tokens": 2,
+                                                         "metadata": {"team": "x" * 512}}, timeout=60)
+    finally:
+        store.max_entry_bytes = 8 << 20
+    assert big.status_code == 200 and httpx.get(server.v1 + "/responses/" + big.json()["id"]).status_code == 404
+    follow = httpx.post(server.v1 + "/responses", json={"input": "x", "previous_response_id": big.json()["id"]})
+    assert follow.status_code == 400 and follow.json()["error"]["param"] == "previous_response_id"

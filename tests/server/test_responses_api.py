@@ -131,15 +131,17 @@ def test_the_store_keeps_the_newest_within_its_count_and_bytes():
     from hotprefix.errors import InvalidRequestError
     from hotprefix.server.responses_api import ResponseStore
 
-    store = ResponseStore(capacity=3, max_bytes=2000)
+    store = ResponseStore(capacity=3, max_bytes=2500)
     msg = [{"role": "user", "content": "x" * 300}]
     for i in range(4):
         store.keep(f"r{i}", msg, {"id": f"r{i}"})
     assert [store.response(f"r{i}") is not None for i in range(4)] == [False, True, True, True]  # the count
     store.keep("big", [{"role": "user", "content": "y" * 1500}], {"id": "big"})  # the bytes: two more go
     assert [store.response(r) is not None for r in ("r1", "r2", "r3", "big")] == [False, False, True, True]
-    store.keep("huge", [{"role": "user", "content": "z" * 5000}], {})  # larger than the budget: nothing kept
-    assert store.response("huge") is None and store.bytes == 0
+    # larger than the budget: not kept, and it evicts nothing
+    assert store.keep("huge", [{"role": "user", "content": "z" * 5000}], {}) is False
+    assert store.response("huge") is None and store.history("r3") == msg
+    assert store.delete("r3") and store.delete("big") and store.bytes == 0
     with pytest.raises(InvalidRequestError, match="not kept"):
         store.history("r3")
     assert store.delete("huge") is False
