@@ -12,10 +12,10 @@ sequence of length 0 reads nothing (its output is 0): CUDA-graph padding.
 
 fp8 caches hold value / scale (one scale per layer for K and one for V) and are passed
 to the kernels as uint8 views, bitcast there (e4m3 on GPUs before sm_89, which Triton
-gives no e4m3 type, converted in integer arithmetic instead, to the same bytes and values;
-tests/model/test_triton_compile.py compiles every kernel for sm_80 and sm_90). Where there is no CUDA device the kernels
-run in Triton's interpreter on CPU tensors (also when TRITON_INTERPRET=1): that is how
-`make test` proves them without a GPU.
+gives no e4m3 type, converted in integer arithmetic instead, to the same bytes and
+values). Where there is no CUDA device the kernels run in Triton's interpreter on CPU
+tensors (also when TRITON_INTERPRET=1): that is how `make test` proves them without a
+GPU; tests/model/test_triton_compile.py compiles them for sm_80 and sm_90 there too.
 """
 
 from __future__ import annotations
