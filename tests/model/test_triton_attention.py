@@ -213,3 +213,62 @@ def test_decode_splits():
                     "rounds it unlike torch and its bf16 tl.dot returns garbage (compiled kernels only)")
 def test_bfloat16_queries_and_cache():
     run(Case(ctx=[40, 19], q_len=[8, 1], kv_dtype=torch.bfloat16, dtype=torch.bfloat16, h=4, kvh=2), 3e-2)
+
+
+@pytest.fixture(params=["native", "integers"])
+def e4m3_path(request, monkeypatch):
+    """e4m3 through Triton's fp8e4nv (sm_89 on, and the interpreter) or in integer
+    arithmetic (what sm_80 runs: Triton has no e4m3 type there)."""
+    if request.param == "integers":
+        monkeypatch.setattr(triton_attention, "e4m3_native", lambda device: False)
+    elif not triton_attention.e4m3_native(torch.device(DEVICE)):
+        pytest.skip("no fp8e4nv on this GPU")
+    return request.param
+
+
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_fp8_e4m3_either_path(e4m3_path, name):
+    run((PREFILL if name == "prefill" else DECODE)["fp8-e4m3"], F32)
+
+
+EDGES = [0.0, -0.0, 1.0, -1.0, 440.0, 448.0, 460.0, 464.0, 470.0, 480.0, 1000.0, float("inf"), -float("inf"),
+         float("nan"), -float("nan"), 2.0**-10, -2.0**-10, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 2.0**-6 * 1.0625, 3e38,
+         1e-30, 7.97, -7.97]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 3e38 / 0.5: inf, on purpose
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_fp8_e4m3_write_is_torchs_cast(e4m3_path, scale):
+    """Both paths store torch's bytes: ties to even, subnormals, saturation at 448
+    (infinities too), NaN with its sign."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.tensor(EDGES), torch.randn(40, generator=g) * 10, torch.rand(64, generator=g) / 20])
+    layer = LayerKV(0, torch.zeros(1, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE),
+                    torch.zeros(1, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE), scale, scale)
+    triton_attention.write_kv(layer, torch.arange(4, device=DEVICE), x.view(4, 1, 32).to(DEVICE),
+                              -x.view(4, 1, 32).to(DEVICE))
+    for stored, value in ((layer.k, x), (layer.v, -x)):
+        assert torch.equal(stored.cpu().view(torch.uint8).flatten(),
+                           (value / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("max_query_len", [1, 2])  # the decode kernel, the prefill kernel
+def test_fp8_e4m3_read_is_torchs_value(e4m3_path, max_query_len):
+    """All 256 e4m3 bytes as the V of a sequence's one key: the output is V as torch reads
+    it, exactly (0x7F and 0xFF: NaN in integers; Triton's interpreter reads them as 480)."""
+    v = torch.arange(256, dtype=torch.uint8).view(4, 1, 64)  # [KVH, one slot, D]
+    layer = LayerKV(0, torch.zeros(4, 1, 64, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn),
+                    v.to(DEVICE).view(torch.float8_e4m3fn))
+    one = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    meta = triton_attention.TritonMeta(torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), one,
+                                       torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), max_query_len, 16, 1)
+    out = torch.empty(1, 4, 64, device=DEVICE)
+    q = torch.ones(1, 4, 64, device=DEVICE)
+    attend = triton_attention.decode_attention if max_query_len == 1 else triton_attention.prefill_attention
+    attend(q, layer, meta, 1.0, out)
+    got, want = out.cpu().flatten(), v.view(torch.float8_e4m3fn).float().flatten()
+    nan = want.isnan()
+    assert nan.nonzero().flatten().tolist() == [127, 255]
+    assert torch.equal(got[~nan], want[~nan])
+    if e4m3_path == "integers" or not triton_attention.INTERPRETED:
+        assert got[nan].isnan().all()

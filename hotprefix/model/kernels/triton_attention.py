@@ -11,13 +11,16 @@ window if the model has one. A slot of -1 in the slot mapping writes nothing and
 sequence of length 0 reads nothing (its output is 0): CUDA-graph padding.
 
 fp8 caches hold value / scale (one scale per layer for K and one for V) and are passed
-to the kernels as uint8 views, bitcast there. Where there is no CUDA device the kernels
-run in Triton's interpreter on CPU tensors (also when TRITON_INTERPRET=1): that is how
-`make test` proves them without a GPU.
+to the kernels as uint8 views, bitcast there (e4m3 on GPUs before sm_89, which Triton
+gives no e4m3 type, converted in integer arithmetic instead, to the same bytes and
+values). Where there is no CUDA device the kernels run in Triton's interpreter on CPU
+tensors (also when TRITON_INTERPRET=1): that is how `make test` proves them without a
+GPU; tests/model/test_triton_compile.py compiles them for sm_80 and sm_90 there too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -38,7 +41,8 @@ if not INTERPRETED and not torch.cuda.is_available():
                       "and there is no CUDA device: set TRITON_INTERPRET=1 to run its kernels on the CPU")
 DECODE_TOKENS_PER_SPLIT = 256  # context tokens per split-K program before splitting further
 MAX_DECODE_SPLITS = 16
-_FP8_KIND = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_FP8_KIND = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernels' FP8 (0: not fp8)
+E4M3_IN_INTEGERS = 3  # FP8 for e4m3 where Triton has no fp8e4nv (before sm_89)
 
 
 @dataclass
@@ -79,6 +83,34 @@ def _round_fp8(x, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_byte(x, FP8: tl.constexpr):
+    """float32 x as its e4m3 byte (uint8), as torch casts: to the nearest value (ties to
+    even), saturated at +-448, NaN 0x7F with x's sign. FP8 == 1: through Triton's fp8e4nv
+    (sm_89 on); 3: in integer arithmetic, for GPUs without it (sm_80): the rounded value
+    times 2^-8 is exact in fp16 (subnormals too), whose sign, exponent and top 3 mantissa
+    bits are the byte's (fp16's exponent bias is e4m3's + 8)."""
+    r = _round_fp8(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+    if FP8 == 1:
+        b = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        h = (r * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        b = ((h >> 8) & 0x80) | ((h >> 7) & 0x7F)
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return tl.where(x != x, sign | 0x7F, b).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_float(x):
+    """e4m3 bytes (uint8) as float32 in integer arithmetic (GPUs without Triton's fp8e4nv),
+    as torch reads them: the byte's sign, exponent and mantissa placed in an fp16's, times
+    2^8 (exact, subnormals too); 0x7F and 0xFF are NaN."""
+    b = x.to(tl.int32)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    f = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), f)
+
+
+@triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ch, k_scale, v_scale, KVH, D,
                      KVH_P2: tl.constexpr, D_P2: tl.constexpr, FP8: tl.constexpr):
@@ -91,12 +123,12 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     dst = h.to(tl.int64) * stride_ch + slot * D + d
-    if FP8 == 1:  # e4m3: 3 mantissa bits, smallest normal exponent -6
-        k = _round_fp8(k.to(tl.float32) / k_scale, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        v = _round_fp8(v.to(tl.float32) / v_scale, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    elif FP8 == 2:  # e5m2: 2 mantissa bits, smallest normal exponent -14
+    if FP8 == 2:  # e5m2: 2 mantissa bits, smallest normal exponent -14
         k = _round_fp8(k.to(tl.float32) / k_scale, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
         v = _round_fp8(v.to(tl.float32) / v_scale, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    elif FP8 != 0:  # e4m3, through Triton's type (1) or in integers (3)
+        k = _e4m3_byte(k.to(tl.float32) / k_scale, FP8)
+        v = _e4m3_byte(v.to(tl.float32) / v_scale, FP8)
     else:
         k = k.to(kc_ptr.dtype.element_ty)
         v = v.to(vc_ptr.dtype.element_ty)
@@ -113,6 +145,8 @@ def _load_kv(c_ptr, base, slot, d, D, mask, scale, FP8: tl.constexpr):
         return x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
     elif FP8 == 2:
         return x.to(tl.float8e5, bitcast=True).to(tl.float32) * scale
+    elif FP8 == 3:
+        return _e4m3_float(x) * scale
     return x.to(tl.float32)
 
 
@@ -266,9 +300,18 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+@functools.cache
+def e4m3_native(device: torch.device) -> bool:
+    """Whether Triton has an e4m3 type on device: CUDA from sm_89 (Ada, Hopper) on, and
+    its interpreter; elsewhere (sm_80, sm_86) the kernels convert e4m3 in integers."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _pool(kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The layer's K, V as the kernels take them (uint8 views of fp8) and the fp8 kind."""
     kind = _FP8_KIND.get(kv.k.dtype, 0)
+    if kind == 1 and not e4m3_native(kv.k.device):
+        kind = E4M3_IN_INTEGERS
     if kind:
         return kv.k.view(torch.uint8), kv.v.view(torch.uint8), kind
     return kv.k, kv.v, 0
