@@ -51,7 +51,8 @@ class ZmqPublisher:
         self._wake_addr = f"inproc://hotprefix-kv-events-{id(self):x}"
         self._started = threading.Event()
         self._error: BaseException | None = None
-        self.sent = 0  # batches sent (the next sequence)
+        self.queued = 0  # batches queued: the last one's sequence is queued - 1 (the engine thread's count)
+        self.sent = 0  # batches sent (the publisher thread's)
         self.dropped = 0  # batches dropped on a full queue
         self._thread = threading.Thread(target=self._run, name="hotprefix-kv-events", daemon=True)
         self._thread.start()
@@ -70,6 +71,7 @@ class ZmqPublisher:
         except queue.Full:
             self.dropped += 1
             return False
+        self.queued += 1
         try:
             self._wake.send(b"", zmq.NOBLOCK)
         except zmq.Again:
