@@ -11,10 +11,11 @@ engine hash and tier. Every broken promise is recorded in `violations`.
 
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import cbor2
 import msgspec
 import zmq
 
@@ -71,6 +72,20 @@ def router_key(parent: bytes, token_ids: Iterable[int], extra: Any) -> bytes:
 
 
 ROOT_KEY = b"router-root"
+
+
+def vllm_wire_hashes(token_ids: Sequence[int], block_size: int, extra: Sequence[Any]) -> list[int]:
+    """The ExternalBlockHash ints vLLM publishes for these tokens' full blocks, as vLLM
+    computes them (sha256 of cbor2's canonical encoding, the chain seeded by
+    sha256_cbor("vllm-none-hash"); extra: each block's extra keys or None)."""
+    def sha256_cbor(x: Any) -> bytes:
+        return hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()
+
+    parent, out = sha256_cbor("vllm-none-hash"), []
+    for i in range(len(token_ids) // block_size):
+        parent = sha256_cbor((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra[i]))
+        out.append(int.from_bytes(parent, "big") & (2**64 - 1))
+    return out
 
 
 @dataclass

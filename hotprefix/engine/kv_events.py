@@ -1,26 +1,34 @@
 """KV events in vLLM's wire format: what the cache tiers recorded, as the batches a
-KV-aware router (llm-d's kv-cache indexer, Dynamo's KV router) reads.
+KV-aware router (llm-d's kv-cache indexer, vllm-router's kv_aware policy, Dynamo's KV
+router) reads.
 
 After each engine step the engine thread hands this module the step's cache events
 (core/cache_events.py, in the order they happened) and gets one batch back, or none when
 nothing changed: `[ts, [event, ...], data_parallel_rank]`, each event a BlockStored,
 BlockRemoved or AllBlocksCleared as vLLM's msgspec structs encode them (EventEncoding:
-a map tagged "type", or vLLM's earlier positional array). Block hashes go out as vLLM's
-ExternalBlockHash ints: the low 64 bits of the block hash, never 0.
+a map tagged "type", or vLLM's earlier positional array).
+
+Block hashes go out as the ones vLLM would publish for the same tokens: vLLM's sha256_cbor
+chain (sha256 of the canonical CBOR of (parent hash, token ids, extra keys), the first
+block's parent derived from vLLM's fixed seed), as ExternalBlockHash ints (the low 64
+bits; never 0). So a router that recomputes vLLM's hashes from a prompt's tokens
+(vllm-router) finds hotprefix's blocks, and one that keys blocks itself from the events'
+token ids (llm-d) does too. The engine's own hashes (hashing.py: another encoding, and
+sha256 or xxhash) stay inside.
 
 What subscribers know is kept here (`Announced`), and every batch keeps three promises:
 a block is stored once per tier it enters and removed once per time it leaves; a
 BlockStored's parent is a block announced before and not yet removed from every tier;
-and a BlockStored carries the block's token ids, so a router recomputes its own keys
-(llm-d hashes the tokens down the chain, whole blocks only). A block the engine holds
-but cannot yet describe so (a disk file from before a restart, whose tokens it never
-saw; a block copied down a tier after its parent left every tier, which no lookup can
-reach) is held back, and announced the moment it can be: when a request's tokens name
-it, or its parent is announced again.
+and a BlockStored carries the block's token ids. A block the engine holds but cannot yet
+describe so (a disk file from before a restart, whose tokens it never saw; a block
+copied down a tier after its parent left every tier, which no lookup can reach) is held
+back, and announced the moment it can be: when a request's tokens name it, or its
+parent is announced again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,20 +36,55 @@ from typing import Any
 
 from hotprefix.config import EventEncoding, KVEventsConfig
 from hotprefix.core.cache_events import CacheEvent, Medium, Removed, Stored
+from hotprefix.core.hashing import BlockHash
 
 KV_CACHE_SPEC_KIND = "full_attention"  # vLLM's KVCacheSpecKind of a full-attention layer group
 GROUP_IDX = 0  # one KV cache group: every layer attends to the whole context
+VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's DEFAULT_NONE_HASH_SEED (cryptographic hashes, no PYTHONHASHSEED)
 
 
-def external_hash(block_hash: bytes) -> int:
-    """vLLM's ExternalBlockHash of a block hash: its last 8 bytes, big-endian (as
-    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES does); 0, which consumers read as "no parent",
-    becomes 1."""
-    return int.from_bytes(block_hash[-8:], "big") or 1
+def _cbor_head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes([major << 5 | n])
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * size):
+            return bytes([major << 5 | info]) + n.to_bytes(size, "big")
+    raise ValueError(f"{n} does not fit CBOR's 64 bits")
+
+
+def cbor(value: Any) -> bytes:
+    """Canonical CBOR of what vLLM's block hashes take: bytes, text, non-negative ints,
+    tuples, None (cbor2.dumps(value, canonical=True) for these)."""
+    if value is None:
+        return b"\xf6"
+    if isinstance(value, bytes):
+        return _cbor_head(2, len(value)) + value
+    if isinstance(value, str):
+        raw = value.encode()
+        return _cbor_head(3, len(raw)) + raw
+    if isinstance(value, int) and value >= 0:
+        return _cbor_head(0, value)
+    if isinstance(value, tuple):
+        return _cbor_head(4, len(value)) + b"".join(cbor(v) for v in value)
+    raise TypeError(f"no CBOR here for {value!r}")
+
+
+def vllm_block_hash(parent: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple[Any, ...] | None) -> bytes:
+    """vLLM's hash_block_tokens with sha256_cbor: parent None is the chain's seed."""
+    return hashlib.sha256(cbor((VLLM_NONE_HASH if parent is None else parent, token_ids, extra_keys))).digest()
+
+
+VLLM_NONE_HASH = hashlib.sha256(cbor(VLLM_NONE_HASH_SEED)).digest()
+
+
+def wire_hash(vllm_hash: bytes) -> int:
+    """vLLM's ExternalBlockHash (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES): the low 64 bits;
+    0, which consumers read as "no parent", becomes 1."""
+    return int.from_bytes(vllm_hash[-8:], "big") or 1
 
 
 def vllm_extra_keys(keys: tuple[str, ...]) -> tuple[Any, ...] | None:
-    """A block's extra keys as vLLM's BlockStored carries them: the cache salt alone on
+    """A block's extra keys as vLLM hashes and publishes them: the cache salt alone on
     the first salted block (vLLM's generate_block_hash_extra_keys), None elsewhere."""
     if not keys:
         return None
@@ -50,12 +93,22 @@ def vllm_extra_keys(keys: tuple[str, ...]) -> tuple[Any, ...] | None:
 
 @dataclass(frozen=True, slots=True)
 class BlockRecord:
-    """What a BlockStored says of one block: its parent's external hash (None: a chain's
-    first), its token ids and its vLLM extra keys."""
+    """What a BlockStored says of one block: its parent (the engine's hash, and on the
+    wire; None: a chain's first), its token ids, its vLLM extra keys, and its vLLM hash
+    (whole, for its children's; its low 64 bits on the wire)."""
 
-    parent: int | None
+    parent: BlockHash | None
+    parent_wire: int | None
     token_ids: tuple[int, ...]
     extra_keys: tuple[Any, ...] | None
+    vllm: bytes
+
+    @property
+    def wire(self) -> int:
+        return wire_hash(self.vllm)
+
+
+Item = tuple[str, Medium, BlockHash]  # an announcement: ("stored" | "removed", its tier, the block)
 
 
 class Announced:
@@ -65,30 +118,31 @@ class Announced:
 
     def __init__(self, keep: int = 4096) -> None:
         self.keep = keep
-        self.records: OrderedDict[int, BlockRecord] = OrderedDict()  # least recently used first
-        self.tiers: dict[int, set[Medium]] = {}  # announced: the tiers each block is in
-        self.held: dict[int, set[Medium]] = {}  # in those tiers, not announced yet
-        self._children: dict[int, set[int]] = {}  # parent -> held blocks waiting for it
-        self.out: list[tuple[str, Medium, int]] = []  # this batch: ("stored" | "removed", tier, block)
-        self._ready: list[int] = []  # announced for the first time: release what waits for them
+        # by the engine's block hash:
+        self.records: OrderedDict[BlockHash, BlockRecord] = OrderedDict()  # least recently used first
+        self.tiers: dict[BlockHash, set[Medium]] = {}  # announced: the tiers each block is in
+        self.held: dict[BlockHash, set[Medium]] = {}  # in those tiers, not announced yet
+        self._children: dict[BlockHash, set[BlockHash]] = {}  # parent -> held blocks waiting for it
+        self.out: list[Item] = []  # this batch
+        self._ready: list[BlockHash] = []  # announced for the first time: release what waits for them
 
-    def apply(self, events: list[CacheEvent]) -> list[tuple[str, Medium, int]]:
-        """The announcements the events make, in order. Mutates the state."""
+    def apply(self, events: list[CacheEvent]) -> list[Item]:
+        """The announcements the events make, in order (the records they name are kept
+        until the next call). Mutates the state."""
+        self._forget_unheld()
         self.out = []
         for ev in events:
-            h = external_hash(ev.block_hash)
+            h = ev.block_hash
             if isinstance(ev, Stored):
                 if ev.token_ids is not None:
-                    parent = None if ev.parent is None else external_hash(ev.parent)
-                    self._learn(h, BlockRecord(parent, ev.token_ids, vllm_extra_keys(ev.extra_keys)))
+                    self._describe(h, ev)
                 self._stored(h, ev.medium)
             elif isinstance(ev, Removed):
                 self._removed(h, ev.medium)
             self._release()
-        self._forget_unheld()
         return self.out
 
-    def resync(self) -> list[tuple[str, Medium, int]]:
+    def resync(self) -> list[Item]:
         """Every block a tier holds, announced again from nothing (after AllBlocksCleared):
         stores only, parents first."""
         present = [(h, m) for where in (self.tiers, self.held) for h, ms in where.items() for m in ms]
@@ -98,14 +152,23 @@ class Announced:
             self._release()
         return self.out
 
-    def _learn(self, h: int, record: BlockRecord) -> None:
+    def _describe(self, h: BlockHash, ev: Stored) -> None:
+        """Learn a pool block's record (its parent's is known: the parent is in the pool)."""
+        parent = self.records.get(ev.parent) if ev.parent is not None else None
+        if ev.parent is not None and parent is None:
+            return  # (cannot happen: a block enters the pool after its parent; held if it did)
+        extra = vllm_extra_keys(ev.extra_keys)
+        self._learn(h, BlockRecord(ev.parent, parent.wire if parent else None, ev.token_ids, extra,
+                                   vllm_block_hash(parent.vllm if parent else None, ev.token_ids, extra)))
+
+    def _learn(self, h: BlockHash, record: BlockRecord) -> None:
         self.records[h] = record
         self.records.move_to_end(h)
         for medium in self.held.pop(h, set()):  # now it can be described
             self._unwait(h)
             self._stored(h, medium)
 
-    def _stored(self, h: int, medium: Medium) -> None:
+    def _stored(self, h: BlockHash, medium: Medium) -> None:
         if medium in self.tiers.get(h, ()) or medium in self.held.get(h, ()):
             return  # (already there: a tier never stores a block twice)
         rec = self.records.get(h)
@@ -126,7 +189,7 @@ class Announced:
                 for medium in self.held.pop(child, set()):
                     self._stored(child, medium)
 
-    def _unwait(self, h: int) -> None:
+    def _unwait(self, h: BlockHash) -> None:
         rec = self.records.get(h)
         if rec is not None and rec.parent is not None:
             waiting = self._children.get(rec.parent)
@@ -135,7 +198,7 @@ class Announced:
                 if not waiting:
                     del self._children[rec.parent]
 
-    def _removed(self, h: int, medium: Medium) -> None:
+    def _removed(self, h: BlockHash, medium: Medium) -> None:
         where = self.tiers.get(h)
         if where is not None and medium in where:
             where.discard(medium)
@@ -171,11 +234,11 @@ class WireBatch:
         self.encoding = encoding
         self.rank = rank
 
-    def build(self, items: list[tuple[str, Medium, int]], records: dict[int, BlockRecord],
+    def build(self, items: list[Item], records: dict[BlockHash, BlockRecord],
               cleared: bool = False) -> list[Any]:
         """The batch: [ts, events, data_parallel_rank]."""
         events: list[Any] = [self._tag("AllBlocksCleared", {})] if cleared else []
-        run: list[tuple[str, Medium, int]] = []
+        run: list[Item] = []
         for item in items:
             if run and not self._continues(run[-1], item, records):
                 events.append(self._event(run, records))
@@ -186,22 +249,22 @@ class WireBatch:
         return [time.time(), events, self.rank]
 
     @staticmethod
-    def _continues(last: tuple[str, Medium, int], item: tuple[str, Medium, int],
-                   records: dict[int, BlockRecord]) -> bool:
+    def _continues(last: Item, item: Item,
+                   records: dict[BlockHash, BlockRecord]) -> bool:
         if last[:2] != item[:2]:
             return False
         return item[0] == "removed" or records[item[2]].parent == last[2]
 
-    def _event(self, run: list[tuple[str, Medium, int]], records: dict[int, BlockRecord]) -> Any:
+    def _event(self, run: list[Item], records: dict[BlockHash, BlockRecord]) -> Any:
         kind, medium, _ = run[0]
-        hashes = [h for _, _, h in run]
+        recs = [records[h] for _, _, h in run]
+        hashes = [r.wire for r in recs]
         if kind == "removed":
             return self._tag("BlockRemoved", {"block_hashes": hashes, "medium": medium.value,
                                               "group_idx": GROUP_IDX})
-        recs = [records[h] for h in hashes]
         extra = [r.extra_keys for r in recs]
         return self._tag("BlockStored", {
-            "block_hashes": hashes, "parent_block_hash": recs[0].parent,
+            "block_hashes": hashes, "parent_block_hash": recs[0].parent_wire,
             "token_ids": [t for r in recs for t in r.token_ids], "block_size": self.block_size,
             "lora_id": None, "medium": medium.value, "lora_name": None,
             "extra_keys": extra if any(e is not None for e in extra) else None, "group_idx": GROUP_IDX,

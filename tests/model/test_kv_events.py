@@ -13,11 +13,11 @@ import pytest
 from hotprefix.config import CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, SchedulerConfig
 from hotprefix.core.hashing import UNSALTED, CacheScope
 from hotprefix.core.kv_tiers import SlotState
-from hotprefix.engine.kv_events import external_hash, vllm_extra_keys
+from hotprefix.engine.kv_events import vllm_extra_keys
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.engine.requests import RequestOptions
 from hotprefix.sampling_params import SamplingParams
-from tests.kv_events_client import ROOT_KEY, Subscriber, router_key
+from tests.kv_events_client import ROOT_KEY, Subscriber, router_key, vllm_wire_hashes
 from tests.server.conftest import free_port
 
 BS = 16
@@ -44,7 +44,8 @@ class Rig:
         self.engine = LLMEngine(EngineConfig(ModelConfig(model=model), CacheConfig(kv_events=cfg, **cache),
                                              SchedulerConfig(long_prefill_token_threshold=32)))
         self.sub = Subscriber(local(cfg.endpoint), local(cfg.replay_endpoint), cfg.topic, BS, legacy)
-        self.expected: dict[int, bytes] = {}  # engine hash -> the router key of its chain
+        self.expected: dict[int, bytes] = {}  # wire hash -> the router key of its chain
+        self.wire: dict[bytes, int] = {}  # the engine's hash -> vLLM's, as vLLM computes it
 
     def run(self, prompt: list[int], max_tokens: int = 8, scope=UNSALTED, steps: int | None = None) -> str:
         """Add a request and step; `steps`: stop after that many steps (it stays unfinished)."""
@@ -63,18 +64,21 @@ class Rig:
 
     def _expect(self, tokens: list[int], scope: CacheScope) -> None:
         key = ROOT_KEY
-        for i, h in enumerate(self.engine.kv.hasher.hashes_of(tokens, scope)):
-            key = router_key(key, tokens[i * BS:(i + 1) * BS], vllm_extra_keys(scope.extra_keys(i, BS)))
-            self.expected[external_hash(h)] = key
+        ours = self.engine.kv.hasher.hashes_of(tokens, scope)
+        extra = [vllm_extra_keys(scope.extra_keys(i, BS)) for i in range(len(ours))]
+        for i, (h, wire) in enumerate(zip(ours, vllm_wire_hashes(tokens, BS, extra))):
+            key = router_key(key, tokens[i * BS:(i + 1) * BS], extra[i])
+            self.expected[wire] = key
+            self.wire[h] = wire
 
     def content(self) -> dict[str, set[int]]:
         """What the engine's tiers hold, by vLLM medium."""
         kv, disk = self.engine.kv, self.engine.disk
-        out = {"GPU": {external_hash(h) for h in kv.pool.cached}, "CPU": set(), "STORAGE": set()}
+        out = {"GPU": {self.wire[h] for h in kv.pool.cached}, "CPU": set(), "STORAGE": set()}
         if kv.tiers is not None:
-            out["CPU"] = {external_hash(h) for h, e in kv.tiers.host.entries.items() if e.state is SlotState.READY}
+            out["CPU"] = {self.wire[h] for h, e in kv.tiers.host.entries.items() if e.state is SlotState.READY}
         if disk is not None:
-            out["STORAGE"] = {external_hash(h) for h in disk.index}
+            out["STORAGE"] = {self.wire[h] for h in disk.index}
         return out
 
     def check(self, unseen: set[int] = frozenset()) -> None:
@@ -89,7 +93,7 @@ class Rig:
         assert {m: index.in_tier(m) for m in content} == {**content, "STORAGE": content["STORAGE"] - unseen}
         assert {h: index.keys[h] for h in index.keys} == {h: self.expected[h] for h in index.keys}
         assert index.stores - index.removes - index.cleared == sum(len(w) for w in index.tiers.values())
-        assert set(self.engine.kv_events.announced.held) == set(unseen)
+        assert {self.wire[h] for h in self.engine.kv_events.announced.held} == set(unseen)
 
     def close(self) -> None:
         self.engine.close()
@@ -145,7 +149,7 @@ def test_the_index_is_the_cache_through_eviction_a_pin_the_host_tier_and_an_abor
     assert salted == [[None, ("tenant-a",)]]  # (its first two blocks are computed in one step)
     e.reset_prefix_cache()
     rig.check()
-    assert rig.content()["GPU"] == {external_hash(h) for h in e.kv.hasher.hashes_of(shared[:32])}  # the pin
+    assert rig.content()["GPU"] == {rig.wire[h] for h in e.kv.hasher.hashes_of(shared[:32])}  # the pin
 
 
 def test_a_gap_is_filled_by_replay_and_the_positional_encoding_decodes_as_vllms_earlier_structs(tiny_llama):
@@ -172,18 +176,18 @@ def test_a_restart_starts_from_sequence_0_with_all_blocks_cleared_and_the_disk_t
         r.check()
         assert r.sub.index.in_tier("STORAGE")  # the disk tier's writes, announced as vLLM's storage medium
         on_disk = r.content()["STORAGE"]
-        expected = r.expected
+        expected, wire = r.expected, r.wire
         r.engine.close()
         r.engine = LLMEngine(EngineConfig(ModelConfig(model=str(tiny_llama[0])), CacheConfig(
             kv_events=cfg, num_blocks_override=20, **disk)))
-        r.expected = expected
+        r.expected, r.wire = expected, wire
         r.sub.next_seq = 0  # the router sees the pod come back (a new process: sequences from 0)
         r.check(unseen=on_disk)  # nothing of the last process is announced: its tokens are unknown here
         first = r.sub.batches[-r.engine.kv_events.zmq.queued]
         assert [type(ev).__name__ for ev in first.events] == ["AllBlocksCleared"]
         r.run(prompt(1, 50))  # read from disk: its blocks' tokens are named, so the disk copies are announced too
         assert r.engine.kv.tiers.stats.hit_blocks
-        named = {external_hash(h) for h in r.engine.kv.hasher.hashes_of(prompt(1, 50))}
+        named = {r.wire[h] for h in r.engine.kv.hasher.hashes_of(prompt(1, 50))}
         r.check(unseen=on_disk - named)
     finally:
         r.close()
