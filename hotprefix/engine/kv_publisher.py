@@ -116,13 +116,13 @@ class ZmqPublisher:
         try:
             while True:
                 ready = dict(poller.poll())
-                if replay is not None and replay in ready:
-                    self._answer(replay)
                 if wake in ready:
                     while wake.poll(0):
                         wake.recv()
                     if not self._send_queued(pub):
                         return
+                if replay is not None and replay in ready:  # (after sending: a replay has what was queued)
+                    self._answer(replay)
         finally:
             for s in (pub, replay, wake):
                 if s is not None:
