@@ -10,8 +10,9 @@ blocks, the model's shape) live in plans built from these configs, never by muta
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 
@@ -199,6 +200,68 @@ class ModelConfig:
         return self.max_model_len or model_context
 
 
+class EventEncoding(str, Enum):
+    """How each KV event is written in a batch: tagged, a map with its "type" (vLLM's
+    msgspec structs since mid-2026); positional, an array led by its type (vLLM's earlier
+    array_like structs, which llm-d's kv-cache indexer of June 2026 still reads). The
+    batch itself is an array either way."""
+
+    TAGGED = "tagged"
+    POSITIONAL = "positional"
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config, the same keys with the same defaults, and hotprefix's
+    `encoding`: what goes into the cache (and leaves it) is published on a ZMQ PUB socket
+    (engine/kv_events.py), with a ROUTER socket that replays the last buffer_steps
+    batches from a sequence number."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; unset: zmq when enabled (as vLLM)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    encoding: EventEncoding = EventEncoding.TAGGED
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        object.__setattr__(self, "encoding", as_mode(EventEncoding, "--kv-events-config encoding", self.encoding))
+        if self.publisher not in ("zmq", "null"):
+            raise ConfigError(f"--kv-events-config publisher must be zmq or null, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"--kv-events-config {name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.endpoint, str) or not isinstance(self.topic, str):
+            raise ConfigError("--kv-events-config endpoint and topic must be strings")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: str | dict | KVEventsConfig) -> KVEventsConfig:
+        """The config from its JSON text (the flag), a dict (an LLM keyword, --config) or
+        itself. Raises ConfigError for bad JSON or a key vLLM's config does not have."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--kv-events-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--kv-events-config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ConfigError(f"--kv-events-config has no key {', '.join(unknown)} (keys: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
 DISK_STAGING_BYTES = 512 << 20
 
 
@@ -240,6 +303,11 @@ class CacheConfig:
                                           "(no cost on traffic that shares nothing)", group=G.MODEL)
     kv_disk_insecure: bool = flag(False, "use a --kv-disk-dir that other users may write or own (refused otherwise: "
                                   "its files become other requests' KV)", group=G.MODEL)
+    kv_events: KVEventsConfig = flag(
+        KVEventsConfig(), "publish what enters and leaves the KV cache as vLLM does, for KV-aware routers (llm-d, "
+        "Dynamo): a JSON object with vLLM's keys, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv@POD@MODEL\"}' (docs/deploy.md)",
+        group=G.MODEL, names=("--kv-events-config",), unit=Unit(KVEventsConfig.parse), metavar="JSON", shown="off")
 
     @property
     def host_tier_bytes(self) -> int:

@@ -214,7 +214,7 @@ def declared(cls: type) -> tuple[Declared, ...]:
     out: list[Declared] = []
     for f in fields(cls):
         t = _without_none(hints[f.name])
-        if is_dataclass(t):
+        if is_dataclass(t) and FLAG not in f.metadata:  # a group of flags (a dataclass a flag sets whole is one)
             out += declared(t)
         elif FLAG in f.metadata:
             d = Declared(f.name, f.metadata[FLAG], _default(f), t)
@@ -276,7 +276,7 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
         t = _without_none(hints[f.name])
-        if is_dataclass(t):
+        if is_dataclass(t) and FLAG not in f.metadata:
             kwargs[f.name] = build(t, values)
         elif f.name in values:
             d = by_name.get(f.name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from hotprefix.core.cache_events import CacheEvent, Medium, Removed
 from hotprefix.core.hashing import BlockHash
 
 
@@ -113,6 +114,9 @@ class BlockPool:
         # (block id, hash) of each eviction since the last `take_evictions`, when a
         # tier below keeps evicted blocks (None: not recorded)
         self.evictions: list[tuple[int, BlockHash]] | None = None
+        # every hash that leaves the map, in order, when KV events are recorded (None: not recorded;
+        # KVCacheManager records the hashes that enter it, with their tokens)
+        self.events: list[CacheEvent] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,8 +144,13 @@ class BlockPool:
                 del self.cached[b.block_hash]
                 if self.evictions is not None:
                     self.evictions.append((b.block_id, b.block_hash))
+                self._left(b.block_hash)
             b.block_hash = None
             self.num_evicted += 1
+
+    def _left(self, block_hash: BlockHash) -> None:
+        if self.events is not None:
+            self.events.append(Removed(block_hash, Medium.DEVICE))
 
     def take_evictions(self) -> list[tuple[int, BlockHash]]:
         """The evictions recorded since the last call (the slots are about to be
@@ -178,6 +187,7 @@ class BlockPool:
         A block that is not cached is left as it is."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            self._left(block.block_hash)
         block.block_hash = None
 
     def reset_cache(self) -> int:
@@ -187,6 +197,7 @@ class BlockPool:
         for b in self.free_queue:
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
+                self._left(b.block_hash)
                 b.block_hash = None
                 n += 1
         return n

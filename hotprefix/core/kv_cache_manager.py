@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
+from hotprefix.core.cache_events import CacheEvent, Medium, Stored
 from hotprefix.core.hashing import BlockHash, BlockHasher
 from hotprefix.core.kv_tiers import HostEntry, KVTiers
 from hotprefix.core.logprob_cache import PromptLogprobCache
@@ -74,6 +75,22 @@ class KVCacheManager:
         self._reused: list[Block] = []  # blocks hit (pool or tier) by the step being scheduled
         if self.tiers is not None:
             self.pool.evictions = []
+        self.events: list[CacheEvent] | None = None  # see record_events
+
+    def record_events(self) -> None:
+        """From now on record every block that enters or leaves the pool or the host tier,
+        in order (core/cache_events.py); `take_events` hands them over."""
+        self.events = self.pool.events = []
+        if self.tiers is not None:
+            self.tiers.host.events = self.events
+
+    def take_events(self) -> list[CacheEvent]:
+        """The events recorded since the last call (none when not recording)."""
+        if not self.events:
+            return []
+        out = list(self.events)
+        self.events.clear()  # (the same list the pool and the tiers append to)
+        return out
 
     @property
     def num_blocks(self) -> int:
@@ -192,10 +209,36 @@ class KVCacheManager:
         self.update_hashes(request)
         rid = request.request_id
         full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(self._num_cached.get(rid, 0), full):
+        start = self._num_cached.get(rid, 0)
+        if 0 < start < full:
+            self._refill_chain(request, blocks, start)
+        for i in range(start, full):
             if self.pool.cache_block(blocks[i], request.block_hashes[i]):
                 self._provisional.append(blocks[i])
-        self._num_cached[rid] = max(full, self._num_cached.get(rid, 0))
+                self._stored(request, i)
+        self._num_cached[rid] = max(full, start)
+
+    def _refill_chain(self, request: Request, blocks: list[Block], start: int) -> None:
+        """Before blocks from `start` on enter the cache, make sure the chain before them
+        is in it: a block this request computed while another block held its hash (the
+        same tokens computed at once) stayed uncached, and that other block may have been
+        evicted since. The request's own copy (its KV, computed in an earlier step) is
+        entered in its place, so every cached block's parent is cached too."""
+        j = start
+        while j > 0 and request.block_hashes[j - 1] not in self.pool.cached:
+            j -= 1
+        for i in range(j, start):
+            if self.pool.cache_block(blocks[i], request.block_hashes[i]):
+                self._stored(request, i)
+
+    def _stored(self, request: Request, i: int) -> None:
+        """Record that the request's block i entered the pool (when recording)."""
+        if self.events is None:
+            return
+        bs = self.block_size
+        self.events.append(Stored(request.block_hashes[i], Medium.DEVICE, request.block_hashes[i - 1] if i else None,
+                                  tuple(map(request.token_at, range(i * bs, (i + 1) * bs))),
+                                  request.cache_scope.extra_keys(i, bs)))
 
     def commit(self) -> None:
         """The step that computed the provisional entries succeeded: they stay cached."""

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Protocol
 
 from hotprefix.core.block_pool import IntegrityError
+from hotprefix.core.cache_events import CacheEvent, Medium, Removed, Stored
 from hotprefix.core.hashing import BlockHash
 
 
@@ -83,6 +84,7 @@ class HostTier:
         self.entries: OrderedDict[BlockHash, HostEntry] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
         self.locked: set[int] = set()  # slots a scheduled copy reads or writes until the step ran
+        self.events: list[CacheEvent] | None = None  # READY blocks in and out, when KV events are recorded
 
     def get(self, h: BlockHash) -> HostEntry | None:
         e = self.entries.get(h)
@@ -103,13 +105,27 @@ class HostTier:
             if victim is None:
                 return None
             slot = self.entries.pop(victim).slot
+            self._note(Removed(victim, Medium.HOST))
         e = self.entries[h] = HostEntry(slot, state, source)
+        if state is SlotState.READY:
+            self._note(Stored(h, Medium.HOST))
         return e
+
+    def ready(self, h: BlockHash) -> None:
+        """A LOADING block's bytes are in its slot now."""
+        self.entries[h].state = SlotState.READY
+        self._note(Stored(h, Medium.HOST))
+
+    def _note(self, event: CacheEvent) -> None:
+        if self.events is not None:
+            self.events.append(event)
 
     def drop(self, h: BlockHash) -> None:
         e = self.entries.pop(h, None)
         if e is not None:
             self._free.append(e.slot)
+            if e.state is SlotState.READY:
+                self._note(Removed(h, Medium.HOST))
 
     def clear(self) -> int:
         """Forget every READY unlocked block. Returns how many."""
@@ -172,7 +188,7 @@ class KVTiers:
             if e is None:
                 continue
             if ok:
-                e.state = SlotState.READY
+                self.host.ready(h)
             else:
                 self.stats.disk_loads_failed += 1
                 self.host.drop(h)

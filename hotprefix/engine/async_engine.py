@@ -172,6 +172,15 @@ class AsyncEngine:
         self._core.put(Add(states))
         return streams
 
+    async def render(self, prompts: Sequence[Prompt], params: SamplingParams,
+                     options: RequestOptions = DEFAULT_OPTIONS) -> list[list[int]]:
+        """The token ids each prompt would run as: rendered, tokenized, truncated and checked
+        as `submit` does it (in a worker, within the tenant's share), queuing nothing.
+        Raises InvalidRequestError."""
+        self._check_alive()
+        states = await self._prep.prepare(f"render-{next(self._ids):x}", prompts, params, options)
+        return [st.prompt_token_ids for st in states]
+
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        options: RequestOptions = DEFAULT_OPTIONS) -> AsyncIterator[RequestOutput]:
         """submit() one prompt, then its outputs; cancelling the consumer aborts the request."""

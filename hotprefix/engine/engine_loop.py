@@ -216,6 +216,8 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     self._step()
+                else:
+                    self.engine.publish_kv_events()  # (what the disk tier wrote while idle)
         except BaseException as e:  # pragma: no cover - the loop itself broke
             self.dead = e
             log.exception("the engine thread died")

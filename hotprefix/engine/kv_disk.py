@@ -198,6 +198,7 @@ class DiskStore:
         self._pending_bytes = 0
         self._reads: queue.Queue = queue.Queue()
         self._done: list[tuple[BlockHash, bool]] = []
+        self._changes: list[tuple[BlockHash, bool]] | None = None  # see record_changes
         self._read_done = threading.Event()
         self._threads = [threading.Thread(target=self._write_loop, name="hotprefix-kv-writer", daemon=True),
                          threading.Thread(target=self._read_loop, name="hotprefix-kv-reader", daemon=True)]
@@ -258,6 +259,20 @@ class DiskStore:
     @property
     def num_blocks(self) -> int:
         return len(self.index)
+
+    def record_changes(self) -> None:
+        """Record each block the index gains (True) or loses (False) from now on, these gained."""
+        with self._lock:
+            self._changes = [(h, True) for h in self.index]
+
+    def take_changes(self) -> list[tuple[BlockHash, bool]]:
+        with self._lock:
+            out, self._changes = self._changes or [], None if self._changes is None else []
+        return out
+
+    def _changed(self, h: BlockHash, present: bool) -> None:
+        if self._changes is not None:  # (under the lock)
+            self._changes.append((h, present))
 
     def persist(self, blocks: list[tuple[BlockHash, Any]]) -> None:
         """Queue (hash, block bytes) for writing; blocks already on disk are skipped,
@@ -324,6 +339,7 @@ class DiskStore:
             raise
         with self._lock:
             self.index[h] = None
+            self._changed(h, True)
         self.stats.written_blocks += 1
         self.stats.written_bytes += self.file_bytes
 
@@ -333,6 +349,7 @@ class DiskStore:
                 if len(self.index) < self.max_files or not self.index:
                     return
                 old, _ = self.index.popitem(last=False)
+                self._changed(old, False)
             (self.dir / (old.hex() + SUFFIX)).unlink(missing_ok=True)
 
     # -- the reader thread -------------------------------------------------------
@@ -379,4 +396,5 @@ class DiskStore:
 
     def _forget(self, h: BlockHash) -> None:
         with self._lock:
-            self.index.pop(h, None)
+            if self.index.pop(h, False) is None:  # (it was indexed: the index's values are None)
+                self._changed(h, False)

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from hotprefix.config import DiskWritePolicy, EngineConfig, LoadFormat
+from hotprefix.core.cache_events import Medium, Removed, Stored
 from hotprefix.core.hashing import UNSALTED, CacheScope
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.kv_tiers import KVTiers
@@ -22,6 +23,7 @@ from hotprefix.core.request import RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.counters import PinSummary, TierGauges
 from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerprint
+from hotprefix.engine.kv_events import KVEventStream
 from hotprefix.engine.outputs import RequestOutput  # (their home; imported from here too)
 from hotprefix.engine.prepare import Child, PreparedRequest, RequestPreparer, check_token_ids
 from hotprefix.engine.requests import DEFAULT_OPTIONS, RequestOptions
@@ -71,6 +73,8 @@ class LLMEngine:
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
                                  cc.kv_disk_write is DiskWritePolicy.REUSED)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
+        self.kv_events = self._kv_events()  # --kv-events-config; None when off
+        self.publish_kv_events()  # (the first batch: AllBlocksCleared)
         self.preparer = RequestPreparer(self.encoder, self.grammars, self.arch.vocab_size, self.max_model_len,
                                         frozenset(eos), plan.block_size, plan.num_blocks)
         self.warmed = False
@@ -108,6 +112,32 @@ class LLMEngine:
                  f", disk {disk.dir} ({disk.num_blocks} blocks of {disk.max_files})" if disk else "")
         return KVTiers(arena.num_slots, disk)
 
+    def _kv_events(self) -> KVEventStream | None:
+        """The KV events publisher --kv-events-config asks for, recording from now on; its
+        first batch (AllBlocksCleared) goes out now. Raises ConfigError for an endpoint
+        that cannot be opened."""
+        cfg = self.config.cache.kv_events
+        if not cfg.enabled:
+            return None
+        self.kv.record_events()
+        if self.disk is not None:
+            self.disk.record_changes()
+        stream = KVEventStream(cfg, self.kv.block_size, keep=2 * self.kv.num_blocks + 4096)
+        log.info("KV events on %s%s, topic %r", cfg.endpoint,
+                 f" (replay {cfg.replay_endpoint})" if cfg.replay_endpoint else "", cfg.topic)
+        return stream
+
+    def publish_kv_events(self) -> None:
+        """Publish what entered and left the cache tiers since the last call (a no-op
+        without --kv-events-config). Call on the thread that steps the engine."""
+        if self.kv_events is None:
+            return
+        events = self.kv.take_events()
+        if self.disk is not None:
+            events += [Stored(h, Medium.DISK) if present else Removed(h, Medium.DISK)
+                       for h, present in self.disk.take_changes()]
+        self.kv_events.publish(events)
+
     def tier_gauges(self) -> TierGauges | None:
         """What the KV tiers hold now (None without tiers). Engine thread."""
         arena, disk = self.runner.host_tier, self.disk
@@ -124,6 +154,9 @@ class LLMEngine:
         """Finish the disk tier's queued writes, stop the grammar compiler's processes."""
         if self.disk is not None:
             self.disk.close()
+        if self.kv_events is not None:
+            self.publish_kv_events()  # (the disk's last writes)
+            self.kv_events.close()
         self.grammars.close()
 
     # -- admission ----------------------------------------------------------
@@ -235,7 +268,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block; returns how many."""
-        return self.kv.reset_prefix_cache()
+        n = self.kv.reset_prefix_cache()
+        self.publish_kv_events()
+        return n
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state; its blocks return to the pool. Unknown ids are ignored."""
@@ -277,16 +312,21 @@ class LLMEngine:
         except Exception as e:
             log.exception("the model step failed; failing the %d requests it held", len(sched.requests))
             self.runner.forget_step_state()
-            return self._process(self.scheduler.fail_step(sched, f"the model step failed: {e}"))
-        if sched.persist and self.disk is not None:  # their KV is computed now: the disk tier keeps it
-            self.disk.persist(self.runner.host_tier.copied_out(sched.persist))
-        return self._process(self.scheduler.update(sched, result))
+            outs = self._process(self.scheduler.fail_step(sched, f"the model step failed: {e}"))
+        else:
+            if sched.persist and self.disk is not None:  # their KV is computed now: the disk tier keeps it
+                self.disk.persist(self.runner.host_tier.copied_out(sched.persist))
+            outs = self._process(self.scheduler.update(sched, result))
+        self.publish_kv_events()
+        return outs
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """Fail every unfinished request (the engine loop calls this after a bug in
         scheduling); their blocks return to the pool and nothing half-made stays cached."""
         self.runner.forget_step_state()
-        return self._process(self.scheduler.fail_all(f"internal error: {error}"))
+        outs = self._process(self.scheduler.fail_all(f"internal error: {error}"))
+        self.publish_kv_events()
+        return outs
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         touched: dict[str, PreparedRequest] = {}

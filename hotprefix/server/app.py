@@ -24,6 +24,7 @@ from hotprefix.server.error_handlers import install_error_handlers
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.middleware import ApiKeyGuard
 from hotprefix.server.prefix_log import LogKey, PrefixGroups, PrefixRecorder
+from hotprefix.server.render import render_router
 from hotprefix.server.request_log import KVShape, RequestLog
 from hotprefix.server.routes import (
     ServerContext,
@@ -97,7 +98,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, cfg
     app.state.model_name, app.state.responses = names[0], ctx.responses
     install_error_handlers(app, metrics)
-    for router in (openai_router, tokens_router, cache_router, requests_router, ops_router):
+    for router in (openai_router, render_router, tokens_router, cache_router, requests_router, ops_router):
         app.include_router(router(ctx))
     app.include_router(dashboard_router(dash))
     app.add_middleware(BodyGuard, max_bytes=cfg.max_request_body_bytes, on_reject=metrics.rejected)

@@ -122,6 +122,10 @@ class SamplingFields(Strict):
     reasoning_effort: str | None = Field(None, max_length=32)  # no model served here reasons before answering
     IGNORED: ClassVar[tuple[str, ...]] = ("metadata", "store", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "reasoning_effort")
+    # SGLang's, sent at their defaults by routers built for both engines (vllm-router's render
+    # calls): accepted there, refused otherwise (not honoured here)
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     @field_validator("request_id")
     @classmethod
@@ -176,6 +180,9 @@ class SamplingFields(Strict):
         """The request's sampling parameters; unset ones come from `defaults` (the
         model's generation config), then the API's defaults. Raises
         InvalidRequestError naming the offending field."""
+        for name in ("no_stop_trim", "return_hidden_states"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported here (only false)", name)
         d = defaults or {}
         structured = self.structured()
 

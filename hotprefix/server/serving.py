@@ -30,7 +30,7 @@ from hotprefix.config import SchedulingPolicy
 from hotprefix.engine.async_engine import AsyncEngine, CacheScope, ChatPrompt, Prompt, RequestOptions, RequestStream
 from hotprefix.engine.llm_engine import RequestOutput
 from hotprefix.errors import InvalidRequestError, RequestFailedError
-from hotprefix.sampling_params import StructuredKind, StructuredOutput
+from hotprefix.sampling_params import SamplingParams, StructuredKind, StructuredOutput
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.openai_format import ChatFormat, CompletionFormat, OpenAIStream
 from hotprefix.server.prefix_log import PrefixRecorder
@@ -140,6 +140,19 @@ class Serving:
                       structured: StructuredOutput | None = None) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
+        params, options = self.request_parts(body, scope, max_tokens, logprobs, add_special_tokens,
+                                             split_special_tokens, structured)
+        streams = await self.engine.submit(base_id, prompts, params, options)
+        for _ in prompts:  # (vLLM's per engine request; max_model_len when the request set no max_tokens)
+            self.metrics.observe_params(params.n, self.engine.max_model_len if params.max_tokens is None
+                                        else params.max_tokens)
+        return streams
+
+    def request_parts(self, body: SamplingFields, scope: CacheScope, max_tokens: int | None, logprobs: int | None,
+                      add_special_tokens: bool, split_special_tokens: bool = False,
+                      structured: StructuredOutput | None = None) -> tuple[SamplingParams, RequestOptions]:
+        """A request's sampling params and options, checked as the engine will run it.
+        Raises InvalidRequestError."""
         self.note_ignored(body)
         if body.priority != 0 and self.options.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
@@ -154,13 +167,8 @@ class Serving:
                 params = replace(params, structured=structured)
             except ValueError as e:
                 raise InvalidRequestError(str(e), str(e).split(" ")[0]) from None
-        options = RequestOptions(body.priority, add_special_tokens, scope, body.pin_prefix, split_special_tokens,
-                                 body.truncate_prompt_tokens, tenant=tenant_of(scope))
-        streams = await self.engine.submit(base_id, prompts, params, options)
-        for _ in prompts:  # (vLLM's per engine request; max_model_len when the request set no max_tokens)
-            self.metrics.observe_params(params.n, self.engine.max_model_len if params.max_tokens is None
-                                        else params.max_tokens)
-        return streams
+        return params, RequestOptions(body.priority, add_special_tokens, scope, body.pin_prefix, split_special_tokens,
+                                      body.truncate_prompt_tokens, tenant=tenant_of(scope))
 
     def note_ignored(self, body: Ignoring) -> None:
         """Log, once per field, that a field which cannot change a result here was ignored."""
@@ -354,14 +362,13 @@ class Serving:
         return StructuredOutput(StructuredKind.GRAMMAR, grammar)
 
     # -- /v1/chat/completions ------------------------------------------------------------
-    async def start_chat(self, body: ChatCompletionRequest, model: str) -> Run:
-        """Check and submit a chat request (its answer then comes from `answer` or `events`).
-        Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
+    def chat_parts(self, body: ChatCompletionRequest) -> tuple[ChatPrompt, StructuredOutput | None, Any]:
+        """A checked chat request's prompt (operator's turns, tools, template: as the engine renders
+        them), its tool-call grammar and tool parser (None: no tools). Raises InvalidRequestError."""
         body.check()
         if body.chat_template is not None and not self.options.trust_request_chat_template:
             raise InvalidRequestError("a request's own chat_template is refused: the server runs it; start the "
                                       "server with --trust-request-chat-template to allow it", "chat_template")
-        rid = body.request_id or random_id("chatcmpl")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         parser = PARSERS[self.options.tool_parser] if body.calls_tools() else None
         if parser is not None and parser.keeps_special_tokens:
@@ -369,10 +376,17 @@ class Serving:
         prompt = ChatPrompt([m.for_template() for m in body.messages], body.add_generation_prompt,
                             body.continue_final_message, body.chat_template or self.options.chat_template,
                             body.chat_template_kwargs, tools, body.operator_messages)
+        return prompt, self._tool_grammar(body, tools), parser
+
+    async def start_chat(self, body: ChatCompletionRequest, model: str) -> Run:
+        """Check and submit a chat request (its answer then comes from `answer` or `events`).
+        Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
+        prompt, structured, parser = self.chat_parts(body)
+        rid = body.request_id or random_id("chatcmpl")
         k = body.top_logprobs or 0
         scope = CacheScope(body.cache_salt, body.cache_salt_offset)
         streams = await self._submit(body, scope, [prompt], body.limit(), k if body.logprobs else None, False, rid,
-                                     structured=self._tool_grammar(body, tools))
+                                     structured=structured)
         return Run(rid, "chat.completions", body.user, model, streams,
                    Choices(parser, bool(body.logprobs), body.parallel_tool_calls), body.n, scope)
 
