@@ -114,8 +114,6 @@ class RuntimeFlags:
                                                      harmless=EMPTY)
     kv_transfer_config: str | None = refused("KV transfer between servers (disaggregated prefill) is not supported: "
                                              "each server computes its own", harmless=EMPTY)
-    kv_events_config: str | None = value("no KV cache events are published (/prefix_groups and the request log say "
-                                         "what is shared)")
     kv_offloading_backend: str | None = value("the host tier below the pool is hotprefix's own (--kv-offloading-size)")
     kv_sharing_fast_prefill: bool | None = no_effect("no layer here reads another layer's KV")
     prefix_cache_retention_interval: str | None = value("cached blocks stay until the pool needs them, the least "

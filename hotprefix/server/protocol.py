@@ -13,33 +13,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import SamplingParams, StructuredKind, StructuredOutput
+from hotprefix.server.metadata import Metadata
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
-
-
-def _bounded_metadata(v: Any) -> Any:
-    """OpenAI's `metadata` (before its values are checked one by one): at most 16 pairs, keys
-    of at most 64 characters, values of at most 512. Raises ValueError."""
-    if isinstance(v, dict) and (len(v) > METADATA_KEYS or any(
-            len(str(k)) > METADATA_KEY_CHARS or (isinstance(x, str) and len(x) > METADATA_VALUE_CHARS)
-            for k, x in v.items())):
-        raise ValueError(f"metadata holds at most {METADATA_KEYS} keys of at most {METADATA_KEY_CHARS} characters, "
-                         f"with string values of at most {METADATA_VALUE_CHARS}")
-    return v
-
-
-Metadata = Annotated[dict[str, str] | None, BeforeValidator(_bounded_metadata)]
 
 
 class StreamOptions(Strict):

@@ -135,24 +135,22 @@ class Serving:
 
     # -- shared -------------------------------------------------------------------
     async def _submit(self, body: SamplingFields, scope: CacheScope, prompts: list[Prompt], max_tokens: int | None,
-                      logprobs: int | None, add_special_tokens: bool, base_id: str,
-                      split_special_tokens: bool = False,
+                      logprobs: int | None, add_special_tokens: bool, base_id: str, split_special_tokens: bool = False,
                       structured: StructuredOutput | None = None) -> list[RequestStream]:
         """Validate and submit one engine request per prompt (see AsyncEngine.submit).
         Raises InvalidRequestError, QueueFullError or EngineDeadError with nothing queued."""
         params, options = self.request_parts(body, scope, max_tokens, logprobs, add_special_tokens,
                                              split_special_tokens, structured)
         streams = await self.engine.submit(base_id, prompts, params, options)
-        for _ in prompts:  # (vLLM's per engine request; max_model_len when the request set no max_tokens)
-            self.metrics.observe_params(params.n, self.engine.max_model_len if params.max_tokens is None
-                                        else params.max_tokens)
+        most = self.engine.max_model_len if params.max_tokens is None else params.max_tokens  # (none set: the context)
+        for _ in prompts:  # (vLLM's: one observation per engine request)
+            self.metrics.observe_params(params.n, most)
         return streams
 
     def request_parts(self, body: SamplingFields, scope: CacheScope, max_tokens: int | None, logprobs: int | None,
                       add_special_tokens: bool, split_special_tokens: bool = False,
                       structured: StructuredOutput | None = None) -> tuple[SamplingParams, RequestOptions]:
-        """A request's sampling params and options, checked as the engine will run it.
-        Raises InvalidRequestError."""
+        """A request's sampling params and options, checked as the engine runs it. Raises InvalidRequestError."""
         self.note_ignored(body)
         if body.priority != 0 and self.options.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise InvalidRequestError("priority is only honoured with --scheduling-policy priority", "priority")
