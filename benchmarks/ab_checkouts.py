@@ -5,7 +5,7 @@ single-stream decode tokens/s (64 tokens after a 100-token prompt), and 8 concur
 requests on a warm 1,000-token shared prefix (32 tokens each). Prints each round and the
 medians; --json writes them.
 
-    .venv/bin/python benchmarks/ab_checkouts.py /path/to/base /path/to/new --rounds 5 [--mode int8] [--kv auto]
+    .venv/bin/python benchmarks/ab_checkouts.py /path/to/base /path/to/new --rounds 5 [--mode int8] [--kv auto] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 CHILD = r'''
 import json, random, statistics, sys, time
 from hotprefix import LLM, SamplingParams
-mode, kv = sys.argv[1], sys.argv[2]
-llm = LLM(quantized_matmul=mode, kv_cache_dtype=kv, enable_prefix_caching=True, kv_cache_memory=1 << 30)
+mode, kv, model = sys.argv[1], sys.argv[2], sys.argv[3] or None
+llm = LLM(model=model, quantized_matmul=mode, kv_cache_dtype=kv, enable_prefix_caching=True, kv_cache_memory=1 << 30)
 rng = random.Random(0)
 def prompt(n): return [rng.randrange(100, 40000) for _ in range(n)]
 one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -38,8 +38,8 @@ print(json.dumps({"ttft_s": ttft, "decode_tok_s": dec, "conc8_tok_s": conc}))
 '''
 
 
-def run(checkout: str, python: str, mode: str, kv: str) -> dict:
-    out = subprocess.run([python, "-c", CHILD, mode, kv], cwd=checkout, capture_output=True, text=True, check=True)
+def run(checkout: str, python: str, mode: str, kv: str, model: str) -> dict:
+    out = subprocess.run([python, "-c", CHILD, mode, kv, model], cwd=checkout, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mode", default="auto")
     ap.add_argument("--kv", default="auto")
+    ap.add_argument("--model", default="", help="a model path (default: the bundled model)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter (its hotprefix is each checkout's own: "
                                                                "the checkout is the working directory)")
     ap.add_argument("--json")
@@ -57,7 +58,7 @@ def main() -> None:
     got: dict[str, list[dict]] = {"base": [], "new": []}
     for r in range(a.rounds):
         for name, path in (("base", a.base), ("new", a.new)) if r % 2 == 0 else (("new", a.new), ("base", a.base)):
-            got[name].append(run(path, a.python, a.mode, a.kv))
+            got[name].append(run(path, a.python, a.mode, a.kv, a.model))
             print(r, name, got[name][-1], flush=True)
     med = {n: {k: statistics.median(x[k] for x in rows) for k in rows[0]} for n, rows in got.items()}
     for k in med["base"]:
