@@ -5,7 +5,7 @@ single-stream decode tokens/s (64 tokens after a 100-token prompt), and 8 concur
 requests on a warm 1,000-token shared prefix (32 tokens each). Prints each round and the
 medians; --json writes them.
 
-    .venv/bin/python benchmarks/ab_checkouts.py /path/to/base /path/to/new --rounds 5 [--mode int8] [--kv auto] [--model FILE.gguf]
+    .venv/bin/python benchmarks/ab_checkouts.py BASE NEW --rounds 5 [--mode int8] [--kv auto] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ print(json.dumps({"ttft_s": ttft, "decode_tok_s": dec, "conc8_tok_s": conc}))
 
 
 def run(checkout: str, python: str, mode: str, kv: str, model: str) -> dict:
-    out = subprocess.run([python, "-c", CHILD, mode, kv, model], cwd=checkout, capture_output=True, text=True, check=True)
+    out = subprocess.run([python, "-c", CHILD, mode, kv, model], cwd=checkout, capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
