@@ -570,4 +570,4 @@ def test_the_responses_store_counts_the_bytes_it_holds(server):
         store.max_entry_bytes = 8 << 20
     assert big.status_code == 200 and httpx.get(server.v1 + "/responses/" + big.json()["id"]).status_code == 404
     follow = httpx.post(server.v1 + "/responses", json={"input": "x", "previous_response_id": big.json()["id"]})
-    assert follow.status_code == 400 and follow.json()["error"]["param"] == "previous_response_id"
+    assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
