@@ -40,7 +40,12 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _gguf_name(hf: str) -> str | None:
+# Gemma 3's four norms a layer, as llama.cpp names them
+GEMMA3_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_post_norm"}
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str | None:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -49,7 +54,21 @@ def _gguf_name(hf: str) -> str | None:
         return "output.weight"
     parts = hf.split(".")
     layer, rest, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{kind}"
+    names = {**HF_TO_GGUF, **GEMMA3_NAMES} if arch == "gemma3" else HF_TO_GGUF
+    return f"blk.{layer}.{names[rest]}.{kind}"
+
+
+def _gemma3_metadata(w, cfg) -> None:
+    """Gemma 3's keys as llama.cpp's converter writes them: the window, the local layers'
+    RoPE base and the global layers' linear scaling (the pattern is llama.cpp's default 6)."""
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
+    full = cfg.rope_parameters["full_attention"]
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
 
 
 def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -66,7 +85,8 @@ def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator
 def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
     """Write hf_model's weights (2-D ones as weight_type or as a MIXES mix picks, norms as
-    F32) and tokenizer into a GGUF file at path."""
+    F32) and tokenizer into a GGUF file at path, as `arch` (llama: q/k rows permuted;
+    gemma3: its names, keys and norms)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -84,7 +104,10 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_value_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "gemma3":
+        _gemma3_metadata(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(0)
@@ -113,11 +136,13 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         a = t.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):  # the converter stores Gemma's norms as w + 1
+            a = a + np.float32(1.0)
         if arch == "llama" and name.endswith("q_proj.weight"):
             a = _permute(a, nh)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = _permute(a, nkv)
-        gname = _gguf_name(name)
+        gname = _gguf_name(name, arch)
         ttype = tensor_type(weight_type, gname, a.shape[-1])
         if a.ndim != 2 or ttype == "F32":
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))

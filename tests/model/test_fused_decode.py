@@ -106,7 +106,7 @@ def test_cascade_steps_fused_are_the_layered_and_the_plain_steps_bit_for_bit():
     calls = []
     fused = runner.strategy(FusedDecode)
     original = fused.forward
-    fused.forward = lambda *a: calls.append(a[1].cascades[:]) or original(*a)
+    fused.forward = lambda *a: calls.append(a[1].windows[None].cascades[:]) or original(*a)
     step = decode_step(prompts, tables)
     check_same_bits(runner, step)
     assert [[c.members for c in cs] for cs in calls] == [[(0, 1, 2)]]  # fused, with the one cascade

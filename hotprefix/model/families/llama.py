@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hotprefix.model.arch import ModelArch
@@ -86,6 +87,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu), or GeGLU (gelu_pytorch_tanh: Gemma)."""
+
     def __init__(self, arch: ModelArch, ws: WeightSet, prefix: str, ops_: LayerOps) -> None:
         super().__init__()
         e, i = arch.hidden_size, arch.intermediate_size
@@ -93,13 +96,16 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj = (take_linear(ws, n, i, e) for n in names)
         self.down_proj = take_linear(ws, f"{prefix}.down_proj", e, i)
         self.gate_up_blocks = _fused([self.gate_proj, self.up_proj])  # gate and up as one product
-        self.ops = ops_
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"
+        self.act_mul = ops_.gelu_tanh_mul if self.gelu else ops_.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.gate_up_blocks
         if blocks is not None:
-            return self.down_proj(self.ops.silu_mul(ops.qmatmul(x, blocks)))  # [T, 2I] -> [T, I]
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act_mul(ops.qmatmul(x, blocks)))  # [T, 2I] -> [T, I]
+        gate = self.gate_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

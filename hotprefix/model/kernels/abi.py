@@ -75,6 +75,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_vector_paths": (_i, []),
     "hp_attend": (_i, [POINTER(HpAtt), POINTER(HpPlan), _i]),
     "hp_silu_mul": (None, [_p, _i, _i, _p, _i]),
+    "hp_gelu_tanh_mul": (None, [_p, _i, _i, _p, _i]),
     "hp_kv_write": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i]),
     "hp_kv_write_fp8": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i, _i, _f, _f]),
     "hp_rmsnorm": (None, [_p, _i, _i, c_int64, _p, _f, _p, _i]),

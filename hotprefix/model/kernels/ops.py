@@ -68,12 +68,22 @@ def int8_vectorized(lib: Lib = None) -> bool:
 def silu_mul(gate_up: torch.Tensor, lib: Lib = None) -> torch.Tensor:
     """silu(gate) * up for gate_up [M, 2I] float32 (CPU) = [gate | up] -> [M, I], in one pass
     (exp to about one float ulp). Raises RuntimeError without the library."""
+    return _act_mul("hp_silu_mul", gate_up, lib)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, lib: Lib = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up (GeGLU, tanh-approximated GELU) for gate_up [M, 2I] float32 (CPU)
+    -> [M, I], in one pass. Raises RuntimeError without the library."""
+    return _act_mul("hp_gelu_tanh_mul", gate_up, lib)
+
+
+def _act_mul(fn: str, gate_up: torch.Tensor, lib: Lib) -> torch.Tensor:
     lib = need(lib)
-    _f32_cpu("silu_mul", gate_up)
+    _f32_cpu(fn, gate_up)
     gate_up = gate_up.contiguous()
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float32)
-    lib.hp_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
+    getattr(lib, fn)(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
     return out
 
 

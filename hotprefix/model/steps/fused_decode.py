@@ -31,6 +31,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
         return "the attention backend is not the cpu one with the C kernels"
     if model.arch.qk_norm or ops.kv_type(pool) is None:
         return "q/k norms, or not a float32 or fp8 CPU pool"
+    if len(set(model.arch.layer_windows)) > 1:
+        return "layers of several attention windows"
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         if any(p is None or not p.int8 for p in (a.qkv_blocks, a.o_proj.blocks, m.gate_up_blocks, m.down_proj.blocks)):
@@ -71,5 +73,6 @@ class FusedDecode:
     def forward(self, batch: StepBatch, meta: CpuMeta) -> torch.Tensor:
         x = self.model.model.embed_tokens(batch.input_ids).contiguous()  # [T, E], updated in place below
         cos, sin = self.model.rope(batch.positions, x.dtype)  # [T, 1, D] each
-        ops.decode_layers(self.stack, x, cos, sin, meta.slot_mapping, meta.own, meta.shared)
+        (plans,) = meta.windows.values()  # every layer attends within the same window
+        ops.decode_layers(self.stack, x, cos, sin, meta.slot_mapping, plans.own, plans.shared)
         return self.model.model.norm(x)

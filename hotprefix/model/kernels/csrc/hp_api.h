@@ -77,6 +77,7 @@ int hp_vector_paths(void);
 /* attention and the per-row operations (attention.c, ops.c) */
 int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads);
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads);
+void hp_gelu_tanh_mul(const float *gu, int M, int I, float *out, int nthreads);
 void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,
                  int64_t k_row, const float *v, int64_t v_row, int KVH, int D);
 void hp_kv_write_fp8(uint8_t *kpool, uint8_t *vpool, int64_t head_stride, const int64_t *slots, int T,
