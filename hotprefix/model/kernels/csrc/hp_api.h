@@ -1,5 +1,5 @@
 /* The library's interface, stated once: every function it exports and the structs of the
- * fused decode step. model/kernel_abi.py mirrors it (SIGNATURES, the ctypes structs;
+ * fused decode step. model/kernels/abi.py mirrors it (SIGNATURES, the ctypes structs;
  * tests/model/test_kernel_abi.py compares the two, and bind() checks the struct layouts);
  * each .c file that defines one of these functions includes this header, so the compiler
  * checks every definition against it. */

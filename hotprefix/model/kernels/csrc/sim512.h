@@ -1,5 +1,5 @@
 /* The AVX-512 (F, BW, VNNI) intrinsics the kernels use, in plain C: test builds only
- * (qlinear.build_library(defines=("HP_SIM512",)), on an x86-64-v3 build). It lets the
+ * (kernels/build.build_library(defines=("HP_SIM512",)), on an x86-64-v3 build). It lets the
  * 512-bit code paths run, and be compared bit for bit with the AVX2 and plain C paths,
  * on CPUs without AVX-512. Each function follows Intel's definition of the instruction;
  * _mm512_reduce_add_ps adds in the order of GCC's implementation. Included by hp.h
