@@ -43,6 +43,7 @@ class GemmaAttention(Attention):
         if self.q_norm is None:
             raise ModelLoadError("Gemma 3 needs q/k norms (FamilySpec.qk_norm)")
         self.scale = float(arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
+        self.norms_rows = True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, meta) -> torch.Tensor:
         t = x.shape[0]
@@ -71,12 +72,18 @@ class Gemma3Layer(nn.Module):
         self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
         self.mlp = MLP(arch, ws, f"{prefix}.mlp", ops_)
         self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
-        self.local = arch.window_of(index) is not None
+        self.window = arch.window_of(index)  # None: global (rope_theta, scaled), else local (its own base)
 
-    def forward(self, x: torch.Tensor, ropes: dict[bool, Rope], kv, meta) -> torch.Tensor:
-        cos, sin = ropes[self.local]
+    def forward(self, x: torch.Tensor, ropes: dict[int | None, Rope], kv, meta) -> torch.Tensor:
+        cos, sin = ropes[self.window]
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def decode_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """For the fused decode step: the norms before attention and before the MLP, and of
+        their outputs."""
+        return (self.input_layernorm, self.pre_feedforward_layernorm, self.post_attention_layernorm,
+                self.post_feedforward_layernorm)
 
 
 class _Inner(nn.Module):
@@ -117,14 +124,16 @@ class Gemma3ForCausalLM(nn.Module):
         """The scaled embeddings [T, E] (a new tensor)."""
         return self.model.embed_tokens(input_ids) * self.normalizer
 
-    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, Rope]:
-        """cos, sin [T, 1, D] of the global (False) and local (True) layers."""
-        return {False: self.rotary(positions, dtype), True: self.rotary_local(positions, dtype)}
+    def ropes_by_window(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int | None, Rope]:
+        """cos, sin [T, 1, D] of the positions for the layers of each window: the global
+        layers' (None) and the local ones'."""
+        return {w: self.rotary(positions, dtype) if w is None else self.rotary_local(positions, dtype)
+                for w in set(self.arch.layer_windows)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: Any
                 ) -> torch.Tensor:
         x = self.embed(input_ids)
-        ropes = self.ropes(positions, x.dtype)
+        ropes = self.ropes_by_window(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_cache.layers):
             x = layer(x, ropes, kv, meta)
         return self.model.norm(x)

@@ -63,6 +63,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(ws.take(f"{prefix}.k_norm.weight", (self.d,)), arch.rms_norm_eps, ops_)
         self.scale = self.d ** -0.5
         self.backend, self.ops = backend, ops_
+        self.norms_rows = False  # q/k norms over [T, H, D] in torch (Gemma's run on rows of D in C)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: one block product when the fused blocks serve."""
@@ -123,6 +124,11 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def decode_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """For the fused decode step: the norms before attention and before the MLP, and of
+        their outputs (none here)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
+
 
 class _Inner(nn.Module):
     def __init__(self, arch: ModelArch, ws: WeightSet, backend: AttentionBackend, ops_: LayerOps,
@@ -168,9 +174,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D] for the given positions (computed in float32)."""
-        return self.rotary(positions, dtype)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings [T, E] of input_ids."""
+        return self.model.embed_tokens(input_ids)
+
+    def ropes_by_window(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int | None, tuple]:
+        """cos, sin [T, 1, D] of the positions (computed in float32) for the layers of each
+        window (one table: every layer rotates alike)."""
+        rope = self.rotary(positions, dtype)
+        return {w: rope for w in set(self.arch.layer_windows)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] float32 of hidden [N, E]: on the head's blocks where there are."""
