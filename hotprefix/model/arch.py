@@ -56,7 +56,7 @@ class ModelArch:
         """What sizing needs (`hotprefix size` reads a config.json through this parser too)."""
         return ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size,
                           self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
-                          self.max_position_embeddings)
+                          self.max_position_embeddings, self.layer_windows)
 
     @property
     def rope_type(self) -> str:
