@@ -104,7 +104,8 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
          lambda r: "-" if r.max_concurrency is None else str(r.max_concurrency)),
         ("max concurrency, nothing shared", lambda r: "-" if r.max_concurrency_unshared is None
          else str(r.max_concurrency_unshared)),
-        (f"one {reports[0].max_model_len}-token sequence, KV groups ({reports[0].retained_tails} tails kept)",
+        (f"one {reports[0].max_model_len}-token sequence in KV groups, {reports[0].retained_tails} tails kept "
+         "(planned; the pool holds all-full)",
          lambda r: f"{_human(r.sequence_bytes)} ({r.sequence_bytes / max(r.sequence_bytes_full, 1):.0%} of all-full)"),
         ("host tier (--kv-offloading-size)", lambda r: _tier(r.host_tier_blocks, r.host_tier_prompts, r.block_size)),
         ("disk tier (--kv-disk-size)", lambda r: _tier(r.disk_tier_blocks, r.disk_tier_prompts, r.block_size)),
@@ -151,7 +152,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-disk-size", type=float, default=0.0,
                    help="GiB of the disk KV tier (serve's flag): what it holds in tokens and prompts")
     p.add_argument("--retain-every", type=int, default=8192,
-                   help="a window model keeps a window tail every this many tokens (the sequence row)")
+                   help="a window model's KV groups would keep a window tail every this many tokens (the sequence "
+                        "row: the arithmetic of the grouped pool, which the engine does not have yet)")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=run)
 
