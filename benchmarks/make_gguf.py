@@ -52,9 +52,9 @@ def gemma_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (q, e)), (b + "attn_k.weight", (kv, e)),
                 (b + "attn_v.weight", (kv, e)), (b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,)),
-                (b + "attn_output.weight", (e, q)), (b + "attn_post_norm.weight", (e,)),
+                (b + "attn_output.weight", (e, q)), (b + "post_attention_norm.weight", (e,)),
                 (b + "ffn_norm.weight", (e,)), (b + "ffn_gate.weight", (f, e)), (b + "ffn_up.weight", (f, e)),
-                (b + "ffn_down.weight", (e, f)), (b + "ffn_post_norm.weight", (e,))]
+                (b + "ffn_down.weight", (e, f)), (b + "post_ffw_norm.weight", (e,))]
     return out + [("output_norm.weight", (e,))]
 
 

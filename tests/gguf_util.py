@@ -40,9 +40,21 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+
+
+def _llama_cpp_name(tensor: str) -> str:
+    """A layer tensor's GGUF name as llama.cpp's gguf-py spells it (blk.{bid}.NAME -> NAME),
+    so that these files are named by llama.cpp's rules, not by the loader's."""
+    from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+
+    return TENSOR_NAMES[MODEL_TENSOR[tensor]].split(".")[-1]
+
+
 # Gemma 3's four norms a layer, as llama.cpp names them
-GEMMA3_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
-                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_post_norm"}
+GEMMA3_NAMES = {"input_layernorm": _llama_cpp_name("ATTN_NORM"),
+                "post_attention_layernorm": _llama_cpp_name("ATTN_POST_NORM"),
+                "pre_feedforward_layernorm": _llama_cpp_name("FFN_NORM"),
+                "post_feedforward_layernorm": _llama_cpp_name("FFN_POST_NORM")}
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str | None:
@@ -82,11 +94,34 @@ def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator
     return raw.reshape(rows, nblk * nbytes)
 
 
+def _write_bpe_tokenizer(w, tokenizer, vocab_size: int) -> None:
+    """An HF byte-level BPE tokenizer as GGUF keys (tokenizer.ggml.model "gpt2", its merges),
+    padded to vocab_size with [PADn] tokens; no BOS added."""
+    import json
+
+    vocab = tokenizer.backend_tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"[PAD{i}]" for i in range(vocab_size - len(tokens))]
+    special = set(tokenizer.all_special_tokens)
+    model_json = tokenizer.backend_tokenizer.to_str()
+    merges = json.loads(model_json)["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tokenizer.chat_template)
+
+
 def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
     """Write hf_model's weights (2-D ones as weight_type or as a MIXES mix picks, norms as
-    F32) and tokenizer into a GGUF file at path, as `arch` (llama: q/k rows permuted;
-    gemma3: its names, keys and norms)."""
+    F32) and tokenizer (an HF byte-level BPE tokenizer) into a GGUF file at
+    path, as `arch` (llama: q/k rows permuted; gemma3: its names, keys and norms)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -112,24 +147,7 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(0)
 
-    vocab = tokenizer.backend_tokenizer.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    tokens += [f"[PAD{i}]" for i in range(cfg.vocab_size - len(tokens))]
-    special = set(tokenizer.all_special_tokens)
-    model_json = tokenizer.backend_tokenizer.to_str()
-    import json
-
-    merges = json.loads(model_json)["model"]["merges"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokenizer.bos_token_id)
-    w.add_eos_token_id(tokenizer.eos_token_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(tokenizer.chat_template)
+    _write_bpe_tokenizer(w, tokenizer, cfg.vocab_size)
 
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     for name, t in hf_model.state_dict().items():

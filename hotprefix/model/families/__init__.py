@@ -47,9 +47,10 @@ _GEMMA3_DEFAULTS = (("head_dim", 256), ("query_pre_attn_scalar", 256), ("rope_th
                     ("rms_norm_eps", 1e-6), ("max_position_embeddings", 131_072), ("bos_token_id", 2),
                     ("eos_token_id", 1), ("hidden_activation", "gelu_pytorch_tanh"), ("vocab_size", 262_208),
                     ("num_attention_heads", 8), ("num_key_value_heads", 4))
-# llama.cpp's Gemma 3 names: four norms a layer (after attention and around the MLP)
-_GEMMA3_GGUF = (("attn_post_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
-                ("ffn_post_norm", "post_feedforward_layernorm"))
+# llama.cpp's Gemma 3 names (gguf-py's TENSOR_NAMES: blk.N.post_attention_norm, ffn_norm,
+# post_ffw_norm): four norms a layer (after attention and around the MLP)
+_GEMMA3_GGUF = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+                ("post_ffw_norm", "post_feedforward_layernorm"))
 FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (
     FamilySpec("llama", ("LlamaForCausalLM",), ("llama",), "llama", _LLAMA, gguf_permutes_qk=True),
     FamilySpec("mistral", ("MistralForCausalLM",), ("mistral",), "mistral", _LLAMA, gguf_permutes_qk=True),
