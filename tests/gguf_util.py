@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -117,10 +118,45 @@ def _write_bpe_tokenizer(w, tokenizer, vocab_size: int) -> None:
     w.add_chat_template(tokenizer.chat_template)
 
 
+@dataclass(frozen=True)
+class SpmVocab:
+    """A SentencePiece vocabulary as Gemma 3's GGUF files store it (tokenizer.ggml.model
+    "llama": a score a token and no merges, BOS added, no space prefix): <pad> <eos> <bos>
+    <unk>, the 256 byte tokens, `pieces` (best merge first: a piece's score is minus its
+    place), then unused [PADn] tokens up to the vocabulary size."""
+
+    pieces: tuple[str, ...]
+    PAD, EOS, BOS, UNK = 0, 1, 2, 3
+
+    def tokens(self, vocab_size: int) -> list[str]:
+        toks = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *self.pieces]
+        return toks + [f"[PAD{i}]" for i in range(vocab_size - len(toks))]
+
+    def id(self, piece: str) -> int:
+        return 260 + self.pieces.index(piece)
+
+    def write(self, w, vocab_size: int) -> None:
+        """Its tokenizer.* keys into GGUFWriter w."""
+        tokens = self.tokens(vocab_size)
+        n = 260 + len(self.pieces)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([float(-i) if 260 <= i < n else 0.0 for i in range(len(tokens))])
+        w.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * len(self.pieces) + [5] * (len(tokens) - n))
+        w.add_bos_token_id(self.BOS)
+        w.add_eos_token_id(self.EOS)
+        w.add_unk_token_id(self.UNK)
+        w.add_pad_token_id(self.PAD)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(False)
+
+
 def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
     """Write hf_model's weights (2-D ones as weight_type or as a MIXES mix picks, norms as
-    F32) and tokenizer (an HF byte-level BPE tokenizer) into a GGUF file at
+    F32) and tokenizer (an HF byte-level BPE tokenizer, or an SpmVocab) into a GGUF file at
     path, as `arch` (llama: q/k rows permuted; gemma3: its names, keys and norms)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -147,7 +183,10 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(0)
 
-    _write_bpe_tokenizer(w, tokenizer, cfg.vocab_size)
+    if isinstance(tokenizer, SpmVocab):
+        tokenizer.write(w, cfg.vocab_size)
+    else:
+        _write_bpe_tokenizer(w, tokenizer, cfg.vocab_size)
 
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     for name, t in hf_model.state_dict().items():

@@ -16,7 +16,7 @@ from hotprefix.model.arch import FULL, SLIDING, arch_from_hf_config
 from hotprefix.model.loader import load_model
 from hotprefix.model.runner import ModelRunner
 from tests.conftest import build_tiny_model
-from tests.gguf_util import write_gguf
+from tests.gguf_util import SpmVocab, write_gguf
 from tests.model.test_reference_logits import hf_logits, rel_err, run_chunks
 
 WINDOW, BLOCK = 8, 4
@@ -121,6 +121,25 @@ def test_gguf_is_read_as_llama_cpp_writes_it(tmp_path):
                              CacheConfig(block_size=BLOCK, num_blocks_override=16), SchedulerConfig())
         got = run_chunks(runner, {"a": ids}, [{"a": 13}, {"a": 8}], {"a": list(range(6))})["a"]
         assert rel_err(got, ref) <= bound, qtype
+
+
+# merges in the order Gemma's files list them: a piece's two halves come before it
+PIECES = ("▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "or", "ld", "▁w", "hell", "hello", "▁wor", "▁world")
+
+
+def test_gguf_sentencepiece_vocabulary_adds_bos_and_falls_back_to_bytes(tiny, tmp_path):
+    """Gemma 3's GGUFs carry a SentencePiece vocabulary (scores, no merges, no space prefix,
+    BOS added): a text prompt encodes to BOS, the longest pieces the merges reach, spaces as
+    ▁, and byte tokens for what no piece spells; decoding gives the text back."""
+    _, hf = tiny
+    vocab = SpmVocab(PIECES)
+    path = write_gguf(tmp_path / "spm-gemma3.gguf", hf, vocab, "F32", arch="gemma3")
+    llm = LLM(model=str(path), block_size=BLOCK, num_blocks_override=16)
+    text = "hello world!hell"
+    want = [SpmVocab.BOS, vocab.id("hello"), vocab.id("▁world"), 4 + ord("!"), vocab.id("hell")]
+    out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert out.prompt_token_ids == want
+    assert llm.tokenizer.decode(want, skip_special_tokens=True) == text
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
