@@ -6,6 +6,8 @@
 #
 #   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M, gemma3-270m-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
 #
+# $LLAMASERVER_ARGS: more llama-server flags (--no-repack where the CPU lists AMX but the VM
+# does not enable it: llama.cpp's AMX repacking then dies of an illegal instruction).
 # Files are read from $BENCH_MODELS (default ~/.cache/hotprefix-bench) and made there first
 # when missing. For each file and server, into docs/bench/real/TAG-SERVER-*.json: start to
 # /health (hotprefix twice: its first start regroups the weights into its cache, the second
@@ -22,6 +24,7 @@ OUT=docs/bench/real
 PORT=${PORT:-8790}
 PEERS=${PEERS:-../shared/peers}
 BENCH_MODELS=${BENCH_MODELS:-$HOME/.cache/hotprefix-bench}
+LLAMASERVER_ARGS=${LLAMASERVER_ARGS:-}
 mkdir -p "$OUT"
 . benchmarks/rss.sh
 TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
@@ -81,6 +84,6 @@ for tag in "${TAGS[@]}"; do
   echo "{\"first_start_s\": $(echo "$(date +%s.%N) - $t0" | bc)}" > "$OUT/$tag-hotprefix-first.json"
   stop $pid
   run "$tag" hotprefix .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
-  run "$tag" llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$file" "${ctx[@]}"
+  run "$tag" llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$file" "${ctx[@]}" $LLAMASERVER_ARGS
 done
 $PY benchmarks/real_shapes_table.py "$OUT"
