@@ -13,8 +13,9 @@ import torch
 from hotprefix import LLM, SamplingParams
 from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
 from hotprefix.model.arch import FULL, SLIDING, arch_from_hf_config
-from hotprefix.model.loader import load_model
+from hotprefix.model.loader import gguf_tokenizer, load_model
 from hotprefix.model.runner import ModelRunner
+from hotprefix.tokenizers.fast_tokenizer import FastTokenizer
 from tests.conftest import build_tiny_model
 from tests.gguf_util import SpmVocab, write_gguf
 from tests.model.test_reference_logits import hf_logits, rel_err, run_chunks
@@ -140,6 +141,11 @@ def test_gguf_sentencepiece_vocabulary_adds_bos_and_falls_back_to_bytes(tiny, tm
     out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1))[0]
     assert out.prompt_token_ids == want
     assert llm.tokenizer.decode(want, skip_special_tokens=True) == text
+    # the conversion is cached and read back as it is at every later start (transformers
+    # saves it as a GemmaTokenizer, which the cache must not take for a tokenizer of its own)
+    assert isinstance(llm.tokenizer, FastTokenizer)
+    again = gguf_tokenizer(path)
+    assert isinstance(again, FastTokenizer) and again(text)["input_ids"] == want
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
