@@ -12,7 +12,8 @@ KL of int8 mode is printed too.
     bash ../shared/peers/llamaserver.sh serve 8791 &   # then:
     .venv/bin/python benchmarks/kl_vs_llamacpp.py http://127.0.0.1:8791 [--model FILE.gguf] [--json out.json]
 
-(--model: the GGUF llama-server serves; default the bundled model.)
+(--model: the GGUF llama-server serves; default the bundled model. --max-tokens N: the
+text's first N tokens, for a tiny model whose vocabulary spells it byte by byte.)
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ def main() -> None:
     ap.add_argument("url", help="llama-server base URL")
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--model", default=None, help="the GGUF file llama-server serves (default: the bundled model)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="the text's first N tokens only (a tiny test model's context)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     loaded = load_model(a.model)
-    ids = loaded.tokenizer(TEXT)["input_ids"]
+    ids = loaded.tokenizer(TEXT)["input_ids"][:a.max_tokens]
     ref = engine_logprobs(loaded, "float32", ids)
     q8 = engine_logprobs(loaded, "int8", ids)
     llama = llama_top(a.url.rstrip("/"), ids, a.k)

@@ -4,8 +4,10 @@
 # quantizes with llama.cpp's own llama-quantize), served by hotprefix and by llama.cpp's
 # llama-server (../shared/peers/llamaserver.sh) one after the other.
 #
-#   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
+#   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M, gemma3-270m-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
 #
+# $LLAMASERVER_ARGS: more llama-server flags (--no-repack where the CPU lists AMX but the VM
+# does not enable it: llama.cpp's AMX repacking then dies of an illegal instruction).
 # Files are read from $BENCH_MODELS (default ~/.cache/hotprefix-bench) and made there first
 # when missing. For each file and server, into docs/bench/real/TAG-SERVER-*.json: start to
 # /health (hotprefix twice: its first start regroups the weights into its cache, the second
@@ -14,7 +16,7 @@
 # tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); the machine's
 # read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py),
 # and decode's share of it with the two measured alternately in process (decode_bandwidth.py);
-# for the 1B files, int8 mode's KL against float32 mode beside llama-server's (kl_vs_llamacpp.py).
+# for the 1B and Gemma 3 files, int8 mode's KL against float32 mode beside llama-server's (kl_vs_llamacpp.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -22,6 +24,7 @@ OUT=docs/bench/real
 PORT=${PORT:-8790}
 PEERS=${PEERS:-../shared/peers}
 BENCH_MODELS=${BENCH_MODELS:-$HOME/.cache/hotprefix-bench}
+LLAMASERVER_ARGS=${LLAMASERVER_ARGS:-}
 mkdir -p "$OUT"
 . benchmarks/rss.sh
 TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
@@ -57,7 +60,7 @@ run() {
   done
   rss_stop $pid "$OUT/$tag-$server-rss"
   # int8 mode's next-token distributions against float32 mode's, beside llama.cpp's own (1B)
-  if [ "$server" = llamaserver ] && [ "${tag%%-*}" = 1b ]; then
+  if [ "$server" = llamaserver ] && { [ "${tag%%-*}" = 1b ] || [ "${tag%%-*}" = gemma3 ]; }; then
     $PY benchmarks/kl_vs_llamacpp.py "$url" --model "$file" --json "$OUT/$tag-kl.json" > "$OUT/$tag-kl.log" 2>&1 ||
       echo "kl_vs_llamacpp.py failed on $tag: see $OUT/$tag-kl.log" >&2
   fi
@@ -65,7 +68,7 @@ run() {
 }
 
 for tag in "${TAGS[@]}"; do
-  shape=${tag%%-*} qtype=${tag#*-}
+  shape=${tag%-*} qtype=${tag##*-}  # the type is the last part (Q4_K_M), the shape the rest (gemma3-270m)
   file=$BENCH_MODELS/random-$shape-$qtype.gguf
   [ -f "$file" ] || $PY benchmarks/make_gguf.py "$shape" --out "$BENCH_MODELS" --types "$qtype"
   $PY benchmarks/read_bandwidth.py "$file" --json "$OUT/$tag-bandwidth.json" > /dev/null
@@ -81,6 +84,6 @@ for tag in "${TAGS[@]}"; do
   echo "{\"first_start_s\": $(echo "$(date +%s.%N) - $t0" | bc)}" > "$OUT/$tag-hotprefix-first.json"
   stop $pid
   run "$tag" hotprefix .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
-  run "$tag" llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$file" "${ctx[@]}"
+  run "$tag" llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$file" "${ctx[@]}" $LLAMASERVER_ARGS
 done
 $PY benchmarks/real_shapes_table.py "$OUT"

@@ -6,6 +6,7 @@ No torch import: the numbers depend only on the model's shape and the dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Bytes per element of each KV dtype name ("auto" is resolved by the caller).
@@ -31,6 +32,50 @@ class KVShape:
 
     def bytes_per_block(self, dtype: str, block_size: int) -> int:
         return self.bytes_per_token(dtype) * block_size
+
+
+@dataclass(frozen=True)
+class KVGroupLayout:
+    """A model's layers in KV-cache groups by attention kind, as vLLM's hybrid allocator
+    makes them: every group holds the same number of layers (`page_layers`: the fewest
+    layers of one kind), so that a block of any group is one page of the same size; a
+    kind with more layers takes several groups (the last one padded). `windows[g]`: None
+    for a full-attention group (it keeps every block of a sequence), else the window of
+    its layers (it needs only the blocks that meet a sequence's last `window` tokens).
+    Gemma 3 270M (18 layers, every sixth global): one full group of 3 layers, five
+    window groups of 3; a Llama: one full group of all its layers."""
+
+    windows: tuple[int | None, ...]
+    layers: tuple[tuple[int, ...], ...]
+    page_layers: int
+
+    @classmethod
+    def of(cls, layer_windows: Sequence[int | None]) -> KVGroupLayout:
+        kinds: dict[int | None, list[int]] = {}
+        for i, w in enumerate(layer_windows):
+            kinds.setdefault(w, []).append(i)
+        per = min(len(v) for v in kinds.values())
+        groups = [(w, tuple(ls[j:j + per])) for w, ls in sorted(kinds.items(), key=lambda kv: kv[0] is not None)
+                  for j in range(0, len(ls), per)]
+        return cls(tuple(w for w, _ in groups), tuple(ls for _, ls in groups), per)
+
+    def blocks_held(self, group: int, num_tokens: int, block_size: int, retained_tails: int = 0) -> int:
+        """Blocks group `group` holds for a sequence of num_tokens: all of them (full), or
+        the blocks meeting its last `window` tokens plus `retained_tails` window tails
+        kept at boundaries (each the blocks a hit there needs)."""
+        w = self.windows[group]
+        total = blocks_for_tokens(num_tokens, block_size)
+        if w is None:
+            return total
+        tail = blocks_for_tokens(w - 1, block_size) + 1
+        return min(total, tail * (1 + retained_tails))
+
+    def bytes_per_sequence(self, kv: KVShape, dtype: str, num_tokens: int, block_size: int,
+                           retained_tails: int = 0) -> int:
+        """KV bytes a sequence of num_tokens holds over every group (pages of page_layers
+        layers; a padded group's page counts whole)."""
+        page = 2 * self.page_layers * kv.num_kv_heads * kv.head_dim * dtype_bytes(dtype) * block_size
+        return page * sum(self.blocks_held(g, num_tokens, block_size, retained_tails) for g in range(len(self.windows)))
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -89,10 +134,15 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
+    layer_windows: tuple[int | None, ...] = ()  # each layer's attention window (empty: all full)
 
     @property
     def kv(self) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def kv_groups(self) -> KVGroupLayout:
+        return KVGroupLayout.of(self.layer_windows or (None,) * self.num_layers)
 
     def num_params(self) -> int:
         """Parameters of a Llama-style decoder (attention without bias, SwiGLU MLP, RMSNorms)."""
@@ -127,6 +177,12 @@ class SizeReport:
     fits_without_eviction: bool | None
     max_concurrency: int | None
     max_concurrency_unshared: int | None
+    # a sequence of max_model_len tokens in the model's KV groups (KVGroupLayout: window groups
+    # hold their window's blocks, plus retained_tails tails kept at boundaries) and in the
+    # all-full layout (every layer every block)
+    sequence_bytes: int = 0
+    sequence_bytes_full: int = 0
+    retained_tails: int = 0
     host_tier_blocks: int = 0  # --kv-offloading-size: full blocks, and the prompts they hold
     host_tier_prompts: int = 0
     disk_tier_blocks: int = 0  # --kv-disk-size (each file: a block and a DISK_HEADER_BYTES header)
@@ -138,7 +194,7 @@ DISK_HEADER_BYTES = 112  # engine/kv_disk.py's file header (checked there)
 
 def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_tokens: int = 0, num_prompts: int = 1,
                 concurrency: int = 1, max_model_len: int | None = None, budget_bytes: int | None = None,
-                host_tier_bytes: int = 0, disk_tier_bytes: int = 0) -> SizeReport:
+                host_tier_bytes: int = 0, disk_tier_bytes: int = 0, retain_every: int = 0) -> SizeReport:
     """KV sizes for a pool of num_prompts distinct prompts of prompt_tokens each
     (kept cached, shared by every request that starts with them), with
     `concurrency` requests of up to max_model_len tokens running at once.
@@ -160,6 +216,7 @@ def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_toke
     need = pool + concurrency * private
     in_budget = None if budget_bytes is None else max(0, budget_bytes) // bpb
     host_blocks, disk_blocks = host_tier_bytes // bpb, disk_tier_bytes // (bpb + DISK_HEADER_BYTES)
+    tails = (max_len - 1) // retain_every if retain_every else 0  # boundaries before the live window's
     return SizeReport(
         dtype=dtype, block_size=block_size, bytes_per_token=bpt, bytes_per_block=bpb,
         prompt_tokens=prompt_tokens, blocks_per_prompt=per_prompt_blocks, bytes_per_prompt=per_prompt_blocks * bpb,
@@ -170,5 +227,7 @@ def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_toke
         max_concurrency=None if in_budget is None else max(0, (in_budget - pool) // max(private, 1)),
         max_concurrency_unshared=None if in_budget is None
         else in_budget // max(blocks_for_tokens(max_len, block_size), 1),
+        sequence_bytes=shape.kv_groups.bytes_per_sequence(shape.kv, dtype, max_len, block_size, tails),
+        sequence_bytes_full=bpt * max_len, retained_tails=tails,
         host_tier_blocks=host_blocks, host_tier_prompts=host_blocks // max(shared_full, 1),
         disk_tier_blocks=disk_blocks, disk_tier_prompts=disk_blocks // max(shared_full, 1))

@@ -51,8 +51,16 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             initializer_range=0.2, bos_token_id=1, eos_token_id=0)
 
 
+# A tiny Gemma 3: seven layers (five local, one global, one local), a window of 8, a head
+# dim and query scale of their own, the 4B's linear RoPE scaling on the global layer.
+TINY_GEMMA3 = dict(num_hidden_layers=7, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                   tie_word_embeddings=True,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
 def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overrides):
-    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3) with
+    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3, gemma3) with
     its tokenizer into folder; return the transformers model (fp32, eager)."""
     import torch
     import transformers
@@ -62,10 +70,13 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[family]
     kw = dict(TINY)
     if family == "qwen3":
         kw["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 models
+    if family == "gemma3":
+        kw.update(TINY_GEMMA3)
     kw.update(overrides)
     shard = kw.pop("max_shard_size", None)
     cfg = cls_cfg(**kw)
@@ -76,6 +87,11 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if family == "gemma3":  # Gemma's norms start at 0 (used as 1 + w): give them values
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    w.normal_(0, 0.3)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), **({"max_shard_size": shard} if shard else {}))
     build_tokenizer(folder)

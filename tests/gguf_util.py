@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,24 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _gguf_name(hf: str) -> str | None:
+
+
+def _llama_cpp_name(tensor: str) -> str:
+    """A layer tensor's GGUF name as llama.cpp's gguf-py spells it (blk.{bid}.NAME -> NAME),
+    so that these files are named by llama.cpp's rules, not by the loader's."""
+    from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+
+    return TENSOR_NAMES[MODEL_TENSOR[tensor]].split(".")[-1]
+
+
+# Gemma 3's four norms a layer, as llama.cpp names them
+GEMMA3_NAMES = {"input_layernorm": _llama_cpp_name("ATTN_NORM"),
+                "post_attention_layernorm": _llama_cpp_name("ATTN_POST_NORM"),
+                "pre_feedforward_layernorm": _llama_cpp_name("FFN_NORM"),
+                "post_feedforward_layernorm": _llama_cpp_name("FFN_POST_NORM")}
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str | None:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -49,7 +67,21 @@ def _gguf_name(hf: str) -> str | None:
         return "output.weight"
     parts = hf.split(".")
     layer, rest, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-    return f"blk.{layer}.{HF_TO_GGUF[rest]}.{kind}"
+    names = {**HF_TO_GGUF, **GEMMA3_NAMES} if arch == "gemma3" else HF_TO_GGUF
+    return f"blk.{layer}.{names[rest]}.{kind}"
+
+
+def _gemma3_metadata(w, cfg) -> None:
+    """Gemma 3's keys as llama.cpp's converter writes them: the window, the local layers'
+    RoPE base and the global layers' linear scaling (the pattern is llama.cpp's default 6)."""
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
+    full = cfg.rope_parameters["full_attention"]
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
 
 
 def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -63,10 +95,69 @@ def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator
     return raw.reshape(rows, nblk * nbytes)
 
 
+def _write_bpe_tokenizer(w, tokenizer, vocab_size: int) -> None:
+    """An HF byte-level BPE tokenizer as GGUF keys (tokenizer.ggml.model "gpt2", its merges),
+    padded to vocab_size with [PADn] tokens; no BOS added."""
+    import json
+
+    vocab = tokenizer.backend_tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"[PAD{i}]" for i in range(vocab_size - len(tokens))]
+    special = set(tokenizer.all_special_tokens)
+    model_json = tokenizer.backend_tokenizer.to_str()
+    merges = json.loads(model_json)["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tokenizer.chat_template)
+
+
+@dataclass(frozen=True)
+class SpmVocab:
+    """A SentencePiece vocabulary as Gemma 3's GGUF files store it (tokenizer.ggml.model
+    "llama": a score a token and no merges, BOS added, no space prefix): <pad> <eos> <bos>
+    <unk>, the 256 byte tokens, `pieces` (best merge first: a piece's score is minus its
+    place), then unused [PADn] tokens up to the vocabulary size."""
+
+    pieces: tuple[str, ...]
+    PAD, EOS, BOS, UNK = 0, 1, 2, 3
+
+    def tokens(self, vocab_size: int) -> list[str]:
+        toks = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *self.pieces]
+        return toks + [f"[PAD{i}]" for i in range(vocab_size - len(toks))]
+
+    def id(self, piece: str) -> int:
+        return 260 + self.pieces.index(piece)
+
+    def write(self, w, vocab_size: int) -> None:
+        """Its tokenizer.* keys into GGUFWriter w."""
+        tokens = self.tokens(vocab_size)
+        n = 260 + len(self.pieces)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([float(-i) if 260 <= i < n else 0.0 for i in range(len(tokens))])
+        w.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * len(self.pieces) + [5] * (len(tokens) - n))
+        w.add_bos_token_id(self.BOS)
+        w.add_eos_token_id(self.EOS)
+        w.add_unk_token_id(self.UNK)
+        w.add_pad_token_id(self.PAD)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_add_space_prefix(False)
+
+
 def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
     """Write hf_model's weights (2-D ones as weight_type or as a MIXES mix picks, norms as
-    F32) and tokenizer into a GGUF file at path."""
+    F32) and tokenizer (an HF byte-level BPE tokenizer, or an SpmVocab) into a GGUF file at
+    path, as `arch` (llama: q/k rows permuted; gemma3: its names, keys and norms)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -84,40 +175,31 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_value_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "gemma3":
+        _gemma3_metadata(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(0)
 
-    vocab = tokenizer.backend_tokenizer.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    tokens += [f"[PAD{i}]" for i in range(cfg.vocab_size - len(tokens))]
-    special = set(tokenizer.all_special_tokens)
-    model_json = tokenizer.backend_tokenizer.to_str()
-    import json
-
-    merges = json.loads(model_json)["model"]["merges"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokenizer.bos_token_id)
-    w.add_eos_token_id(tokenizer.eos_token_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(tokenizer.chat_template)
+    if isinstance(tokenizer, SpmVocab):
+        tokenizer.write(w, cfg.vocab_size)
+    else:
+        _write_bpe_tokenizer(w, tokenizer, cfg.vocab_size)
 
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     for name, t in hf_model.state_dict().items():
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         a = t.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):  # the converter stores Gemma's norms as w + 1
+            a = a + np.float32(1.0)
         if arch == "llama" and name.endswith("q_proj.weight"):
             a = _permute(a, nh)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = _permute(a, nkv)
-        gname = _gguf_name(name)
+        gname = _gguf_name(name, arch)
         ttype = tensor_type(weight_type, gname, a.shape[-1])
         if a.ndim != 2 or ttype == "F32":
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))

@@ -129,6 +129,15 @@ class GGUFFile:
         f = self.fields.get(key)
         return f.count if isinstance(f, ArrayField) else None
 
+    def scalars(self, key: str) -> list[Any] | None:
+        """The items of an array of scalars (numbers, booleans), or None for a key that
+        is not one."""
+        f = self.fields.get(key)
+        if not isinstance(f, ArrayField) or f.item_type not in _SCALARS:
+            return None
+        fmt = _SCALARS[f.item_type]
+        return list(np.frombuffer(self.buf, dtype=np.dtype(fmt), count=f.count, offset=f.offset).tolist())
+
     def raw(self, t: TensorInfo, type_size: int, block_size: int) -> np.ndarray:
         """The tensor's bytes as [rows, bytes per row] (a view of the memory map).
         Raises GGUFFormatError for a row length its blocks do not divide or data past

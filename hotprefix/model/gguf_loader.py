@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hotprefix.model.arch import GGUF_ARCHITECTURES, ModelArch, ModelLoadError
+from hotprefix.model.arch import FULL, GGUF_ARCHITECTURES, SLIDING, ModelArch, ModelLoadError
 from hotprefix.model.families import FAMILIES
 from hotprefix.model.gguf_file import ArrayField, GGUFFile, GGUFFormatError
 
@@ -53,6 +53,30 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return default if isinstance(v, ArrayField) else v
 
 
+def _window_fields(reader: GGUFFile, garch: str, family: str, layers: int, hidden: int, heads: int
+                   ) -> dict[str, Any]:
+    """A sliding-window family's fields as llama.cpp reads them (src/models/gemma3.cpp): the
+    window (`attention.sliding_window`; none: every layer global), which layers it applies to
+    (`attention.sliding_window_pattern`: a period, layer i global when (i + 1) % period == 0,
+    or one boolean a layer; default the family's), the local layers' RoPE base
+    (`rope.freq_base_swa`, default 10,000), and the query scale (head_dim^-1/2; hidden /
+    heads for the 62-layer 27B, as llama.cpp and HF's query_pre_attn_scalar give it)."""
+    pattern = FAMILIES[family].window_pattern
+    if not pattern:
+        return {}
+    key = f"{garch}.attention.sliding_window_pattern"
+    window = _field(reader, f"{garch}.attention.sliding_window")
+    flags = reader.scalars(key)
+    if flags is None:
+        period = int(_field(reader, key, pattern))
+        flags = [(i + 1) % period != 0 for i in range(layers)]
+    kinds = tuple(SLIDING if f and window else FULL for f in flags)
+    return dict(layer_types=kinds, sliding_window=int(window) if window else None,
+                rope_local_theta=float(_field(reader, f"{garch}.rope.freq_base_swa", 10000.0)),
+                query_pre_attn_scalar=hidden / heads if layers == 62 else None,
+                hidden_act=FAMILIES[family].activations[0])
+
+
 def read_gguf_arch(path: Path) -> tuple[ModelArch, GGUFFile]:
     """The model's shape from GGUF metadata, and the open reader. Raises ModelLoadError."""
     reader = _reader(path)
@@ -87,9 +111,9 @@ def read_gguf_arch(path: Path) -> tuple[ModelArch, GGUFFile]:
             rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
             max_position_embeddings=int(a("context_length", 4096)),
             tie_word_embeddings="output.weight" not in names, qk_norm=FAMILIES[family].qk_norm,
-            sliding_window=None, torch_dtype="float32",
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),))
+            torch_dtype="float32", bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+            **_window_fields(reader, garch, family, int(a("block_count")), int(hidden), int(heads)))
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path.name}: incomplete GGUF metadata ({e})") from None
     arch.validate()
@@ -141,12 +165,13 @@ def _hf_name(t_name: str, arch: ModelArch, path: Path) -> tuple[str, int | None]
     m = _BLK.match(t_name)
     if m:
         layer, short, kind = m.groups()
-        if short not in _LAYER_NAMES:
+        names = {**_LAYER_NAMES, **dict(FAMILIES[arch.family].gguf_names)}
+        if short not in names:
             raise ModelLoadError(f"{path.name}: unexpected tensor {t_name}")
         permute = None
         if FAMILIES[arch.family].gguf_permutes_qk:  # llama.cpp permutes Q/K rows of llama-style models
             permute = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(short)
-        return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}", permute
+        return f"model.layers.{layer}.{names[short]}.{kind}", permute
     base, _, kind = t_name.rpartition(".")
     if base not in _TOP_NAMES:
         raise ModelLoadError(f"{path.name}: unexpected tensor {t_name}")

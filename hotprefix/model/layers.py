@@ -30,6 +30,8 @@ class LayerOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -54,10 +56,15 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class KernelOps(TorchOps):
     """LayerOps on the C kernels where the tensors fit them (2-D float32 norms, float32
-    rotations in place, silu * up in one pass), torch's elsewhere (int8 mode)."""
+    rotations in place, silu * up and gelu_tanh * up in one pass), torch's elsewhere (int8
+    mode)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:
@@ -71,6 +78,9 @@ class KernelOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return ops.gelu_tanh_mul(gate_up)
 
 
 class RMSNorm(nn.Module):

@@ -255,7 +255,7 @@ def gguf_tokenizer(path: Path) -> Any:
     Converting it takes seconds, so the result is saved under
     $HOTPREFIX_CACHE (default ~/.cache/hotprefix) and reused while the file is unchanged.
     """
-    from hotprefix.tokenizers.fast_tokenizer import FastTokenizer
+    from hotprefix.tokenizers.fast_tokenizer import FastTokenizer, mark_generic
 
     cache = _tokenizer_cache_dir(path)
     try:
@@ -274,6 +274,7 @@ def gguf_tokenizer(path: Path) -> Any:
                              f"{str(e).splitlines()[0]}") from None
     try:
         tok.save_pretrained(str(cache))
+        mark_generic(cache)
         return FastTokenizer.from_folder(cache) or tok  # the same class as every later start
     except (OSError, ValueError) as e:
         log.warning("cannot cache the GGUF tokenizer in %s: %s", cache, e)

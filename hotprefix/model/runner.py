@@ -51,7 +51,7 @@ class ModelRunner:
         self.backend_kind = resolve_backend(model_cfg.attention_backend, self.device)
         self.backend = create_backend(self.backend_kind, BackendSpec(
             arch.num_layers, self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-            arch.sliding_window, self.block_size, kv_dtype))
+            arch.layer_windows, self.block_size, kv_dtype))
         self.model, self.served_weight_bytes = build_model(loaded, self.device, self.dtype, kernels, int8,
                                                            self.backend, model_cfg.seed)
         self.arch = self.model.arch

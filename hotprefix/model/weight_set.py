@@ -77,6 +77,13 @@ class WeightSet:
         """A weight the model does not use (a tied head's copy)."""
         self._tensors.pop(name, None)
 
+    def add_to(self, suffix: str, value: float) -> None:
+        """Add `value` (in float32) to every float weight whose name ends so: HF's Gemma stores
+        RMSNorm weights as w for (1 + w). Blocks and meta weights are left alone."""
+        for name, w in self._tensors.items():
+            if name.endswith(suffix) and not w.is_meta:
+                self._tensors[name] = w.float() + value
+
     def drop_suffix(self, suffix: str) -> None:
         """Every weight whose name ends so (old checkpoints' rotary tables)."""
         for name in [n for n in self._tensors if n.endswith(suffix)]:

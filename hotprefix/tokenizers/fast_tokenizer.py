@@ -58,6 +58,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def mark_generic(folder: str | Path) -> None:
+    """Mark a saved tokenizer whose tokenizer.json is the whole tokenizer (a GGUF file's,
+    converted by transformers) as generic, so that from_folder reads it: transformers 5
+    saves the architecture's class (GemmaTokenizer for gemma3 files), whose code only
+    builds the backend that tokenizer.json already holds. Rewrites tokenizer_config.json;
+    raises OSError when it cannot."""
+    path = Path(folder) / "tokenizer_config.json"
+    config = _read_json(path)
+    if config.get("tokenizer_class") not in GENERIC_CLASSES:
+        path.write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}, indent=2), encoding="utf-8")
+
+
 def _chat_template(folder: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
     """The folder's chat template: chat_template.jinja, chat_template.json, or the config's
     (a string, or a list of named templates, given as a dict by name)."""

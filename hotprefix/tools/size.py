@@ -88,6 +88,8 @@ def _tier(blocks: int, prompts: int, block_size: int) -> str:
 def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight_bytes: int) -> str:
     rows = [
         ("bytes per token", lambda r: f"{r.bytes_per_token:,} ({_human(r.bytes_per_token)})"),
+        (f"bytes per token of each KV group ({len(shape.kv_groups.windows)} groups)",
+         lambda r: f"{r.bytes_per_token * shape.kv_groups.page_layers // shape.num_layers:,}"),
         (f"bytes per block ({reports[0].block_size} tokens)", lambda r: f"{r.bytes_per_block:,}"),
         (f"bytes per prompt ({reports[0].prompt_tokens} tokens)", lambda r: _human(r.bytes_per_prompt)),
         (f"prompt pool ({reports[0].num_prompts} prompts)",
@@ -102,12 +104,18 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
          lambda r: "-" if r.max_concurrency is None else str(r.max_concurrency)),
         ("max concurrency, nothing shared", lambda r: "-" if r.max_concurrency_unshared is None
          else str(r.max_concurrency_unshared)),
+        (f"one {reports[0].max_model_len}-token sequence in KV groups, {reports[0].retained_tails} tails kept "
+         "(planned; the pool holds all-full)",
+         lambda r: f"{_human(r.sequence_bytes)} ({r.sequence_bytes / max(r.sequence_bytes_full, 1):.0%} of all-full)"),
         ("host tier (--kv-offloading-size)", lambda r: _tier(r.host_tier_blocks, r.host_tier_prompts, r.block_size)),
         ("disk tier (--kv-disk-size)", lambda r: _tier(r.disk_tier_blocks, r.disk_tier_prompts, r.block_size)),
     ]
+    groups = shape.kv_groups
+    windows = ", ".join(sorted({"full" if w is None else f"window {w}" for w in groups.windows}))
     head = (f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim} dims "
             f"({shape.num_heads} query heads); ~{shape.num_params() / 1e9:.2f} B parameters, "
-            f"weights {_human(weight_bytes)}")
+            f"weights {_human(weight_bytes)}; {len(groups.windows)} KV groups of {groups.page_layers} layers "
+            f"({windows})")
     w = max(len(label) for label, _ in rows)
     cols = [r.dtype for r in reports]
     cells = [[fn(r) for r in reports] for _, fn in rows]
@@ -143,6 +151,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GiB of the host KV tier (serve's flag): what it holds in tokens and prompts")
     p.add_argument("--kv-disk-size", type=float, default=0.0,
                    help="GiB of the disk KV tier (serve's flag): what it holds in tokens and prompts")
+    p.add_argument("--retain-every", type=int, default=8192,
+                   help="a window model's KV groups would keep a window tail every this many tokens (the sequence "
+                        "row: the arithmetic of the grouped pool, which the engine does not have yet)")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -152,7 +163,8 @@ def run(a: argparse.Namespace) -> int:
     weights = parse_size(a.weights) if a.weights else shape.num_params() * DTYPE_BYTES[a.weight_dtype]
     budget = None if a.memory is None else int(parse_size(a.memory) * a.utilization) - weights
     reports = [size_report(shape, dt, a.block_size, a.prompt_tokens, a.num_prompts, a.concurrency,
-                           a.max_model_len, budget, int(a.kv_offloading_size * 2**30), int(a.kv_disk_size * 2**30))
+                           a.max_model_len, budget, int(a.kv_offloading_size * 2**30), int(a.kv_disk_size * 2**30),
+                           a.retain_every)
                for dt in (a.dtype or DTYPES)]
     if a.json:
         print(json.dumps({"model": name, "shape": asdict(shape), "weight_bytes": weights,

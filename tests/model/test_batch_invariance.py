@@ -134,6 +134,34 @@ def run_interleaved(engine: LLMEngine, requests) -> dict[int, tuple]:
 
 @pytest.mark.parametrize("mode", ["int8", "float32"])
 def test_every_answer_is_the_answer_alone_with_caching_off(loaded, kernel_build, mode, tmp_path):
+    check_workloads(loaded, mode, tmp_path, 10 if kernel_build == "native" else 4)
+
+
+@pytest.fixture(scope="module")
+def gemma_loaded(tmp_path_factory):
+    """A Gemma-3-shaped GGUF (windows of 8 on five layers in seven, rows of 64: the Q4_K_M
+    mix falls back to Q5_0 and Q8_0, as llama-quantize does for small Gemma 3 files)."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("inv-gemma")
+    model = build_tiny_model(d / "src", "gemma3", seed=7, query_pre_attn_scalar=32)
+    path = write_gguf(d / "tiny-gemma3-Q4_K_M.gguf", model, AutoTokenizer.from_pretrained(str(d / "src")), "Q4_K_M",
+                      arch="gemma3")
+    return load_model(str(path))
+
+
+@pytest.mark.parametrize("mode", ["int8", "float32"])
+def test_sliding_window_answers_are_the_answer_alone(gemma_loaded, mode, tmp_path):
+    """The same promise with layers of two windows: each layer's plans (a window's start
+    per query; cascades on the global layers only) give the answer alone's bits."""
+    assert len(set(gemma_loaded.arch.layer_windows)) == 2
+    check_workloads(gemma_loaded, mode, tmp_path, 6)
+
+
+def check_workloads(loaded, mode: str, tmp_path, max_examples: int) -> None:
+    """Random workloads (and the tiered examples) on `loaded` with caching on: every answer
+    equals the request's answer alone with caching off, and the workloads did hit the
+    cache, cascade, preempt and load from both tiers."""
     reference = make_engine(loaded, mode, caching=False)
     alone: dict[tuple, tuple] = {}
     seen: Counter = Counter()
@@ -151,7 +179,7 @@ def test_every_answer_is_the_answer_alone_with_caching_off(loaded, kernel_build,
             alone[key] = answer(run_interleaved(reference, [(prompt, params, 0)])[0])
         return alone[key]
 
-    @settings(max_examples=10 if kernel_build == "native" else 4, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(workloads())
     @example(_tiered(disk=False))

@@ -57,6 +57,33 @@ def check_same_bits(runner: ModelRunner, step: SchedulerOutput) -> None:
     assert not all(a.equal(b) for a, b in zip(before, after_layered))  # the step did write keys and values
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gemma3_fused_step_is_the_layered_step_bit_for_bit(tmp_path, kv):
+    """A Gemma-3-shaped model (Q4_K_M mix: Q5_0 / Q8_0 on rows of 64): q/k norms per head,
+    sandwich norms, GeGLU, local layers (window 8, their own rotary tables and plans) and
+    global ones, whose plans cascade over two sequences' shared blocks; contexts shorter
+    and longer than the window."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "src"
+    model = build_tiny_model(d, "gemma3", seed=5, query_pre_attn_scalar=32)
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", model, AutoTokenizer.from_pretrained(str(d)), "Q4_K_M",
+                      arch="gemma3")
+    runner = runner_for(path, kv=kv)
+    stack = runner.strategy(FusedDecode).stack
+    assert [layer.kind for layer in stack.layers] == [0, 0, 0, 0, 0, 1, 0] and stack.layers[0].act == 1
+    shared = [(3 * j) % 300 + 3 for j in range(16)]
+    prompts = [shared + [7, 8, 9], shared + [10, 11, 12, 13, 14], [(5 * j) % 300 + 3 for j in range(6)]]
+    tables = [[0, 1, 2], [0, 1, 3], [4, 5, 6]]
+    prefill(runner, prompts[:1], tables[:1])
+    runner.all_logits(SchedulerOutput([ScheduledRequest("p1", prompts[1][16:-1], 16, tables[1], False, GREEDY,
+                                                         prompts[1], [])]))
+    prefill(runner, prompts[2:], tables[2:])
+    _, meta = runner.prepare(decode_step(prompts, tables))
+    assert [c.members for c in meta.windows[None].cascades] == [(0, 1)] and not meta.windows[8].cascades
+    check_same_bits(runner, decode_step(prompts, tables))
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])
 def test_default_model_fused_step_is_the_layered_step_bit_for_bit(kv):
     """SmolLM2 (Q4_1 and Q8_0 blocks): one sequence, then four of different lengths; with a
@@ -106,7 +133,7 @@ def test_cascade_steps_fused_are_the_layered_and_the_plain_steps_bit_for_bit():
     calls = []
     fused = runner.strategy(FusedDecode)
     original = fused.forward
-    fused.forward = lambda *a: calls.append(a[1].cascades[:]) or original(*a)
+    fused.forward = lambda *a: calls.append(a[1].windows[None].cascades[:]) or original(*a)
     step = decode_step(prompts, tables)
     check_same_bits(runner, step)
     assert [[c.members for c in cs] for cs in calls] == [[(0, 1, 2)]]  # fused, with the one cascade

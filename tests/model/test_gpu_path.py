@@ -87,7 +87,7 @@ def test_decode_graph_padding_equals_the_eager_step(tiny):
     (a prefill) is left to the eager path."""
     r = runner(tiny, "triton", blocks=40)
     r.forward(step(("a", A, 0, list(range(10))), ("b", B, 0, list(range(10, 20)))))
-    graphs = DecodeGraphs(r.model, r.kv_cache, (1, 4), 16, 2, 0, r.device, capture=False)
+    graphs = DecodeGraphs(r.model, r.kv_cache, (1, 4), 16, 2, (None,), r.device, capture=False)
     so = step(("a", A + [5], 37, list(range(10))), ("b", B + [6], 37, list(range(10, 20))))
     pool = [(layer.k.clone(), layer.v.clone()) for layer in r.kv_cache.layers]
     want = r.forward(so)  # eager (no CUDA graphs without CUDA)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hotprefix.model.arch import arch_from_hf_config
+from hotprefix.model.presets import PRESETS
 from hotprefix.sizing import size_report
 from hotprefix.tools.size import load_shape
 
@@ -113,3 +114,23 @@ def test_serve_spelling_of_the_flags_and_the_same_parser_as_serve(tmp_path):
     cfg.write_text(json.dumps({**CONFIGS["Llama-3.1-8B"], "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     bad = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", str(cfg)], capture_output=True, text=True)
     assert bad.returncode == 2 and "unsupported architecture" in bad.stderr
+
+
+def test_gemma3_kv_groups_and_a_32k_sequence_by_hand():
+    """Gemma 3 4B's layers in KV groups (vLLM's uniform pages): 5 global layers, 29 local in
+    six groups of 5 (the last padded); a 32,768-token sequence holds, in bfloat16 (2 x 5
+    layers x 4 KV heads x 256 x 2 bytes = 20,480 bytes a page-token, 16 tokens a block):
+    2,048 blocks of the full group, and per window group the 65 blocks that meet its last
+    1,024 tokens plus 65 for each of the 3 tails kept every 8,192 tokens before it."""
+    shape = arch_from_hf_config(PRESETS["gemma-3-4b"]).shape
+    g = shape.kv_groups
+    assert g.windows == (None,) + (1024,) * 6 and g.page_layers == 5
+    assert g.layers[0] == (5, 11, 17, 23, 29) and g.layers[-1] == (30, 31, 32, 33)
+    r = size_report(shape, "bfloat16", block_size=16, max_model_len=32768, retain_every=8192)
+    page = 20_480 * 16
+    assert r.retained_tails == 3 and r.sequence_bytes == page * (2048 + 6 * 65 * 4)
+    assert r.sequence_bytes_full == 2 * 34 * 4 * 256 * 2 * 32768
+    assert r.sequence_bytes / r.sequence_bytes_full <= 0.30  # the issue's goal (0.26)
+    llama = arch_from_hf_config(CONFIGS["Llama-3.1-8B"]).shape
+    assert llama.kv_groups.windows == (None,) and llama.kv_groups.page_layers == 32
+    assert size_report(llama, "fp16", max_model_len=32768).sequence_bytes == 131_072 * 32768

@@ -89,7 +89,11 @@ class AttentionBackend(Protocol):
 @dataclass(frozen=True)
 class BackendSpec:
     """What a backend is built from: the device, the compute dtype, the model's attention
-    shape and sliding window, and the pool's block size and storage dtype."""
+    shape and each layer's sliding window (None: every earlier key; a query at p sees
+    [p - window + 1, p]), and the pool's block size and storage dtype.
+
+    A step's metadata holds what each window needs once (`windows`), and each layer
+    attends with its own window's, found by its LayerKV's index (`window_of`)."""
 
     num_layers: int
     device: torch.device
@@ -97,6 +101,18 @@ class BackendSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    sliding_window: int | None
+    layer_windows: tuple[int | None, ...]
     block_size: int
     kv_dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} windows for {self.num_layers} layers")
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct windows, in layer order."""
+        return tuple(dict.fromkeys(self.layer_windows))
+
+    def window_of(self, kv: LayerKV) -> int | None:
+        return self.layer_windows[kv.index]

@@ -6,6 +6,10 @@ hp_attend straight from the pool, in tiles aligned to absolute positions
 context came from the pool, a tier or this step, whatever the chunking and whoever shares
 its step or its cascade. Keys and values are written in C first.
 
+Each layer attends within its own window (BackendSpec.layer_windows): a step holds one
+set of plans per window (a window's plans skip cascades; a query's range starts at its
+window), and a window no query of the step reaches past shares the global plans.
+
 The pool may be float32 or fp8 (e4m3, e5m2: read in place, value * scale; written in C,
 rounded as torch's cast rounds). Without the C library, or for a pool of another dtype
 (fp16, bf16), it attends as the torch backend does (per sequence, SDPA): correct, not
@@ -31,17 +35,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class CpuMeta:
-    """A step for the cpu backend: where each token's K/V goes [T]; with the kernels, the
-    plans (own, and the cascades' shared prefixes with the rows' state between the two
-    passes); without, each sequence's slots and mask."""
+class CpuPlans:
+    """One window's share of a step: with the kernels, its plans (own, and the cascades'
+    shared prefixes); without, each sequence's slots and mask."""
 
-    slot_mapping: torch.Tensor
     own: AttPlan | None = None
     shared: AttPlan | None = None
-    state: AttState | None = None
     cascades: list[Cascade] = field(default_factory=list)
     seqs: list[SeqAttn] = field(default_factory=list)
+
+
+@dataclass
+class CpuMeta:
+    """A step for the cpu backend: where each token's K/V goes [T], each window's plans
+    (BackendSpec.windows; every layer of a window reads the same), and the rows' state
+    between a cascade's two passes (one buffer: layers run one at a time)."""
+
+    slot_mapping: torch.Tensor
+    windows: dict[int | None, CpuPlans] = field(default_factory=dict)
+    state: AttState | None = None
 
 
 class CpuAttention:
@@ -51,29 +63,38 @@ class CpuAttention:
         self.spec = spec
         self.kernels = spec.kv_dtype in ops.KV_TYPES and spec.dtype == torch.float32 and \
             spec.device.type == "cpu" and library() is not None
-        self.shape = Shape(spec.num_heads, spec.num_kv_heads, spec.sliding_window)
         if not self.kernels:
             log.warning("attention: %s KV without the C kernels runs in torch, whose results may differ in the "
                         "last bits with what else is in a step (batch invariance needs a float32 pool and the C "
                         "library)", spec.kv_dtype)
 
+    def _plans(self, batch: StepBatch, window: int | None, paths: AttentionPaths, full: CpuPlans | None
+               ) -> CpuPlans:
+        s = self.spec
+        if not self.kernels:
+            return CpuPlans(seqs=[build_seq_attn(span, batch.block_size, window, s.device) for span in batch.seqs])
+        if full is not None and not full.cascades and all(span.ctx_len <= window for span in batch.seqs):
+            return full  # no query reaches past the window: the same rows, ranges and slots
+        own, shared, groups = step_plans(batch, Shape(s.num_heads, s.num_kv_heads, window), paths.cascade)
+        return CpuPlans(own, shared, groups)
+
     def prepare(self, batch: StepBatch, paths: AttentionPaths) -> CpuMeta:
         meta = CpuMeta(batch.slot_mapping)
-        if not self.kernels:
-            s = self.spec
-            meta.seqs = [build_seq_attn(span, batch.block_size, s.sliding_window, s.device) for span in batch.seqs]
-            return meta
-        meta.own, meta.shared, meta.cascades = step_plans(batch, self.shape, paths.cascade)
-        if meta.shared is not None:
+        full = None
+        for w in sorted(self.spec.windows, key=lambda w: w is not None):  # the global plan first
+            meta.windows[w] = self._plans(batch, w, paths, full)
+            full = meta.windows[w] if w is None else full
+        if any(p.shared is not None for p in meta.windows.values()):
             meta.state = AttState.empty(batch.num_tokens * self.spec.num_heads, self.spec.head_dim)
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: CpuMeta,
                scale: float) -> torch.Tensor:
+        plans = meta.windows[self.spec.window_of(kv)]
         if not self.kernels:
             kv.write(meta.slot_mapping, k, v)
             out = torch.empty_like(q)
-            attend_seqs(q, k, v, kv, meta.seqs, scale, out, set())
+            attend_seqs(q, k, v, kv, plans.seqs, scale, out, set())
             return out
         scales = (kv.k_scale, kv.v_scale)
         if ops.rows_dense(k, v):
@@ -82,9 +103,9 @@ class CpuAttention:
             kv.write(meta.slot_mapping, k, v)
         q = q.contiguous()
         out = torch.empty_like(q)
-        if meta.shared is not None:
-            ops.attend(q, kv.k, kv.v, meta.shared, scale, out, meta.state, scales=scales)
-        ops.attend(q, kv.k, kv.v, meta.own, scale, out, meta.state, scales=scales)
+        if plans.shared is not None:
+            ops.attend(q, kv.k, kv.v, plans.shared, scale, out, meta.state, scales=scales)
+        ops.attend(q, kv.k, kv.v, plans.own, scale, out, meta.state, scales=scales)
         return out
 
     def forget_step_state(self) -> None:

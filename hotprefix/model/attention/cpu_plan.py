@@ -132,14 +132,21 @@ def _segments(pos: np.ndarray, max_len: int) -> np.ndarray:
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
+def window_start(span: SeqSpan, window: int | None) -> int:
+    """The first position any query of `span` sees (0 without a window): its slots from
+    there on are all a plan reads (a sliding-window group may have freed the blocks before)."""
+    return max(0, span.start_pos - window + 1) if window else 0
+
+
 def step_plans(batch: StepBatch, shape: Shape, with_cascades: bool) -> tuple[AttPlan, AttPlan | None, list[Cascade]]:
-    """The step's own plan, its cascades' shared plan (None without cascades) and the cascades."""
+    """The step's own plan, its cascades' shared plan (None without cascades) and the
+    cascades (none with a window: each row's keys start at its own place)."""
     groups = cascades(batch) if with_cascades and not shape.window else []
     base = {i: c.shared for c in groups for i in c.members}
     own = _Builder(shape)
     for i, span in enumerate(batch.seqs):
-        b = base.get(i, 0)
-        own.add_sequence(span, slots_of(span, batch.block_size, b), b, ATT_FINAL | (ATT_INIT if b else 0))
+        b = base.get(i, 0) or window_start(span, shape.window)
+        own.add_sequence(span, slots_of(span, batch.block_size, b), b, ATT_FINAL | (ATT_INIT if i in base else 0))
     if not groups:
         return own.plan(), None, []
     shared = _Builder(shape)

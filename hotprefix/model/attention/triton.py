@@ -3,6 +3,7 @@ pool in place through a block table; compiled on CUDA, interpreted on the CPU (t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -18,15 +19,21 @@ from hotprefix.sizing import blocks_for_tokens
 @dataclass
 class TritonStep:
     """A step for the triton backend: where each token's K/V goes [T] (-1: nowhere, graph
-    padding) and the kernels' block tables, lengths and query rows."""
+    padding), the kernels' block tables, lengths and query rows (`triton`), and the same
+    for each window of BackendSpec.windows (its sliding_window set; the tensors shared)."""
 
     slot_mapping: torch.Tensor
     triton: TritonMeta
+    windows: dict[int | None, TritonMeta]
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, meta: TritonMeta, windows: tuple[int | None, ...]) -> TritonStep:
+        return cls(slot_mapping, meta, {w: dataclasses.replace(meta, sliding_window=w or 0) for w in windows})
 
 
-def triton_meta(batch: StepBatch, sliding_window: int | None, device: torch.device) -> TritonMeta:
-    """The step's TritonMeta: each sequence's block table (padded with block 0 to the
-    widest), context length after the step, and query rows."""
+def triton_meta(batch: StepBatch, device: torch.device) -> TritonMeta:
+    """The step's TritonMeta (no window): each sequence's block table (padded with block 0
+    to the widest), context length after the step, and query rows."""
     lens = [s.ctx_len for s in batch.seqs]
     blocks = [blocks_for_tokens(n, batch.block_size) for n in lens]
     width = max(blocks)
@@ -36,7 +43,7 @@ def triton_meta(batch: StepBatch, sliding_window: int | None, device: torch.devi
     return TritonMeta(torch.tensor(table, dtype=torch.int32, device=device),
                       torch.tensor(lens, dtype=torch.int32, device=device),
                       torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device), max_q,
-                      batch.block_size, decode_splits(max(lens)) if max_q == 1 else 1, sliding_window or 0)
+                      batch.block_size, decode_splits(max(lens)) if max_q == 1 else 1)
 
 
 class TritonAttention:
@@ -46,11 +53,12 @@ class TritonAttention:
         self.spec = spec
 
     def prepare(self, batch: StepBatch, paths: AttentionPaths) -> TritonStep:
-        return TritonStep(batch.slot_mapping, triton_meta(batch, self.spec.sliding_window, self.spec.device))
+        return TritonStep.of(batch.slot_mapping, triton_meta(batch, self.spec.device), self.spec.windows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: TritonStep,
                scale: float) -> torch.Tensor:
-        return triton_attention.paged_attention(q, k, v, kv, meta.slot_mapping, meta.triton, scale)
+        return triton_attention.paged_attention(q, k, v, kv, meta.slot_mapping, meta.windows[self.spec.window_of(kv)],
+                                                scale)
 
     def forget_step_state(self) -> None:
         """Nothing is kept between steps."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hotprefix.model.arch import ModelArch
@@ -62,6 +63,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(ws.take(f"{prefix}.k_norm.weight", (self.d,)), arch.rms_norm_eps, ops_)
         self.scale = self.d ** -0.5
         self.backend, self.ops = backend, ops_
+        self.norms_rows = False  # q/k norms over [T, H, D] in torch (Gemma's run on rows of D in C)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: one block product when the fused blocks serve."""
@@ -86,6 +88,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu), or GeGLU (gelu_pytorch_tanh: Gemma)."""
+
     def __init__(self, arch: ModelArch, ws: WeightSet, prefix: str, ops_: LayerOps) -> None:
         super().__init__()
         e, i = arch.hidden_size, arch.intermediate_size
@@ -93,13 +97,16 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj = (take_linear(ws, n, i, e) for n in names)
         self.down_proj = take_linear(ws, f"{prefix}.down_proj", e, i)
         self.gate_up_blocks = _fused([self.gate_proj, self.up_proj])  # gate and up as one product
-        self.ops = ops_
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"
+        self.act_mul = ops_.gelu_tanh_mul if self.gelu else ops_.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.gate_up_blocks
         if blocks is not None:
-            return self.down_proj(self.ops.silu_mul(ops.qmatmul(x, blocks)))  # [T, 2I] -> [T, I]
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act_mul(ops.qmatmul(x, blocks)))  # [T, 2I] -> [T, I]
+        gate = self.gate_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +123,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """For the fused decode step: the norms before attention and before the MLP, and of
+        their outputs (none here)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
 
 class _Inner(nn.Module):
@@ -162,9 +174,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D] for the given positions (computed in float32)."""
-        return self.rotary(positions, dtype)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings [T, E] of input_ids."""
+        return self.model.embed_tokens(input_ids)
+
+    def ropes_by_window(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[int | None, tuple]:
+        """cos, sin [T, 1, D] of the positions (computed in float32) for the layers of each
+        window (one table: every layer rotates alike)."""
+        rope = self.rotary(positions, dtype)
+        return {w: rope for w in set(self.arch.layer_windows)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] float32 of hidden [N, E]: on the head's blocks where there are."""

@@ -29,7 +29,8 @@ class HpLayer(ctypes.Structure):
 
     _fields_ = [("norm1", _p), ("norm2", _p), ("qkv", HpPart * 3), ("o", HpPart), ("gu", HpPart * 2),
                 ("down", HpPart), ("nqkv", c_int), ("ngu", c_int), ("b_qkv", _p), ("b_o", _p),
-                ("kpool", _p), ("vpool", _p), ("k_scale", c_float), ("v_scale", c_float)]
+                ("kpool", _p), ("vpool", _p), ("k_scale", c_float), ("v_scale", c_float), ("q_norm", _p),
+                ("k_norm", _p), ("post1", _p), ("post2", _p), ("act", c_int), ("kind", c_int)]
 
 
 class HpStack(ctypes.Structure):
@@ -54,11 +55,15 @@ class HpAtt(ctypes.Structure):
                 ("st_m", _p), ("st_l", _p), ("st_acc", _p)]
 
 
-class HpStep(ctypes.Structure):
-    """hp_step: one decode step's rows, rotary tables and attention plans."""
+KINDS = 2  # hp_api.h's HP_KINDS: attention kinds of a step (their rotary tables and plans)
+ACT_SILU, ACT_GELU_TANH = 0, 1  # hp_api.h's ACT_*
 
-    _fields_ = [("x", _p), ("cos", _p), ("sin", _p), ("wslots", _p), ("own", HpPlan), ("shared", HpPlan),
-                ("M", c_int)]
+
+class HpStep(ctypes.Structure):
+    """hp_step: one decode step's rows, and per attention kind its rotary tables and plans."""
+
+    _fields_ = [("x", _p), ("cos", _p * KINDS), ("sin", _p * KINDS), ("wslots", _p), ("own", HpPlan * KINDS),
+                ("shared", HpPlan * KINDS), ("M", c_int)]
 
 
 STRUCTS = (HpPart, HpLayer, HpStack, HpStep, HpPlan, HpAtt)  # hp_struct_layout's `which`, in order
@@ -75,6 +80,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_vector_paths": (_i, []),
     "hp_attend": (_i, [POINTER(HpAtt), POINTER(HpPlan), _i]),
     "hp_silu_mul": (None, [_p, _i, _i, _p, _i]),
+    "hp_gelu_tanh_mul": (None, [_p, _i, _i, _p, _i]),
     "hp_kv_write": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i]),
     "hp_kv_write_fp8": (None, [_p, _p, c_int64, _p, _i, _p, c_int64, _p, c_int64, _i, _i, _i, _f, _f]),
     "hp_rmsnorm": (None, [_p, _i, _i, c_int64, _p, _f, _p, _i]),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotprefix.model.kernels.abi import HpAtt, HpLayer, HpPlan, HpStack, HpStep
+from hotprefix.model.kernels.abi import ACT_GELU_TANH, ACT_SILU, KINDS, HpAtt, HpLayer, HpPlan, HpStack, HpStep
 from hotprefix.model.kernels.build import need
 from hotprefix.model.kernels.weights import Blocks, FusedWeight, PackedWeight
 
@@ -68,12 +68,22 @@ def int8_vectorized(lib: Lib = None) -> bool:
 def silu_mul(gate_up: torch.Tensor, lib: Lib = None) -> torch.Tensor:
     """silu(gate) * up for gate_up [M, 2I] float32 (CPU) = [gate | up] -> [M, I], in one pass
     (exp to about one float ulp). Raises RuntimeError without the library."""
+    return _act_mul("hp_silu_mul", gate_up, lib)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, lib: Lib = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up (GeGLU, tanh-approximated GELU) for gate_up [M, 2I] float32 (CPU)
+    -> [M, I], in one pass. Raises RuntimeError without the library."""
+    return _act_mul("hp_gelu_tanh_mul", gate_up, lib)
+
+
+def _act_mul(fn: str, gate_up: torch.Tensor, lib: Lib) -> torch.Tensor:
     lib = need(lib)
-    _f32_cpu("silu_mul", gate_up)
+    _f32_cpu(fn, gate_up)
     gate_up = gate_up.contiguous()
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float32)
-    lib.hp_silu_mul(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
+    getattr(lib, fn)(gate_up.data_ptr(), m, i, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -221,9 +231,11 @@ def attend(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, plan: AttP
 
 @dataclass(frozen=True)
 class DecodeLayer:
-    """One decoder layer as hp_decode_layers reads it: norms [E], projections as regrouped
-    blocks (qkv of 1-3 parts, gate/up of 1-2), optional biases, and its KV pool (float32 or
-    fp8 with its scales)."""
+    """One decoder layer as hp_decode_layers reads it: norms [E] (before attention, before
+    the MLP), projections as regrouped blocks (qkv of 1-3 parts, gate/up of 1-2), optional
+    biases, its KV pool (float32 or fp8 with its scales); Gemma's optional stages: q/k norms
+    per head [D], norms of the attention's and MLP's outputs [E] (post1, post2), GeGLU
+    (gelu); kind: its attention kind in the step (decode_layers' ropes and plans)."""
 
     norm1: torch.Tensor
     norm2: torch.Tensor
@@ -236,6 +248,12 @@ class DecodeLayer:
     kpool: torch.Tensor
     vpool: torch.Tensor
     scales: tuple[float, float] = (1.0, 1.0)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post1: torch.Tensor | None = None
+    post2: torch.Tensor | None = None
+    gelu: bool = False
+    kind: int = 0
 
 
 @dataclass(frozen=True)
@@ -280,6 +298,14 @@ def _fill_layer(spec: HpLayer, layer: DecodeLayer) -> None:
     spec.b_o = layer.b_o.data_ptr() if layer.b_o is not None else None
     spec.kpool, spec.vpool = layer.kpool.data_ptr(), layer.vpool.data_ptr()
     spec.k_scale, spec.v_scale = layer.scales
+    for name in ("q_norm", "k_norm", "post1", "post2"):
+        t = getattr(layer, name)
+        if t is not None:
+            _f32_cpu("decode layer", t)
+        setattr(spec, name, None if t is None else t.data_ptr())
+    spec.act, spec.kind = (ACT_GELU_TANH if layer.gelu else ACT_SILU), layer.kind
+    if not 0 <= layer.kind < KINDS:
+        raise ValueError(f"attention kind {layer.kind}: hp_decode_layers holds {KINDS}")
 
 
 def _set_parts(slots, w: Blocks) -> int:
@@ -292,19 +318,24 @@ def _set_parts(slots, w: Blocks) -> int:
     return len(parts)
 
 
-def decode_layers(stack: DecodeStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  own: AttPlan, shared: AttPlan | None, lib: Lib = None) -> None:
+def decode_layers(stack: DecodeStack, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                  slots: torch.Tensor, plans: list[tuple[AttPlan, AttPlan | None]], lib: Lib = None) -> None:
     """Run a decode step's rows x [M, E] (contiguous float32, updated in place) through
-    every layer of `stack`: cos, sin [M, 1, D]; slots [M] where each row's key and value
-    go; `own`/`shared`: the attention plans over each row's keys and the cascades' shared
-    prefixes (run first). Raises RuntimeError if the kernel fails or refuses a plan."""
+    every layer of `stack`; per attention kind (a layer's DecodeLayer.kind indexes them):
+    ropes' cos, sin [M, 1, D] and plans' (own, shared): the plans over each row's keys and
+    the cascades' shared prefixes (run first); slots [M] where each row's key and value
+    go. Raises RuntimeError if the kernel fails or refuses a plan."""
     lib = need(lib)
-    _f32_cpu("decode_layers", x, cos, sin)
-    cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.to(torch.int64).contiguous()
-    step = HpStep(x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), wslots=slots.data_ptr(), own=own.c,
-                  M=x.shape[0])
-    if shared is not None:
-        step.shared = shared.c
+    if not 1 <= len(ropes) == len(plans) <= KINDS:
+        raise ValueError(f"decode_layers takes 1 to {KINDS} attention kinds, each its ropes and plans")
+    keep = [(c.contiguous(), s.contiguous()) for c, s in ropes]
+    _f32_cpu("decode_layers", x, *(t for pair in keep for t in pair))
+    slots = slots.to(torch.int64).contiguous()
+    step = HpStep(x=x.data_ptr(), wslots=slots.data_ptr(), M=x.shape[0])
+    for k, ((cos, sin), (own, shared)) in enumerate(zip(keep, plans)):
+        step.cos[k], step.sin[k], step.own[k] = cos.data_ptr(), sin.data_ptr(), own.c
+        if shared is not None:
+            step.shared[k] = shared.c
     rc = lib.hp_decode_layers(ctypes.byref(stack.stack), ctypes.byref(step), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"hp_decode_layers failed ({rc})")

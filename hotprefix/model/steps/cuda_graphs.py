@@ -45,13 +45,13 @@ class DecodeGraphs:
     name = "CUDA graph"
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sizes: tuple[int, ...], max_blocks: int,
-                 num_splits: int, sliding_window: int, device: torch.device, capture: bool = True) -> None:
+                 num_splits: int, windows: tuple[int | None, ...], device: torch.device, capture: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = tuple(sorted(set(sizes)))
         self.max_blocks = max_blocks
         self.num_splits = num_splits
-        self.sliding_window = sliding_window
+        self.windows = windows  # the backend's (BackendSpec.windows): one TritonMeta each, sharing the buffers
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -69,8 +69,8 @@ class DecodeGraphs:
         from hotprefix.model.kernels.triton_attention import TritonMeta
 
         t = TritonMeta(self.block_tables[:size], self.seq_lens[:size], self.query_start_loc[:size + 1], 1,
-                       self.kv_cache.block_size, self.num_splits, self.sliding_window)
-        return TritonStep(self.slot_mapping[:size], t)
+                       self.kv_cache.block_size, self.num_splits)
+        return TritonStep.of(self.slot_mapping[:size], t, self.windows)
 
     def _run(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
@@ -100,7 +100,7 @@ class DecodeGraphs:
             return "not a decode-only step"
         if batch.num_tokens > self.sizes[-1] or t.block_tables.shape[1] > self.max_blocks:
             return "larger than the largest graph captured"
-        return None if t.sliding_window == self.sliding_window else "another sliding window"
+        return None if tuple(meta.windows) == self.windows else "other sliding windows"
 
     def forward(self, batch: StepBatch, meta: TritonStep) -> torch.Tensor:
         b = batch.num_tokens
@@ -136,6 +136,6 @@ def decode_graphs(backend: AttentionBackendKind, model: torch.nn.Module, kv_cach
         log.info("--enforce-eager: decode steps run eagerly (no CUDA graphs)")
         return None
     sizes = model_cfg.cuda_graph_sizes or default_sizes(sched_cfg.max_num_seqs)
-    window = model.arch.sliding_window or 0
+    windows = tuple(dict.fromkeys(model.arch.layer_windows))  # as BackendSpec.windows
     return DecodeGraphs(model, kv_cache, sizes, blocks_for_tokens(max_model_len, kv_cache.block_size),
-                        triton_attention.decode_splits(max_model_len), window, device)
+                        triton_attention.decode_splits(max_model_len), windows, device)

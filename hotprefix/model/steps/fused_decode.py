@@ -10,8 +10,11 @@ hidden states are the same bits (tests/model/test_fused_decode.py compares them)
 the embedding, the final norm and the logits stay in Python.
 
 It serves only what it was built for: int8 blocks for every projection (q/k/v and
-gate/up fused, their parts of any types), no q/k norms, the cpu backend's float32 pool,
-and a step of single-token decodes (any other step takes the layer-by-layer path).
+gate/up fused, their parts of any types), q/k norms only on rows of D in C (Gemma's;
+Qwen3's run in torch), at most two attention windows (Gemma's local and global layers:
+each kind its rotary tables and plans), the cpu backend's float32 or fp8 pool, and a step
+of single-token decodes (any other step takes the layer-by-layer path). The family's
+layers say which norms they have (`decode_norms`: Gemma's sandwich norms).
 """
 
 from __future__ import annotations
@@ -29,13 +32,28 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
     pool = kv.layers[0].k
     if not isinstance(backend, CpuAttention) or not backend.kernels:
         return "the attention backend is not the cpu one with the C kernels"
-    if model.arch.qk_norm or ops.kv_type(pool) is None:
-        return "q/k norms, or not a float32 or fp8 CPU pool"
+    if ops.kv_type(pool) is None:
+        return "not a float32 or fp8 CPU pool"
+    if len(backend.spec.windows) > ops.KINDS:
+        return f"layers of more than {ops.KINDS} attention windows"
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
+        if a.q_norm is not None and not a.norms_rows:
+            return "q/k norms over whole heads in torch"
         if any(p is None or not p.int8 for p in (a.qkv_blocks, a.o_proj.blocks, m.gate_up_blocks, m.down_proj.blocks)):
             return "a projection without int8 blocks"
     return None
+
+
+def _layer(layer, lkv, kind: int) -> ops.DecodeLayer:
+    a, m = layer.self_attn, layer.mlp
+    norm1, norm2, post1, post2 = layer.decode_norms()
+    return ops.DecodeLayer(norm1.weight, norm2.weight, a.qkv_blocks, a.o_proj.blocks, m.gate_up_blocks,
+                           m.down_proj.blocks, a.qkv_bias, a.o_proj.bias, lkv.k, lkv.v, (lkv.k_scale, lkv.v_scale),
+                           a.q_norm.weight if a.q_norm is not None else None,
+                           a.k_norm.weight if a.k_norm is not None else None,
+                           post1.weight if post1 is not None else None, post2.weight if post2 is not None else None,
+                           m.gelu, kind)
 
 
 class FusedDecode:
@@ -52,14 +70,11 @@ class FusedDecode:
             raise ValueError(f"this model and cache cannot take the fused decode path: {why}")
         self.model = model
         arch = model.arch
-        self.h, self.kvh = arch.num_heads, arch.num_kv_heads
-        layers = [ops.DecodeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                  layer.self_attn.qkv_blocks, layer.self_attn.o_proj.blocks,
-                                  layer.mlp.gate_up_blocks, layer.mlp.down_proj.blocks, layer.self_attn.qkv_bias,
-                                  layer.self_attn.o_proj.bias, lkv.k, lkv.v, (lkv.k_scale, lkv.v_scale))
+        self.windows = backend.spec.windows  # the attention kinds, in hp_step's order
+        layers = [_layer(layer, lkv, self.windows.index(backend.spec.window_of(lkv)))
                   for layer, lkv in zip(model.model.layers, kv.layers)]
-        shape = ops.StackShape(arch.hidden_size, self.h, self.kvh, arch.head_dim, arch.intermediate_size,
-                               float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)
+        shape = ops.StackShape(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                               arch.intermediate_size, float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)
         self.stack = ops.DecodeStack(layers, shape)
 
     def refusal(self, batch: StepBatch, meta: CpuMeta, paths: AttentionPaths) -> str | None:
@@ -69,7 +84,8 @@ class FusedDecode:
         return None if batch.decode_only else "not every sequence decodes one token"
 
     def forward(self, batch: StepBatch, meta: CpuMeta) -> torch.Tensor:
-        x = self.model.model.embed_tokens(batch.input_ids).contiguous()  # [T, E], updated in place below
-        cos, sin = self.model.rope(batch.positions, x.dtype)  # [T, 1, D] each
-        ops.decode_layers(self.stack, x, cos, sin, meta.slot_mapping, meta.own, meta.shared)
+        x = self.model.embed(batch.input_ids).contiguous()  # [T, E], updated in place below
+        ropes = self.model.ropes_by_window(batch.positions, x.dtype)  # [T, 1, D] each
+        plans = [(meta.windows[w].own, meta.windows[w].shared) for w in self.windows]
+        ops.decode_layers(self.stack, x, [ropes[w] for w in self.windows], meta.slot_mapping, plans)
         return self.model.model.norm(x)

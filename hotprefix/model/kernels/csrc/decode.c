@@ -10,8 +10,11 @@
  * calls per layer from Python, each with its own parallel region, plus torch's small
  * ops between them. Here the threads stay in one region for all layers and meet at the
  * work-sharing loops' barriers. Each stage is the same code as the separate calls
- * (rmsnorm_row, qmm_i8_team, rope_row, attend_task, silu_mul_row), in the same order
- * with the same additions, so the result is the same bits as the layer-by-layer path.
+ * (rmsnorm_row, qmm_i8_team, rope_row, attend_task, silu_mul_row / gelu_tanh_mul_row), in
+ * the same order with the same additions, so the result is the same bits as the
+ * layer-by-layer path. Gemma's layers take the optional stages: q/k norms per head, norms
+ * of the attention's and the MLP's outputs, GeGLU, a kind of their own (local or global:
+ * its rotary tables and plans).
  * ------------------------------------------------------------------------ */
 
 /* sizeof and the field offsets, in declaration order, of hp_api.h's structs (which: 0
@@ -25,7 +28,8 @@ int hp_struct_layout(int which, int64_t *out) {
         case 1: out[n++] = sizeof(hp_layer); F(hp_layer, norm1); F(hp_layer, norm2); F(hp_layer, qkv); F(hp_layer, o);
                 F(hp_layer, gu); F(hp_layer, down); F(hp_layer, nqkv); F(hp_layer, ngu); F(hp_layer, b_qkv);
                 F(hp_layer, b_o); F(hp_layer, kpool); F(hp_layer, vpool); F(hp_layer, k_scale); F(hp_layer, v_scale);
-                break;
+                F(hp_layer, q_norm); F(hp_layer, k_norm); F(hp_layer, post1); F(hp_layer, post2); F(hp_layer, act);
+                F(hp_layer, kind); break;
         case 2: out[n++] = sizeof(hp_stack); F(hp_stack, layers); F(hp_stack, nlayers); F(hp_stack, E);
                 F(hp_stack, H); F(hp_stack, KVH); F(hp_stack, D); F(hp_stack, I); F(hp_stack, eps);
                 F(hp_stack, scale); F(hp_stack, head_stride); F(hp_stack, kv_type); break;
@@ -50,6 +54,7 @@ static int stack_valid(const hp_stack *s) {
         int nqkv = 0, ngu = 0;
         for (int p = 0; p < ly->nqkv && p < 3; p++) nqkv += ly->qkv[p].n;
         for (int p = 0; p < ly->ngu && p < 2; p++) ngu += ly->gu[p].n;
+        if (ly->kind < 0 || ly->kind >= HP_KINDS || ly->act < ACT_SILU || ly->act > ACT_GELU_TANH) return 0;
         if (ly->nqkv > 3 || ly->ngu > 2 || !parts_valid(ly->qkv, ly->nqkv, s->E) || !parts_valid(&ly->o, 1, HD)
             || !parts_valid(ly->gu, ly->ngu, s->E) || !parts_valid(&ly->down, 1, s->I)
             || nqkv != (s->H + 2 * s->KVH) * s->D || ngu != 2 * s->I || ly->o.n != s->E || ly->down.n != s->E)
@@ -68,58 +73,74 @@ static void attention_team(const hp_stack *s, const hp_layer *ly, const hp_step 
                            const att_scratch *scr, int ok) {
     const hp_att a = {b->qb, ly->kpool, ly->vpool, s->head_stride, s->KVH, s->D, s->kv_type, s->scale, ly->k_scale,
                       ly->v_scale, b->o, b->st_m, b->st_l, b->st_acc};
+    const hp_plan *own = &st->own[ly->kind], *shared = &st->shared[ly->kind];
     if (ok) att_scratch_fp8(scr, &a);  /* (each thread its own tables: no barrier needed) */
-    if (st->shared.ntasks) {  /* the same for every thread: without cascades, no extra barrier */
+    if (shared->ntasks) {  /* the same for every thread: without cascades, no extra barrier */
         #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < st->shared.ntasks; t++)
-            if (ok) attend_task(&a, &st->shared, t, scr);
+        for (int t = 0; t < shared->ntasks; t++)
+            if (ok) attend_task(&a, shared, t, scr);
     }
     #pragma omp for schedule(dynamic, 1)
-    for (int t = 0; t < st->own.ntasks; t++)
-        if (ok) attend_task(&a, &st->own, t, scr);
+    for (int t = 0; t < own->ntasks; t++)
+        if (ok) attend_task(&a, own, t, scr);
+}
+
+/* A row's q, k and v after the product: the bias, each head of q and k normed (q_norm,
+ * k_norm), rotated by the layer's kind's tables, q kept and k, v written to the pool. */
+static void qkv_row(const hp_stack *s, const hp_layer *ly, const hp_step *st, const step_buf *b, int m) {
+    const int H = s->H, KVH = s->KVH, D = s->D, HD = H * D, NQKV = (H + 2 * KVH) * D;
+    float *r = b->qkv + (size_t)m * NQKV;
+    const float *c = st->cos_[ly->kind] + (size_t)m * D, *sn = st->sin_[ly->kind] + (size_t)m * D;
+    if (ly->b_qkv) for (int j = 0; j < NQKV; j++) r[j] = r[j] + ly->b_qkv[j];
+    if (ly->q_norm) {
+        for (int h = 0; h < H; h++) rmsnorm_row(r + (size_t)h * D, D, ly->q_norm, s->eps, r + (size_t)h * D);
+        for (int h = 0; h < KVH; h++) rmsnorm_row(r + HD + (size_t)h * D, D, ly->k_norm, s->eps, r + HD + (size_t)h * D);
+    }
+    rope_row(r, H, D, c, sn);
+    rope_row(r + HD, KVH, D, c, sn);
+    memcpy(b->qb + (size_t)m * HD, r, sizeof(float) * HD);
+    if (s->kv_type == KV_F32)
+        kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D);
+    else
+        kv_write_row_fp8(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D,
+                         s->kv_type, ly->k_scale, ly->v_scale);
+}
+
+/* x[m] += out[m] (+ bias), out first normed by `post` where there is one (in place). */
+static void residual_row(float *xr, float *tr, const float *bias, const float *post, int E, float eps) {
+    if (post) rmsnorm_row(tr, E, post, eps, tr);
+    if (bias) for (int e = 0; e < E; e++) xr[e] = xr[e] + (tr[e] + bias[e]);
+    else for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
 }
 
 /* One layer for a thread of the step's parallel region (every thread runs it: its
  * work-sharing loops end in barriers). */
 static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st, const step_buf *b, xquant *x32,
                        xquant *xk, const att_scratch *scr, int ok) {
-    const int M = st->M, E = s->E, H = s->H, KVH = s->KVH, D = s->D, I = s->I, HD = H * D;
-    const int NQKV = (H + 2 * KVH) * D;
+    const int M = st->M, E = s->E, HD = s->H * s->D, I = s->I;
     float *x = st->x;
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) rmsnorm_row(x + (size_t)m * E, E, ly->norm1, s->eps, b->h + (size_t)m * E);
     qmm_i8_team(ly->qkv, ly->nqkv, b->h, M, E, b->qkv, x32, xk);
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        float *r = b->qkv + (size_t)m * NQKV;
-        if (ly->b_qkv) for (int j = 0; j < NQKV; j++) r[j] = r[j] + ly->b_qkv[j];
-        rope_row(r, H, D, st->cos_ + (size_t)m * D, st->sin_ + (size_t)m * D);
-        rope_row(r + HD, KVH, D, st->cos_ + (size_t)m * D, st->sin_ + (size_t)m * D);
-        memcpy(b->qb + (size_t)m * HD, r, sizeof(float) * HD);
-        if (s->kv_type == KV_F32)
-            kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D);
-        else
-            kv_write_row_fp8(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D,
-                             s->kv_type, ly->k_scale, ly->v_scale);
-    }
+    for (int m = 0; m < M; m++) qkv_row(s, ly, st, b, m);
     attention_team(s, ly, st, b, scr, ok);
     qmm_i8_team(&ly->o, 1, b->o, M, HD, b->tmp, x32, xk);
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
-        float *xr = x + (size_t)m * E, *tr = b->tmp + (size_t)m * E;
-        if (ly->b_o) for (int e = 0; e < E; e++) xr[e] = xr[e] + (tr[e] + ly->b_o[e]);
-        else for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
+        float *xr = x + (size_t)m * E;
+        residual_row(xr, b->tmp + (size_t)m * E, ly->b_o, ly->post1, E, s->eps);
         rmsnorm_row(xr, E, ly->norm2, s->eps, b->h + (size_t)m * E);
     }
     qmm_i8_team(ly->gu, ly->ngu, b->h, M, E, b->gu, x32, xk);
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) silu_mul_row(b->gu + (size_t)m * 2 * I, I, b->act + (size_t)m * I);
+    for (int m = 0; m < M; m++) {
+        if (ly->act == ACT_GELU_TANH) gelu_tanh_mul_row(b->gu + (size_t)m * 2 * I, I, b->act + (size_t)m * I);
+        else silu_mul_row(b->gu + (size_t)m * 2 * I, I, b->act + (size_t)m * I);
+    }
     qmm_i8_team(&ly->down, 1, b->act, M, I, b->tmp, x32, xk);
     #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        float *xr = x + (size_t)m * E, *tr = b->tmp + (size_t)m * E;
-        for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
-    }
+    for (int m = 0; m < M; m++) residual_row(x + (size_t)m * E, b->tmp + (size_t)m * E, NULL, ly->post2, E, s->eps);
 }
 
 /* The step's buffers (see step_buf); returns 0 when one could not be had. */
@@ -147,15 +168,20 @@ static void step_buf_free(step_buf *b) {
  * keys and values into the pools). Returns 0; -1 for a projection whose parts do not
  * fit the shape (type, K, rows) or an invalid attention plan; -2 when out of memory. */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads) {
-    if (!stack_valid(s) || !plan_valid(&st->own, s->KVH) || !plan_valid(&st->shared, s->KVH)) return -1;
+    if (!stack_valid(s)) return -1;
+    int maxr = 1;
+    for (int k = 0; k < HP_KINDS; k++) {
+        if (!plan_valid(&st->own[k], s->KVH) || !plan_valid(&st->shared[k], s->KVH)) return -1;
+        const int ro = max_task_rows(&st->own[k]), rs = max_task_rows(&st->shared[k]);
+        maxr = ro > maxr ? ro : maxr;
+        maxr = rs > maxr ? rs : maxr;
+    }
     const int M = st->M, E = s->E, HD = s->H * s->D, I = s->I;
     const int kmax = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
     step_buf b;
     xquant x32, xk;
     const int okq = xquant_alloc(&x32, M, kmax) & xquant_alloc(&xk, M, kmax);
     int failed = !(step_buf_alloc(&b, s, M) && okq);
-    const int maxr_own = max_task_rows(&st->own), maxr_sh = max_task_rows(&st->shared);
-    const int maxr = maxr_own > maxr_sh ? maxr_own : maxr_sh;
     if (!failed) {
         #pragma omp parallel num_threads(nthreads) reduction(|:failed)
         {

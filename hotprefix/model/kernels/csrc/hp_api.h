@@ -10,14 +10,22 @@
 
 #include "hp.h"  /* hp_part */
 
+#define HP_KINDS 2  /* attention kinds a step may hold: each its rotary tables and plans (global, local) */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 /* One layer's weights (each projection's parts regrouped by hp_repack) and cache. */
 typedef struct {
-    const float *norm1, *norm2;                     /* [E] */
+    const float *norm1, *norm2;                     /* [E]: before attention, before the MLP */
     hp_part qkv[3], o, gu[2], down;                 /* rows [(H + 2 KVH) D], [E], [2I], [E] */
     int nqkv, ngu;                                  /* parts of qkv (1-3) and gu (1-2) */
     const float *b_qkv, *b_o;                       /* [(H + 2 KVH) D], [E], or NULL */
     void *kpool, *vpool;                            /* [KVH, S, D] of the stack's kv_type */
     float k_scale, v_scale;                         /* fp8 pools: value = byte's value * scale */
+    const float *q_norm, *k_norm;                   /* [D]: each head of q and k normed before RoPE, or NULL */
+    const float *post1, *post2;                     /* [E]: the attention's and the MLP's output normed
+                                                       before its residual add (Gemma), or NULL */
+    int act;                                        /* the MLP's: ACT_SILU, ACT_GELU_TANH */
+    int kind;                                       /* its rotary tables and plans in the step: < HP_KINDS */
 } hp_layer;
 
 /* The decoder stack: its layers and shape. */
@@ -52,15 +60,15 @@ typedef struct {
 } hp_att;
 
 /* One decode step. x [M, E]: the rows' hidden states, updated in place through the
- * layers. cos, sin: [M, D] (rope()'s halves); wslots [M]: where each row's key and value
- * go; own: the attention plan over each row's keys (rows indexing q as [M * H, D]);
- * shared: the cascades' shared prefixes (ntasks 0: none), run first, whose saved state
- * own's ATT_INIT tasks continue. */
+ * layers. Per attention kind (a layer's `kind`): cos, sin [M, D] (rope()'s halves), own:
+ * the attention plan over each row's keys (rows indexing q as [M * H, D]), shared: the
+ * cascades' shared prefixes (ntasks 0: none), run first, whose saved state own's
+ * ATT_INIT tasks continue. wslots [M]: where each row's key and value go. */
 typedef struct {
     float *x;
-    const float *cos_, *sin_;
+    const float *cos_[HP_KINDS], *sin_[HP_KINDS];
     const int64_t *wslots;
-    hp_plan own, shared;
+    hp_plan own[HP_KINDS], shared[HP_KINDS];
     int M;
 } hp_step;
 
@@ -77,6 +85,7 @@ int hp_vector_paths(void);
 /* attention and the per-row operations (attention.c, ops.c) */
 int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads);
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads);
+void hp_gelu_tanh_mul(const float *gu, int M, int I, float *out, int nthreads);
 void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,
                  int64_t k_row, const float *v, int64_t v_row, int KVH, int D);
 void hp_kv_write_fp8(uint8_t *kpool, uint8_t *vpool, int64_t head_stride, const int64_t *slots, int T,

@@ -1,4 +1,4 @@
-/* RMSNorm, RoPE, silu * up and KV writes as separate calls (the layer-by-layer path of
+/* RMSNorm, RoPE, silu * up, gelu_tanh * up and KV writes as separate calls (the layer-by-layer path of
  * int8 mode): the row functions of ops.h over the rows, split over OpenMP threads. */
 #include "ops.h"
 #include "hp_api.h"
@@ -6,6 +6,11 @@
 void hp_silu_mul(const float *gu, int M, int I, float *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int m = 0; m < M; m++) silu_mul_row(gu + (size_t)m * 2 * I, I, out + (size_t)m * I);
+}
+
+void hp_gelu_tanh_mul(const float *gu, int M, int I, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int m = 0; m < M; m++) gelu_tanh_mul_row(gu + (size_t)m * 2 * I, I, out + (size_t)m * I);
 }
 
 void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t *slots, int T, const float *k,

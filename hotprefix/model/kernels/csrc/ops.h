@@ -40,6 +40,20 @@ static inline void silu_mul_row(const float *g, int I, float *o) {
     }
 }
 
+/* out[i] = gelu_tanh(g[i]) * g[I + i] for a row g = [gate | up] of 2I floats (Gemma's GeGLU):
+ * gelu_tanh(x) = x / 2 (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as
+ * x / (1 + e^-2u), the same select as silu_mul_row's so that the loop vectorizes. */
+static inline void gelu_tanh_mul_row(const float *g, int I, float *o) {
+    const float *up = g + I;
+    #pragma omp simd
+    for (int i = 0; i < I; i++) {
+        const float x = g[i], u2 = 1.5957691216057308f * (x + 0.044715f * x * x * x);  /* 2u */
+        const float e = exp_nonpos(-fabsf(u2));  /* e^-|2u| */
+        const float num = u2 >= 0.0f ? x : x * e;
+        o[i] = num / (1.0f + e) * up[i];
+    }
+}
+
 /* fp8 KV (--kv-cache-dtype fp8, fp8_e5m2): KV_F32 pools hold float32, KV_E4M3 and KV_E5M2
  * pools one byte a value, value / scale rounded as torch's cast rounds. */
 enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
