@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +26,7 @@ from typing import Any
 
 log = logging.getLogger("hotprefix.requests")
 
+_HEX = re.compile("[0-9a-f]*")
 REPLAYED = "`prefix` or times"  # what lint replays: the prompts' chains, the cache, the order of arrival
 _MISSING = object()
 
@@ -55,8 +57,14 @@ def _number(x: Any) -> bool:
 
 
 def _hex_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(b, str) and len(b) % 2 == 0 and all(
-        c in "0123456789abcdef" for c in b) for b in x)
+    """A list of lowercase hex strings of whole bytes (a log's rows hold thousands: checked in C)."""
+    if not isinstance(x, list):
+        return False
+    try:
+        joined = "".join(x)
+    except TypeError:  # an element that is not a string
+        return False
+    return not any(map((1).__and__, map(len, x))) and _HEX.fullmatch(joined) is not None
 
 
 def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str, group: str,
@@ -75,14 +83,18 @@ def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str,
 
 @dataclass(frozen=True)
 class KVShape:
-    """The prefix cache the server had: its block size, pool blocks and host-tier blocks."""
+    """The prefix cache the server had: its block size, pool blocks and host-tier blocks,
+    and the bytes of one block (None in logs older than it: lint --curve then needs the
+    model)."""
 
     block_size: int
     blocks: int
     host_blocks: int = 0
+    block_bytes: int | None = None
 
     def to_json(self) -> dict[str, int]:
-        return {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+        out = {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+        return out if self.block_bytes is None else {**out, "block_bytes": self.block_bytes}
 
     @classmethod
     def from_json(cls, obj: Any) -> KVShape:
@@ -90,7 +102,8 @@ class KVShape:
         kv = _field({"kv": obj}, "kv", lambda x: isinstance(x, dict), "an object", REPLAYED)
         return cls(_field(kv, "block_size", _positive, "an integer >= 1", REPLAYED, where="kv."),
                    _field(kv, "blocks", _positive, "an integer >= 1", REPLAYED, where="kv."),
-                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv."))
+                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv."),
+                   _field(kv, "block_bytes", _positive, "an integer >= 1", REPLAYED, None, "kv."))
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,14 @@ from typing import Any
 from hotprefix.config import ConfigError
 
 
-def fetch(url: str, api_key: str | None, top: int = 50) -> dict[str, Any]:
-    """The server's /prefix_groups. Raises ConfigError when it cannot be read."""
+def fetch(url: str, api_key: str | None, top: int = 50, path: str = "/prefix_groups") -> dict[str, Any]:
+    """The server's /prefix_groups (or another of its JSON pages). Raises ConfigError when
+    it cannot be read."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(url.rstrip("/") + "/prefix_groups", params={"top": top}, headers=headers, timeout=30)
+        r = httpx.get(url.rstrip("/") + path, params={"top": top}, headers=headers, timeout=30)
     except httpx.HTTPError as e:
         raise ConfigError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
@@ -22,7 +23,7 @@ def fetch(url: str, api_key: str | None, top: int = 50) -> dict[str, Any]:
             msg = r.json()["error"]["message"]
         except Exception:
             msg = r.text[:200]
-        raise ConfigError(f"{url}/prefix_groups answered {r.status_code}: {msg}")
+        raise ConfigError(f"{url}{path} answered {r.status_code}: {msg}")
     return r.json()
 
 
