@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -144,7 +144,6 @@ class Options:
     host_grid: int = GRID
     sample_rate: float | None = None
     pinned: frozenset[Key] = frozenset()
-    progress: list[str] = field(default_factory=list)
 
 
 def build(reqs: Sequence[SimRequest], tenants: Sequence[str | None], block_size: int,

@@ -50,10 +50,11 @@ class Sample:
         bytes, hex text by its first four digits)."""
         if self.whole or not keys:
             return list(keys)
-        if isinstance(keys[0], str):
-            lo, hi = f"{self.lo:04x}", f"{self.hi:04x}" if self.hi < SPACE else "g"
-        else:
-            lo, hi = self.lo.to_bytes(2, "big"), self.hi.to_bytes(2, "big") if self.hi < SPACE else b"\xff\xff\xff"
+        text = isinstance(keys[0], str)
+        lo = f"{self.lo:04x}" if text else self.lo.to_bytes(2, "big")
+        if self.hi == SPACE:
+            return [k for k in keys if lo <= k]
+        hi = f"{self.hi:04x}" if text else self.hi.to_bytes(2, "big")
         return [k for k in keys if lo <= k < hi]
 
 

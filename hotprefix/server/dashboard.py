@@ -18,6 +18,7 @@ since; the server's pool is marked on it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.prefix_log import PrefixRecorder
 from hotprefix.server.request_log import KVShape, PrefixEntry
 from hotprefix.server.stats_log import Sample, rates
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,7 +115,11 @@ class Dashboard:
             if recent.added == self._curve_seen or time.monotonic() - self._curve_at < self.curve_every:
                 return
             self._curve_seen, self._curve_at = recent.added, time.monotonic()
-            self.curve = await asyncio.to_thread(recent_curve, recent.snapshot(), self.prefix.kv)
+            try:
+                self.curve = await asyncio.to_thread(recent_curve, recent.snapshot(), self.prefix.kv)
+            except Exception:  # a bug in the curve must not take the rest of the page down
+                log.exception("the dashboard's hit-rate curve failed")
+                self.curve = None
 
     def _totals(self, now: Sample) -> dict[str, Any]:
         """The counters as /metrics exports them (the page's numbers can be checked against it)."""
