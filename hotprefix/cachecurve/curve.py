@@ -101,10 +101,7 @@ class Curve:
     checks: tuple[Check, ...] = ()
 
     def rate(self, pool: int) -> float:
-        return self._rate(self.hits, self.prompt_tokens, pool)
-
-    def _rate(self, hits: Hits, tokens: int, pool: int) -> float:
-        return float(hits.at(pool)) * self.block_size / tokens if tokens else 0.0
+        return float(self.hits.at(pool)) * self.block_size / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def unbounded(self) -> float:
@@ -131,12 +128,12 @@ class Curve:
         return sorted(sizes | {e for e in extra if e >= 1})
 
 
-@dataclass
+@dataclass(frozen=True)
 class Options:
     """What `build` computes besides the device curve: a host tier of `host_blocks`
     replayed at the sizes of interest (`pools`: the server's, say) and on a grid of
-    `host_grid` sizes; how many sizes check the pass; the sample rate (None: sample only what does not fit
-    BLOCK_BUDGET); pinned block keys (held out of the LRU, always found)."""
+    `host_grid` sizes; how many sizes check the pass; the sample rate (None: sample only
+    what does not fit BLOCK_BUDGET); pinned block keys (held out of the LRU, always found)."""
 
     host_blocks: int = 0
     pools: tuple[int, ...] = ()
