@@ -145,7 +145,7 @@ class PrefixGroups:
 
 class RecentPrompts:
     """The latest finished prompts' log entries, in the order they finished, with when:
-    the traffic the dashboard's hit-rate curve replays (tools/curve.py). Bounded by the
+    the traffic the dashboard's hit-rate curve replays (cachecurve/curve.py). Bounded by the
     block digests it holds (`max_blocks`; the oldest entries go first). Lives on the
     event loop; `snapshot` copies it for another thread."""
 
