@@ -132,6 +132,11 @@ class AsyncEngine:
         return self._engine.kv.block_size
 
     @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block (all layers, K and V)."""
+        return self._engine.runner.plan.bytes_per_block
+
+    @property
     def default_sampling(self) -> dict[str, float | int]:
         """Sampling defaults from the model's generation config (see ModelConfig)."""
         return self._engine.default_sampling

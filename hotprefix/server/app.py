@@ -46,7 +46,7 @@ def prefix_recorder(engine: AsyncEngine, cfg: ServerConfig) -> PrefixRecorder | 
     info = engine.cache_info()
     if info["enable_prefix_caching"] != "True":
         return None
-    kv = KVShape(engine.block_size, int(info["num_gpu_blocks"]), int(info["num_cpu_blocks"]))
+    kv = KVShape(engine.block_size, int(info["num_gpu_blocks"]), int(info["num_cpu_blocks"]), engine.kv_block_bytes)
     return PrefixRecorder(LogKey.for_log(cfg.request_log), PrefixGroups(engine.block_size), kv,
                           cfg.request_log_prompts)
 
@@ -76,7 +76,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     ctx = ServerContext(engine, serving, metrics, cfg, names)
     stats = StatsLogger(engine, cfg.stats_interval)
     dash = Dashboard(engine, metrics, serving.prefix, server_limits(engine, cfg), cfg.dashboard_interval,
-                     cfg.dashboard_window)
+                     cfg.dashboard_window, curve_every=6 * cfg.dashboard_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

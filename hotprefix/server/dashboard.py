@@ -8,11 +8,19 @@ every `interval` seconds into a series over the last `window` seconds; latency
 percentiles are exact over the window (ServerMetrics keeps the latest observations);
 the top cached prefixes come from the prefix groups (server/prefix_log.py), with pins
 marked; their text only when the operator logs prompts (--request-log-prompts).
+
+The hit-rate curve (hotprefix/cachecurve: the hit rate this traffic would get at every
+pool size, and with the host tier at the server's) is the recent prompts' (the
+recorder's RecentPrompts, bounded by block digests), recomputed in a thread when the
+page asks for it, at most every `curve_every` seconds and only when prompts finished
+since; the server's pool is marked on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +28,17 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse
 
+from hotprefix.cachecurve.advice import advise, to_json
+from hotprefix.cachecurve.curve import Options, build
+from hotprefix.cachecurve.request import SimRequest
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.prefix_log import PrefixRecorder
+from hotprefix.server.request_log import KVShape, PrefixEntry
 from hotprefix.server.static_page import StaticPage
 from hotprefix.server.stats_log import Sample, rates
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,7 +51,12 @@ class Dashboard:
     limits: dict[str, Any]
     interval: float = 5.0
     window: float = 900.0
+    curve_every: float = 30.0
     samples: deque[Sample] = field(default_factory=deque)
+    curve: dict[str, Any] | None = None
+    _curve_seen: int = 0  # RecentPrompts.added when the curve was computed
+    _curve_at: float = -float("inf")
+    _curve_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def sample(self, keep: bool = True) -> Sample:
         """Take one sample and return it; a kept one stays while it is inside the window (only
@@ -68,6 +87,7 @@ class Dashboard:
         (itl50, itl95), n_itl = self.metrics.recent_itl.percentiles(base.mono)
         pins = await self.engine.call(lambda e: e.pin_summary())
         live = self.engine.live
+        await self.refresh_curve()
         return {
             "time": now.t, "model": self.metrics.model_name, "limits": self.limits,
             "window": {"seconds": now.mono - base.mono, **rates(base, now),
@@ -83,7 +103,24 @@ class Dashboard:
                     "tiers": _tiers(live.tiers)},
             "totals": self._totals(now),
             "top_prefixes": self._top(pins.first_blocks),
+            "curve": self.curve,
         }
+
+    async def refresh_curve(self) -> None:
+        """Recompute the curve (in a thread) if prompts finished since and it is older than
+        curve_every seconds. Mutates self.curve."""
+        if self.prefix is None:
+            return
+        async with self._curve_lock:
+            recent = self.prefix.recent
+            if recent.added == self._curve_seen or time.monotonic() - self._curve_at < self.curve_every:
+                return
+            self._curve_seen, self._curve_at = recent.added, time.monotonic()
+            try:
+                self.curve = await asyncio.to_thread(recent_curve, recent.snapshot(), self.prefix.kv)
+            except Exception:  # a bug in the curve must not take the rest of the page down
+                log.exception("the dashboard's hit-rate curve failed")
+                self.curve = None
 
     def _totals(self, now: Sample) -> dict[str, Any]:
         """The counters as /metrics exports them (the page's numbers can be checked against it)."""
@@ -103,6 +140,17 @@ class Dashboard:
                  "requests": g["requests"], "hit_tokens": g["cached_tokens"], "hit_rate": g["hit_rate"],
                  "last_use": g["last_use"], "pinned": g["group"] in pinned_groups,
                  **({"text": g["text"]} if "text" in g else {})} for g in groups]
+
+
+def recent_curve(prompts: list[tuple[float, PrefixEntry]], kv: KVShape) -> dict[str, Any]:
+    """The curve's JSON of prompts (when each finished, its entry) on the server's cache:
+    its pool marked, its host tier (if any) replayed at the pool, no checks (the page is no
+    place for them: `hotprefix lint LOG --curve` makes them)."""
+    reqs = [SimRequest(e.blocks or (), e.tokens, e.completion or 1) for _, e in prompts]
+    span = prompts[-1][0] - prompts[0][0] if len(prompts) > 1 else None
+    curve = build(reqs, [e.salt for _, e in prompts], kv.block_size, span,
+                  Options(kv.host_blocks, (kv.blocks,), checks=0, host_grid=0))
+    return to_json(curve, advise(curve, kv.block_bytes, kv.blocks), kv.block_bytes)
 
 
 def _tiers(t: Any) -> dict[str, Any]:

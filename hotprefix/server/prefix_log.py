@@ -19,8 +19,8 @@ import hashlib
 import os
 import secrets
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,15 +143,40 @@ class PrefixGroups:
             for k, g in rows]}
 
 
+class RecentPrompts:
+    """The latest finished prompts' log entries, in the order they finished, with when:
+    the traffic the dashboard's hit-rate curve replays (cachecurve/curve.py). Bounded by the
+    block digests it holds (`max_blocks`; the oldest entries go first). Lives on the
+    event loop; `snapshot` copies it for another thread."""
+
+    def __init__(self, max_blocks: int = 200_000) -> None:
+        self.max_blocks = max_blocks
+        self.entries: deque[tuple[float, PrefixEntry]] = deque()
+        self.blocks = 0
+        self.added = 0  # entries ever added: a reader knows whether anything is new
+
+    def add(self, entry: PrefixEntry, when: float) -> None:
+        self.entries.append((when, entry))
+        self.blocks += len(entry.blocks or ())
+        self.added += 1
+        while self.blocks > self.max_blocks and len(self.entries) > 1:
+            self.blocks -= len(self.entries.popleft()[1].blocks or ())
+
+    def snapshot(self) -> list[tuple[float, PrefixEntry]]:
+        return list(self.entries)
+
+
 @dataclass
 class PrefixRecorder:
-    """Turns finished prompts into request-log entries and feeds the live view.
-    kv: the cache the server has, written in each log row (lint replays that size)."""
+    """Turns finished prompts into request-log entries and feeds the live views (the
+    prefix groups, the recent prompts). kv: the cache the server has, written in each
+    log row (lint replays that size)."""
 
     key: LogKey
     groups: PrefixGroups
     kv: KVShape
     with_text: bool = False
+    recent: RecentPrompts = field(default_factory=RecentPrompts)
 
     def entry(self, out: RequestOutput, scope: CacheScope, text: str | None) -> PrefixEntry:
         """The log entry of one engine request (its prompt); a finished one also feeds
@@ -162,6 +187,9 @@ class PrefixRecorder:
             blocks = tuple(self.key.digests(out.block_hashes))
             self.groups.observe(list(blocks), tokens, out.num_cached_tokens, text if self.with_text else None)
         salt = None if scope.salt is None else self.key.digest(scope.salt.encode())
-        return PrefixEntry(tokens, out.num_cached_tokens, len(out.outputs[0].token_ids) if out.outputs else 0,
-                           blocks, salt, scope.offset if salt is not None else 0,
-                           text if self.with_text else None)
+        entry = PrefixEntry(tokens, out.num_cached_tokens, len(out.outputs[0].token_ids) if out.outputs else 0,
+                            blocks, salt, scope.offset if salt is not None else 0,
+                            text if self.with_text else None)
+        if blocks is not None:
+            self.recent.add(replace(entry, text=None), time.time())
+        return entry

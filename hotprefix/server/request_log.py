@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,6 +36,8 @@ MAX_BLOCKS = 1 << 24  # a pool's or host tier's blocks (16.7M: more than any ser
 MAX_TOKENS = 1 << 24  # one prompt's tokens or one request's completion tokens
 MAX_PROMPTS = 1 << 16  # prompts of one request
 MAX_DIGEST_CHARS = 128  # one block digest, in hex
+MAX_BLOCK_BYTES = 1 << 40  # one block of every layer's K and V
+_HEX = re.compile("[0-9a-f]*")
 REPLAYED = "`prefix` or times"  # what lint replays: the prompts' chains, the cache, the order of arrival
 _MISSING = object()
 
@@ -65,9 +68,17 @@ def _number(x: Any) -> bool:
 
 
 def _hex_list(x: Any) -> bool:
-    return isinstance(x, list) and len(x) <= MAX_TOKENS and all(
-        isinstance(b, str) and len(b) % 2 == 0 and len(b) <= MAX_DIGEST_CHARS and all(
-            c in "0123456789abcdef" for c in b) for b in x)
+    """At most MAX_TOKENS lowercase hex strings of whole bytes, each of at most
+    MAX_DIGEST_CHARS (a log's rows hold thousands: checked in C)."""
+    if not isinstance(x, list) or len(x) > MAX_TOKENS:
+        return False
+    try:
+        joined = "".join(x)
+    except TypeError:  # an element that is not a string
+        return False
+    if any(map((1).__and__, map(len, x))) or max(map(len, x), default=0) > MAX_DIGEST_CHARS:
+        return False
+    return _HEX.fullmatch(joined) is not None
 
 
 def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str, group: str,
@@ -89,14 +100,18 @@ def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str,
 
 @dataclass(frozen=True)
 class KVShape:
-    """The prefix cache the server had: its block size, pool blocks and host-tier blocks."""
+    """The prefix cache the server had: its block size, pool blocks and host-tier blocks,
+    and the bytes of one block (None in logs older than it: lint --curve then needs the
+    model)."""
 
     block_size: int
     blocks: int
     host_blocks: int = 0
+    block_bytes: int | None = None
 
     def to_json(self) -> dict[str, int]:
-        return {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+        out = {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+        return out if self.block_bytes is None else {**out, "block_bytes": self.block_bytes}
 
     @classmethod
     def from_json(cls, obj: Any) -> KVShape:
@@ -104,7 +119,8 @@ class KVShape:
         kv = _field({"kv": obj}, "kv", lambda x: isinstance(x, dict), "an object", REPLAYED)
         return cls(_field(kv, "block_size", _positive, "an integer >= 1", REPLAYED, where="kv.", most=MAX_BLOCK_SIZE),
                    _field(kv, "blocks", _positive, "an integer >= 1", REPLAYED, where="kv.", most=MAX_BLOCKS),
-                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv.", MAX_BLOCKS))
+                   _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv.", MAX_BLOCKS),
+                   _field(kv, "block_bytes", _positive, "an integer >= 1", REPLAYED, None, "kv.", MAX_BLOCK_BYTES))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hotprefix.cachecurve.request import SimRequest
 from hotprefix.config import SchedulerConfig
 from hotprefix.core.block_pool import IntegrityError
 from hotprefix.core.kv_cache_manager import KVCacheManager
@@ -55,21 +56,6 @@ class CacheSize:
                 f"{host}, LRU eviction as the server's pool ({self.source})")
 
 
-@dataclass(frozen=True)
-class SimRequest:
-    """One request as the cache sees it: the hashes of its full blocks (prompt, then
-    output), its prompt length and how many tokens it generated."""
-
-    hashes: Sequence[bytes]
-    prompt_tokens: int
-    output_tokens: int = 1
-
-    @property
-    def computed_tokens(self) -> int:
-        """Tokens whose KV is written: the last sampled token never is."""
-        return self.prompt_tokens + max(self.output_tokens, 1) - 1
-
-
 @dataclass
 class Replay:
     """Per request: cached prompt tokens, and blocks shared with some earlier request
@@ -84,11 +70,17 @@ class Replay:
         return sum(self.hits)
 
 
-def replay(reqs: Sequence[SimRequest], block_size: int, size: CacheSize = CacheSize()) -> Replay:
-    """Run reqs in order through a cache of the given size (see the module doc)."""
+def replay(reqs: Sequence[SimRequest], block_size: int, size: CacheSize = CacheSize(),
+           pinned: Sequence[SimRequest] = ()) -> Replay:
+    """Run reqs in order through a cache of the given size (see the module doc), after
+    computing and pinning the full blocks of the `pinned` prompts (as POST /pin does; any
+    share of the pool). Raises PinError when a pin does not fit."""
     if size.device_blocks is None:
-        return _unbounded(reqs, block_size)
+        return _unbounded(reqs, block_size, {h for r in pinned for h in r.hashes[:r.prompt_tokens // block_size]})
     engine = _Engine(size.device_blocks, size.host_blocks, block_size)
+    for i, r in enumerate(pinned, len(reqs)):
+        engine.run(i, r)
+        engine.kv.pin(list(r.hashes[:r.prompt_tokens // block_size]))
     out = Replay()
     seen: set[bytes] = set()
     for i, r in enumerate(reqs):
@@ -108,8 +100,7 @@ def _leading(hashes: Sequence[bytes], seen: set[bytes]) -> int:
     return n
 
 
-def _unbounded(reqs: Sequence[SimRequest], block_size: int) -> Replay:
-    seen: set[bytes] = set()
+def _unbounded(reqs: Sequence[SimRequest], block_size: int, seen: set[bytes]) -> Replay:
     out = Replay()
     for r in reqs:
         cap = min(max_cached_blocks(r.prompt_tokens, block_size), len(r.hashes))
@@ -125,7 +116,8 @@ class _Engine:
     the replay samples nothing, the tokens are known."""
 
     def __init__(self, device_blocks: int, host_blocks: int, block_size: int) -> None:
-        self.kv = KVCacheManager(device_blocks, block_size, tiers=KVTiers(host_blocks) if host_blocks else None)
+        self.kv = KVCacheManager(device_blocks, block_size, max_pinned_fraction=1.0,
+                                 tiers=KVTiers(host_blocks) if host_blocks else None)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=MAX_STEP_TOKENS), self.kv)
 
     def run(self, index: int, r: SimRequest) -> int | None:

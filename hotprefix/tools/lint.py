@@ -21,6 +21,7 @@ import json
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from hotprefix.server.request_log import MAX_BLOCK_SIZE, PrefixEntry
 from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
 from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 from hotprefix.tools.cache_sim import CacheSize, Replay, SimRequest, replay
+from hotprefix.tools.curve_cli import add_curve_arguments, run_curve
 from hotprefix.tools.jsonl import MAX_LINE_BYTES, MAX_ROWS, json_text
 from hotprefix.tools.lint_input import read_requests
 from hotprefix.tools.volatile import Placement, Volatile, find_volatile, move, spans_of
@@ -375,6 +377,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a longer line of the file is an error (it is never read whole)")
     p.add_argument("--max-rows", type=int, default=MAX_ROWS, help="more rows in the file is an error")
     p.add_argument("--json", action="store_true")
+    add_curve_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -386,12 +389,13 @@ def load_encoder(model: str | None) -> PromptEncoder:
     return PromptEncoder(gguf_tokenizer(path) if path.is_file() else load_tokenizer(str(path)))
 
 
-def cache_size(a: argparse.Namespace, block_size: int, logged: CacheSize | None) -> CacheSize:
-    """The cache the flags ask for, else the log's, else unbounded. Raises ConfigError."""
+def cache_size(a: argparse.Namespace, block_size: int, logged: CacheSize | None,
+               per_block: int | None = None) -> CacheSize:
+    """The cache the flags ask for, else the log's, else unbounded (sizes in bytes count
+    blocks of `per_block` bytes, else of --model's KV at --kv-cache-dtype). Raises ConfigError."""
     if a.unbounded:
         return CacheSize(source="--unbounded")
-    per_block = None
-    if a.kv_cache_memory is not None or a.kv_offloading_size is not None:
+    if per_block is None and (a.kv_cache_memory is not None or a.kv_offloading_size is not None):
         from hotprefix.config import parse_size
         from hotprefix.tools.size import kv_dtype, load_shape
 
@@ -412,23 +416,34 @@ def cache_size(a: argparse.Namespace, block_size: int, logged: CacheSize | None)
         raise ConfigError(str(e)) from None
 
 
+def _template(a: argparse.Namespace) -> str | None:
+    """--chat-template: a file's text, or the text given."""
+    t = a.chat_template
+    return Path(t).read_text() if t and Path(t).is_file() else t
+
+
+def _sims(a: argparse.Namespace, bodies: list[dict[str, Any]], block_size: int) -> list[SimRequest]:
+    """Request bodies as the cache sees them (the model's tokenizer and template)."""
+    linter = Linter(load_encoder(a.model), block_size, _template(a))
+    return [linter.prepare(b).sim for b in bodies]
+
+
 def run(a: argparse.Namespace) -> int:
+    if not (a.max_line_bytes >= 1 and a.max_rows >= 1):
+        raise ConfigError("--max-line-bytes and --max-rows must be >= 1")
+    if a.curve or a.plot:  # tools/curve_cli.py, with this tokenizer (for request bodies) and these cache flags
+        return run_curve(a, partial(_sims, a), partial(cache_size, a))
     if a.url:
         from hotprefix.tools.lint_live import run_live
 
         return run_live(a.url, a.api_key, a.json)
     if not a.file:
         raise ConfigError("give a request file, or --url SERVER")
-    template = a.chat_template
-    if template and Path(template).is_file():
-        template = Path(template).read_text()
-    if not (a.max_line_bytes >= 1 and a.max_rows >= 1):
-        raise ConfigError("--max-line-bytes and --max-rows must be >= 1")
     data = read_requests(Path(a.file), a.max_line_bytes, a.max_rows)
     block_size = a.block_size or data.block_size or 16
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ConfigError(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-    linter = Linter(load_encoder(a.model), block_size, template, cache_size(a, block_size, data.size))
+    linter = Linter(load_encoder(a.model), block_size, _template(a), cache_size(a, block_size, data.size))
     reqs = [_prepared(linter, a.file, line, b) for line, b in data.bodies] + linter.from_log_entries(data.entries)
     rep, fixed = linter.report(reqs)
     if a.write_fixed:

@@ -18,12 +18,12 @@ MAX_ANSWER_BYTES = 32 << 20
 MAX_SHOWN = 200  # characters of a server's error message shown
 
 
-def _read_capped(url: str, headers: dict[str, str], top: int) -> tuple[int, bytes]:
-    """(status, body) of GET url/prefix_groups. Raises ConfigError when it cannot be read
-    or is larger than MAX_ANSWER_BYTES."""
+def _read_capped(url: str, headers: dict[str, str], top: int, path: str) -> tuple[int, bytes]:
+    """(status, body) of GET url + path. Raises ConfigError when it cannot be read or is
+    larger than MAX_ANSWER_BYTES."""
     import httpx
 
-    target = url.rstrip("/") + "/prefix_groups"
+    target = url.rstrip("/") + path
     try:
         with httpx.stream("GET", target, params={"top": top}, headers=headers, timeout=30) as r:
             body = bytearray()
@@ -37,12 +37,12 @@ def _read_capped(url: str, headers: dict[str, str], top: int) -> tuple[int, byte
                           f"{escape_controls(str(e))[:MAX_SHOWN]}") from None
 
 
-def fetch(url: str, api_key: str | None, top: int = 50) -> dict[str, Any]:
-    """The server's /prefix_groups, checked (see check_snapshot). Raises ConfigError when
-    it cannot be read or is not the server's prefix groups."""
+def fetch(url: str, api_key: str | None, top: int = 50, path: str = "/prefix_groups") -> dict[str, Any]:
+    """The server's /prefix_groups, checked (see check_snapshot), or another of its JSON
+    pages (an object). Raises ConfigError when it cannot be read or is not what it serves."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    status, body = _read_capped(url, headers, top)
-    where = escape_controls(url.rstrip("/") + "/prefix_groups")
+    status, body = _read_capped(url, headers, top, path)
+    where = escape_controls(url.rstrip("/") + path)
     try:
         answer = json.loads(body)
     except (ValueError, RecursionError):
@@ -52,9 +52,11 @@ def fetch(url: str, api_key: str | None, top: int = 50) -> dict[str, Any]:
             answer.get("error"), dict) else None
         shown = msg if isinstance(msg, str) else body[:MAX_SHOWN].decode("utf-8", "replace")
         raise ConfigError(f"{where} answered {status}: {escape_controls(shown)[:MAX_SHOWN]}")
-    problem = check_snapshot(answer)
+    groups = path == "/prefix_groups"
+    problem = check_snapshot(answer) if groups else None if isinstance(answer, dict) else "it must be a JSON object"
     if problem is not None:
-        raise ConfigError(f"{where} answered something that is not its prefix groups: {problem}")
+        raise ConfigError(f"{where} answered something that is not its {'prefix groups' if groups else 'page'}: "
+                          f"{problem}")
     return answer
 
 

@@ -1,20 +1,27 @@
 """`hotprefix size`: KV-cache memory for a model, a prompt pool and a concurrency.
 
 Shares sizing.py with the engine: the numbers here are the ones the engine uses
-to size its pool.
+to size its pool. With --from-log, the hit-rate curve of a server's request log
+(hotprefix/cachecurve) answers beside the formula: the pool that reaches 95 % of the
+hit rate an unbounded cache would give that traffic, in each dtype's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from hotprefix.cachecurve.advice import TARGET, Size, advise, to_json
+from hotprefix.cachecurve.curve import Options, build
 from hotprefix.config import ConfigError, parse_size
 from hotprefix.model.arch import ModelLoadError, arch_from_hf_config
 from hotprefix.model.presets import PRESETS
 from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, size_report
+from hotprefix.tools.curve_log import read_log
+from hotprefix.tools.curve_report import render
 
 DTYPES = ("float32", "float16", "bfloat16", "fp8")  # serve's --kv-cache-dtype names
 SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # older spellings, still accepted
@@ -85,7 +92,8 @@ def _tier(blocks: int, prompts: int, block_size: int) -> str:
     return "-" if not blocks else f"{blocks * block_size:,} tokens, {prompts:,} prompts"
 
 
-def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight_bytes: int) -> str:
+def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight_bytes: int,
+                 from_log: list[Size] | None = None) -> str:
     rows = [
         ("bytes per token", lambda r: f"{r.bytes_per_token:,} ({_human(r.bytes_per_token)})"),
         (f"bytes per token of each KV group ({len(shape.kv_groups.windows)} groups)",
@@ -98,6 +106,8 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
         ("blocks in budget", lambda r: "-" if r.blocks_in_budget is None else f"{r.blocks_in_budget:,}"),
         (f"blocks needed (pool + {reports[0].concurrency} x {reports[0].max_model_len}-token requests)",
          lambda r: f"{r.blocks_needed:,}"),
+        *([("95 % of the log's unbounded hit rate (its blocks)", lambda r: _logged(from_log, reports.index(r)))]
+          if from_log else []),
         ("fits with zero eviction", lambda r: "-" if r.fits_without_eviction is None
          else ("yes" if r.fits_without_eviction else "NO")),
         (f"max concurrency at {reports[0].max_model_len} tokens (pool shared)",
@@ -124,6 +134,11 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
     for (label, _), row in zip(rows, cells):
         lines.append(label.ljust(w) + "  " + "  ".join(v.rjust(cw[i]) for i, v in enumerate(row)))
     return "\n".join(lines)
+
+
+def _logged(sizes: list[Size], i: int) -> str:
+    s = sizes[i]
+    return f"{s.flag} ({s.blocks:,} blocks)" if s.flag else f"{s.blocks:,} blocks"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -154,6 +169,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retain-every", type=int, default=8192,
                    help="a window model's KV groups would keep a window tail every this many tokens (the sequence "
                         "row: the arithmetic of the grouped pool, which the engine does not have yet)")
+    p.add_argument("--from-log", metavar="LOG", default=None,
+                   help="a `serve --request-log` file: the pool that reaches 95 %% of the hit rate an unbounded cache "
+                        "would give its traffic (its hit-rate curve), beside the formula's answer")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -166,9 +184,42 @@ def run(a: argparse.Namespace) -> int:
                            a.max_model_len, budget, int(a.kv_offloading_size * 2**30), int(a.kv_disk_size * 2**30),
                            a.retain_every)
                for dt in (a.dtype or DTYPES)]
+    logged = LoggedCurve.read(Path(a.from_log), shape, [r.dtype for r in reports]) if a.from_log else None
     if a.json:
         print(json.dumps({"model": name, "shape": asdict(shape), "weight_bytes": weights,
-                          "reports": [asdict(r) for r in reports]}, indent=2))
+                          "reports": [asdict(r) for r in reports],
+                          **({"from_log": logged.to_json()} if logged else {})}, indent=2))
     else:
-        print(render_table(name, shape, reports, weights))
+        print(render_table(name, shape, reports, weights, logged.sizes if logged else None))
+        if logged:
+            print(f"\nfrom {a.from_log}:\n{render(logged.js)}")
     return 0
+
+
+@dataclass(frozen=True)
+class LoggedCurve:
+    """A request log's curve (its own blocks: the log's block size, the bytes of the
+    log's server) and its recommendation in each dtype's bytes (at the log's block size)."""
+
+    js: dict[str, Any]
+    sizes: list[Size]
+    dtypes: list[str]
+
+    @classmethod
+    def read(cls, path: Path, shape: ModelShape, dtypes: list[str]) -> LoggedCurve:
+        """Raises ConfigError for a file that is not a request log with block hashes."""
+        log = read_log(path)
+        if log.bodies or not log.reqs:
+            raise ConfigError(f"{path}: no request-log rows with block hashes (`serve --request-log` with prefix "
+                              "caching writes them)")
+        bs = log.kv.block_size if log.kv else 16
+        kv = log.kv
+        curve = build(log.reqs, log.tenants, bs, log.span_s,
+                      Options(kv.host_blocks if kv else 0, (kv.blocks,) if kv else ()))
+        per_block = kv.block_bytes if kv else None
+        js = to_json(curve, advise(curve, per_block, kv.blocks if kv else None), per_block)
+        p95 = curve.pool_for(TARGET) or 0
+        return cls(js, [Size.of(p95, shape.kv.bytes_per_block(dt, bs)) for dt in dtypes], dtypes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"curve": self.js, "recommended": {dt: asdict(s) for dt, s in zip(self.dtypes, self.sizes)}}

@@ -99,3 +99,38 @@ def test_polling_the_data_does_not_grow_the_series(tiny_llama):
     finally:
         s.stop()
     assert lengths == [1] * 30  # the sampler's one sample at start, closed by each answer's fresh one
+
+
+def test_the_page_draws_the_hit_rate_curve_with_the_pool_marked(tiny_llama):
+    """Prompts of two shared prefixes, then the page: the curve is drawn from the recent
+    prompts, its marker sits at the server's pool, and it says what an unbounded cache gives."""
+    s = start_server(tiny_llama[0], block_size=4, num_blocks_override=48)
+    try:
+        for i in range(8):
+            prompt = SHARED * (1 + i % 2) + f"question {i}"
+            r = httpx.post(s.v1 + "/completions", json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+                           timeout=60)
+            assert r.status_code == 200
+        data = httpx.get(s.url + "/dashboard/data").json()
+        with Browser() as b:
+            b.goto(s.url + "/dashboard")
+            b.wait_for("document.readyState === 'complete' && Number(document.body.dataset.loaded || 0) >= 1")
+            shown = b.evaluate("(() => { const svg = document.getElementById('chart-curve'); "
+                               "const m = document.getElementById('curve-pool'); "
+                               "const dev = document.getElementById('curve-device'); "
+                               "return {xmax: Number(svg.dataset.xmax), x: Number(m.getAttribute('x1')), "
+                               "blocks: Number(m.dataset.blocks), points: Number(dev.dataset.count), "
+                               "advice: document.getElementById('curve-advice').textContent, "
+                               "window: document.getElementById('curve-window').textContent}; })()")
+            errors = b.console_errors()
+    finally:
+        s.stop()
+    curve = data["curve"]
+    assert errors == []
+    assert curve["requests"] == 8 and curve["block_size"] == 4 and curve["advice"]["pool"]["blocks"] == 48
+    assert shown["blocks"] == 48 and shown["window"] == "the last 8 requests"
+    assert shown["x"] == pytest.approx(400 * 48 / shown["xmax"], abs=0.01)
+    assert shown["points"] == len([p for p in curve["points"] if not p["host_blocks"]]) >= 2
+    assert f"unbounded cache {100 * curve['hit_rate_unbounded']:.1f} %" in shown["advice"]
+    assert f"this pool (48 blocks) {100 * curve['advice']['pool_rate']:.1f} %" in shown["advice"]
+    assert curve["hit_rate_unbounded"] > 0.3  # the second of each prefix onwards hits it

@@ -43,7 +43,8 @@ def test_log_rows_carry_keyed_salted_hash_chains_and_no_text(tiny_llama, tmp_pat
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     key = LogKey(bytes.fromhex(key_file.read_text().strip()))
     first, again, other = (r["prefix"][0] for r in rows_of(path))
-    assert rows_of(path)[0]["kv"] == {"block_size": 4, "blocks": 256, "host_blocks": 0}
+    block_bytes = s.engine.arch.kv_shape.bytes_per_block("float32", 4)  # the pool's bytes a block (float32 KV)
+    assert rows_of(path)[0]["kv"] == {"block_size": 4, "blocks": 256, "host_blocks": 0, "block_bytes": block_bytes}
     n = len(ids) // 4
     assert first["blocks"][:n] == key.digests(hashes) and again["blocks"][:n] == first["blocks"][:n]
     assert other["blocks"][:n] == key.digests(salted) and set(other["blocks"]).isdisjoint(first["blocks"])
