@@ -10,6 +10,7 @@ blocks, the model's shape) live in plans built from these configs, never by muta
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -82,6 +83,70 @@ class AttentionBackend(str, Enum):
     TORCH = "torch"
     CPU = "cpu"
     TRITON = "triton"
+
+
+class SpecMethod(str, Enum):
+    """How draft tokens are proposed: ngram (vLLM's prompt lookup) finds the longest
+    suffix n-gram of the request's own tokens earlier in them and proposes what followed."""
+
+    NGRAM = "ngram"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config: vLLM's JSON ({"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": .., "prompt_lookup_min": ..}); one of the two lookup bounds
+    stands for both when the other is missing, and both default to 5 as in vLLM."""
+
+    method: SpecMethod = SpecMethod.NGRAM
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", as_mode(SpecMethod, "--speculative-config method", self.method))
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be in [1, 64], got "
+                              f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ConfigError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A config from vLLM's JSON (text or a dict); None stays None. Raises ConfigError
+        naming what is wrong: not JSON, an unknown key, a method other than ngram, a bound."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown := sorted(set(value) - known):
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: "
+                              f"{', '.join(sorted(known))})")
+        if value.get("method") not in {m.value for m in SpecMethod}:
+            raise ConfigError(f"--speculative-config: method {value.get('method')!r} is not supported here "
+                              "(supported: ngram, which needs no draft model)")
+        if "num_speculative_tokens" not in value:
+            raise ConfigError("--speculative-config: num_speculative_tokens is required")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
+        try:
+            return cls(SpecMethod(value["method"]), int(value["num_speculative_tokens"]), int(hi), int(lo))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--speculative-config: {e}") from None
+
+    def to_json(self) -> str:
+        return json.dumps({"method": self.method.value, "num_speculative_tokens": self.num_speculative_tokens,
+                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+
+
+SPECULATIVE = Unit(SpeculativeConfig.parse, lambda c: c.to_json(), "JSON")
 
 
 def as_mode(cls: type[Enum], name: str, value: object) -> Enum:
@@ -291,6 +356,11 @@ class SchedulerConfig:
         (), "a tenant's weight in each step's fair share of tokens and seats (others weigh 1): TENANT=WEIGHT, "
         "TENANT being a gateway tenant's cache salt or a direct client's ip:ADDRESS", group=G.SCHEDULER,
         names=("--tenant-weight",), nargs="+", metavar="TENANT=WEIGHT", unit=Unit(_tenant_weights), shown="1 each")
+    speculative_config: SpeculativeConfig | None = flag(
+        None, "speculative decoding without a draft model, as vLLM's JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}: drafts from the "
+        "request's own tokens, verified in one pass; the same tokens as without", group=G.SCHEDULER,
+        unit=SPECULATIVE, shown="off")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", as_mode(PreemptionMode, "--preemption-mode",
@@ -310,6 +380,7 @@ class SchedulerConfig:
         bad = next((w for _, w in self.tenant_weights if not 0.01 <= w <= 100), None)
         if bad is not None:
             raise ConfigError(f"--tenant-weight: a weight must be in [0.01, 100], got {bad}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     @property
     def token_budget(self) -> int:

@@ -162,14 +162,15 @@ def _without_none(t: Any) -> Any:
 
 @functools.cache
 def declared(cls: type) -> tuple[Declared, ...]:
-    """The declared fields of dataclass cls and of its dataclass-typed fields, in order.
+    """The declared fields of dataclass cls and of its undeclared dataclass-typed fields (its
+    sections), in order.
     Raises TypeError for a declaration that cannot work (a switch that can only turn a
     True field on)."""
     hints = typing.get_type_hints(cls)
     out: list[Declared] = []
     for f in fields(cls):
         t = _without_none(hints[f.name])
-        if is_dataclass(t):
+        if is_dataclass(t) and FLAG not in f.metadata:  # a section (a declared one is a value, e.g. JSON)
             out += declared(t)
         elif FLAG in f.metadata:
             d = Declared(f.name, f.metadata[FLAG], _default(f), t)
@@ -230,7 +231,7 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
         t = _without_none(hints[f.name])
-        if is_dataclass(t):
+        if is_dataclass(t) and FLAG not in f.metadata:
             kwargs[f.name] = build(t, values)
         elif f.name in values:
             d = by_name.get(f.name)

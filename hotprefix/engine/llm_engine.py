@@ -314,12 +314,12 @@ class LLMEngine:
             st.first_token_time = st.first_token_time or now
         if co.prompt_logprobs is not None and st.prompt_logprobs is None:
             st.prompt_logprobs = co.prompt_logprobs
-        for tok in co.new_token_ids:
+        for i, tok in enumerate(co.new_token_ids):  # several after a verified draft (speculative decoding)
             out.token_ids.append(tok)
             added.append(tok)
             stop = child.detok.append(tok)
             if co.logprobs:
-                out.logprobs = (out.logprobs or []) + co.logprobs
+                out.logprobs = (out.logprobs or []) + co.logprobs[i:i + 1]
             if stop is not None and not co.finished:
                 self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
                 out.finish_reason, out.stop_reason = "stop", stop

@@ -1,0 +1,209 @@
+"""Prompt-lookup speculation in the core (no model): the n-gram search (vLLM's cases and
+a reference search), the adaptive draft length, and the scheduler's side of a verified
+draft: blocks for the draft, the rejected tail's blocks released, stops inside a draft."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hotprefix.config import ConfigError, SchedulerConfig, SpeculativeConfig
+from hotprefix.core.kv_cache_manager import KVCacheManager
+from hotprefix.core.outputs import ModelRunnerOutput
+from hotprefix.core.request import RequestStatus
+from hotprefix.core.scheduler import Scheduler
+from hotprefix.core.speculation import GIVE_UP, Speculator, find_draft
+from hotprefix.sampling_params import StructuredKind, StructuredOutput
+from tests.unit.builders import make_request
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    return find_draft(bytearray(array("i", tokens).tobytes()), min_n, max_n, k)
+
+
+def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The same rule, searched as lists: the longest suffix n-gram found earlier, its latest occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_vllms_cases():
+    assert draft([1, 2, 3, 4, 1, 2, 3, 5, 6], 2, 2, 2) == []
+    assert draft([1, 2, 3, 4, 1, 2, 3], 2, 2, 3) == [4, 1, 2]
+    assert draft([1, 2, 3, 4, 1, 2, 3], 2, 2, 2) == [4, 1]
+    assert draft([1, 2, 3, 4, 1, 2, 3], 1, 1, 3) == [4, 1, 2]
+    assert draft([1, 2, 3, 4, 1, 2, 3], 1, 3, 5) == [4, 1, 2, 3]  # the context ends first
+
+
+def test_the_longest_ngram_then_the_latest_occurrence_wins():
+    assert draft([5, 1, 2, 9, 3, 1, 2, 8, 5, 1, 2], 1, 3, 2) == [9, 3]  # [5, 1, 2] beats the later [1, 2]
+    assert draft([7, 1, 9, 7, 1, 8, 7, 1], 2, 2, 2) == [8, 7]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 256, 257, 65536, 16777216, 16777217, 2**31 - 1]), max_size=40),
+       st.integers(1, 4), st.integers(0, 3), st.integers(1, 6))
+def test_the_byte_search_is_the_list_search(tokens, min_n, extra, k):
+    """Ids whose bytes match across word boundaries must not match there."""
+    assert draft(tokens, min_n, min_n + extra, k) == reference_draft(tokens, min_n, min_n + extra, k)
+
+
+def decoding(tokens_out: list[int], prompt: list[int], max_tokens: int = 100, **kw):
+    req = make_request("r", 0, prompt=prompt, max_tokens=max_tokens, **kw)
+    req.output_token_ids = list(tokens_out)
+    req.num_computed_tokens = req.num_tokens - 1
+    return req
+
+
+def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_waits():
+    spec = Speculator(SPEC)
+    req = decoding([1, 2], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5])
+    assert spec.propose(req) == [3, 4, 5]
+    spec.observe("r", 3, 1)
+    assert spec.propose(req) == [3, 4]  # one more than was taken
+    spec.observe("r", 2, 2)
+    assert spec.propose(req) == [3, 4, 5]  # taken whole: one longer, up to k
+    waits = []
+    for _ in range(GIVE_UP - 2):
+        spec.observe("r", 3, 0)
+        skipped = 0
+        while not spec.propose(req):
+            skipped += 1
+        waits.append(skipped)
+    assert waits == [1, 2, 4, 8, 16, 32]
+    spec.observe("r", 3, 2)  # a draft taken in part ends the waits
+    assert spec.propose(req) == [3, 4, 5]
+    stats = spec.make_stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
+        (GIVE_UP + 1, 3 + 2 + 3 * (GIVE_UP - 1), 5, [3, 2, 0])
+    assert spec.make_stats().num_drafts == 0  # reset on read
+
+
+def test_a_request_that_never_accepts_stops_proposing():
+    spec = Speculator(SPEC)
+    req = decoding([1, 2], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5])
+    proposals = 0
+    for _ in range(10_000):
+        if d := spec.propose(req):
+            proposals += 1
+            spec.observe("r", len(d), 0)
+    assert proposals == GIVE_UP
+
+
+def test_no_draft_past_max_tokens_or_max_model_len_nor_under_a_grammar():
+    spec = Speculator(SPEC)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+    assert spec.propose(decoding([1, 2], prompt, max_tokens=4)) == [3]  # 2 + 1 drafted + 1 sampled = 4
+    assert spec.propose(decoding([1, 2], prompt, max_tokens=3)) == []
+    capped = decoding([1, 2], prompt)
+    capped.max_model_len = capped.num_tokens + 3
+    assert spec.propose(capped) == [3, 4]
+    json = StructuredOutput(StructuredKind.JSON_OBJECT)
+    assert spec.propose(decoding([1, 2], prompt, structured=json)) == []
+    prefill = decoding([], prompt)
+    assert spec.propose(prefill) == []  # its first token is sampled by the prompt's step
+
+
+def test_the_speculative_config_is_vllms_json():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 4, 4)
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 5)
+    for bad, why in [('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not supported"),
+                     ('{"method": "ngram"}', "num_speculative_tokens is required"),
+                     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key(s) model"),
+                     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                      '"prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+                     ("ngram", "must be a JSON object")]:
+        with pytest.raises(ConfigError) as e:
+            SchedulerConfig(speculative_config=bad)
+        assert why in str(e.value)
+    assert SchedulerConfig().speculative_config is None
+
+
+def spec_scheduler(num_blocks: int = 16) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, speculative_config=SPEC)
+    return Scheduler(cfg, KVCacheManager(num_blocks, 4), 0)
+
+
+def start(s: Scheduler, prompt: list[int], first: int, **kw):
+    """Add a request, run its prompt (sampling `first`) and return it."""
+    req = make_request("r", 0, prompt=prompt, **kw)
+    s.add_request(req)
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput({"r": first}))
+    s.check_integrity()
+    return req
+
+
+def step(s: Scheduler, sampled: int, kept: list[int] | None = None):
+    """One step that samples `sampled` after keeping `kept` of the draft; (scheduled, output)."""
+    out = s.schedule()
+    (o,) = s.update(out, ModelRunnerOutput({"r": sampled}, accepted_token_ids={"r": kept} if kept else {}))
+    s.check_integrity()  # after every step: no block leaked, none held twice
+    return out.requests[0], o
+
+
+def test_a_verified_draft_keeps_the_accepted_tokens_and_releases_the_rejected_tails_blocks():
+    s = spec_scheduler()
+    req = start(s, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1], first=2, max_tokens=20)
+    out = s.schedule()  # [.. 7, 1, 2]: [7, 1, 2] at 6 -> [3, 4, 5]
+    (sr,) = out.requests
+    assert (sr.token_ids, sr.draft_token_ids, sr.start_pos, sr.sample) == ([2, 3, 4, 5], [3, 4, 5], 15, True)
+    assert len(s.kv.block_ids("r")) == 5 and out.num_prefill_decode_tokens() == (0, 4)  # positions 15..18
+    s.update(out, ModelRunnerOutput({"r": 9}))  # nothing kept: position 15's token is 9
+    s.check_integrity()
+    assert req.output_token_ids == [2, 9] and req.num_computed_tokens == 16 and len(s.kv.block_ids("r")) == 4
+    sr, _ = step(s, 4)
+    assert sr.draft_token_ids == []  # it waits a step after a draft of which nothing was kept
+    sr, o = step(s, 1, kept=[5, 6])  # [.. 9, 4]: [4] at 10 -> [5, 6, 7]; 5 and 6 kept, then 1 sampled
+    assert (sr.draft_token_ids, sr.start_pos) == ([5, 6, 7], 17)
+    assert o.new_token_ids == [5, 6, 1] and req.output_token_ids == [2, 9, 4, 5, 6, 1]
+    assert req.num_computed_tokens == 20 and len(s.kv.block_ids("r")) == 5  # the sixth block went back
+    stats = s.make_stats().spec
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
+        (2, 6, 2, [1, 1, 0])
+    s.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    s.check_integrity()
+    assert s.kv.pool.num_free_blocks == 16 and s.spec._states == {}
+
+
+def test_a_stop_inside_a_draft_ends_the_request_there():
+    s = spec_scheduler()
+    req = start(s, [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], first=4, max_tokens=20, stop_token_ids=[2])
+    sr, o = step(s, 3, kept=[5, 1, 2])  # [2, 3, 4] at 6 -> [5, 1, 2]: all kept, but 2 stops it
+    assert sr.draft_token_ids == [5, 1, 2]
+    assert (o.new_token_ids, o.finished_status, o.stop_reason) == ([5, 1, 2], RequestStatus.FINISHED_STOPPED, 2)
+    assert req.output_token_ids == [4, 5, 1, 2] and s.requests == {} and s.kv.pool.num_free_blocks == 16
+
+
+def test_a_draft_stops_at_max_tokens():
+    s = spec_scheduler()
+    req = start(s, [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], first=4, max_tokens=3)
+    sr, o = step(s, 7, kept=[5])  # 1 drafted + 1 sampled reach max_tokens
+    assert sr.draft_token_ids == [5] and o.new_token_ids == [5, 7]
+    assert o.finished_status is RequestStatus.FINISHED_LENGTH and req.output_token_ids == [4, 5, 7]
+
+
+def test_a_draft_without_room_for_its_blocks_decodes_one_token():
+    s = spec_scheduler(num_blocks=4)
+    req = start(s, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1], first=2, max_tokens=20)
+    sr, _ = step(s, 3)  # 16 tokens fill 4 blocks: a draft would need a fifth
+    assert sr.draft_token_ids == [] and sr.token_ids == [2] and req.num_preemptions == 0
+
+
+def test_speculation_is_off_unless_configured():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(16, 4), 0)
+    assert s.spec is None
+    start(s, [1, 2, 3, 1, 2, 3, 1, 2], first=3, max_tokens=5)
+    sr, _ = step(s, 1)
+    assert sr.token_ids == [3] and sr.draft_token_ids == [] and s.make_stats().spec is None
