@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hotprefix.config import ConfigError, SchedulerConfig, SpeculativeConfig
+from hotprefix.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import RequestStatus
@@ -207,3 +207,21 @@ def test_speculation_is_off_unless_configured():
     start(s, [1, 2, 3, 1, 2, 3, 1, 2], first=3, max_tokens=5)
     sr, _ = step(s, 1)
     assert sr.token_ids == [3] and sr.draft_token_ids == [] and s.make_stats().spec is None
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hello"]])
+def test_the_flag_and_the_llm_keyword_mean_the_same(command):
+    from hotprefix.cli import build_parser, engine_config_from_args, serve_flags
+    from hotprefix.flags import build, take_keywords
+    from hotprefix.vllm_flags import expand_config
+
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    parser = build_parser()
+    a = parser.parse_args(expand_config([*command, "--speculative-config", text], serve_flags(parser)))
+    kwargs = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                     "prompt_lookup_min": 1}}
+    from_keyword = build(EngineConfig, take_keywords(kwargs, EngineConfig))
+    assert engine_config_from_args(a).scheduler.speculative_config == from_keyword.scheduler.speculative_config == SPEC
+    with pytest.raises(ConfigError, match="method 'eagle' is not supported"):
+        engine_config_from_args(parser.parse_args([*command, "--speculative-config",
+                                                   '{"method": "eagle", "num_speculative_tokens": 3}']))
