@@ -87,9 +87,12 @@ class AttentionBackend(str, Enum):
 
 class SpecMethod(str, Enum):
     """How draft tokens are proposed: ngram (vLLM's prompt lookup) finds the longest
-    suffix n-gram of the request's own tokens earlier in them and proposes what followed."""
+    suffix n-gram of the request's own tokens earlier in them and proposes what followed;
+    suffix also looks in the tokens of earlier requests of the same cache scope (a
+    tenant's: core/suffix_table.py) where the request's own offer nothing."""
 
     NGRAM = "ngram"
+    SUFFIX = "suffix"
 
 
 @dataclass(frozen=True)
@@ -102,12 +105,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    suffix_decoding_max_cached_requests: int = 10_000  # suffix: earlier requests kept per scope
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", as_mode(SpecMethod, "--speculative-config method", self.method))
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be in [1, 64], got "
                               f"{self.num_speculative_tokens}")
+        if self.suffix_decoding_max_cached_requests < 1:
+            raise ConfigError("--speculative-config: suffix_decoding_max_cached_requests must be >= 1, got "
+                              f"{self.suffix_decoding_max_cached_requests}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ConfigError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
@@ -126,24 +133,29 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known |= {"suffix_decoding_max_cached_requests"} if value.get("method") == "suffix" else set()
         if unknown := sorted(set(value) - known):
             raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: "
                               f"{', '.join(sorted(known))})")
         if value.get("method") not in {m.value for m in SpecMethod}:
             raise ConfigError(f"--speculative-config: method {value.get('method')!r} is not supported here "
-                              "(supported: ngram, which needs no draft model)")
+                              "(supported: ngram and suffix, which need no draft model)")
         if "num_speculative_tokens" not in value:
             raise ConfigError("--speculative-config: num_speculative_tokens is required")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
         try:
-            return cls(SpecMethod(value["method"]), int(value["num_speculative_tokens"]), int(hi), int(lo))
+            return cls(SpecMethod(value["method"]), int(value["num_speculative_tokens"]), int(hi), int(lo),
+                       int(value.get("suffix_decoding_max_cached_requests", 10_000)))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"--speculative-config: {e}") from None
 
     def to_json(self) -> str:
-        return json.dumps({"method": self.method.value, "num_speculative_tokens": self.num_speculative_tokens,
-                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+        out = {"method": self.method.value, "num_speculative_tokens": self.num_speculative_tokens,
+               "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        if self.method is SpecMethod.SUFFIX:
+            out["suffix_decoding_max_cached_requests"] = self.suffix_decoding_max_cached_requests
+        return json.dumps(out)
 
 
 SPECULATIVE = Unit(SpeculativeConfig.parse, lambda c: c.to_json(), "JSON")
@@ -359,7 +371,8 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | None = flag(
         None, "speculative decoding without a draft model, as vLLM's JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}: drafts from the "
-        "request's own tokens, verified in one pass; the same tokens as without", group=G.SCHEDULER,
+        "request's own tokens (method suffix: also earlier requests' of the same cache scope), verified in one "
+        "pass; the same tokens as without", group=G.SCHEDULER,
         unit=SPECULATIVE, shown="off")
 
     def __post_init__(self) -> None:

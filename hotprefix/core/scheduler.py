@@ -141,7 +141,7 @@ class Scheduler:
             req.status = status
             self.kv.free(req)
             if self.spec is not None:
-                self.spec.forget(rid)
+                self.spec.finished(req)
             self._finished_ids.add(rid)
 
     def has_unfinished(self) -> bool:

@@ -27,28 +27,45 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from hotprefix.config import SpeculativeConfig
+from hotprefix.config import SpecMethod, SpeculativeConfig
 from hotprefix.core.request import Request
+from hotprefix.core.suffix_table import WORD, SuffixTable
 
 MAX_BACKOFF = 64  # the most steps a request that took nothing waits before it proposes again
 GIVE_UP = 8  # drafts after which a request that never took a token stops proposing
-WORD = 4  # bytes per token in a request's buffer
 
 
-def find_draft(words: bytes | bytearray, min_n: int, max_n: int, k: int) -> list[int]:
+def latest(haystack: bytes | bytearray, pattern: bytes, end: int) -> int:
+    """The word index of the latest occurrence of `pattern` (whole words) in haystack[:end]
+    (bytes), or -1."""
+    at = haystack.rfind(pattern, 0, end)
+    while at > 0 and at % WORD:  # not on a word boundary: look further back
+        at = haystack.rfind(pattern, 0, at + len(pattern) - 1)
+    return at // WORD if at >= 0 else -1
+
+
+def following(haystack: bytes | bytearray, start: int, k: int) -> list[int]:
+    """Up to k tokens from word `start` on, ending before a separator (-1) or the end."""
+    tokens = array("i", bytes(haystack[start * WORD:(start + k) * WORD])).tolist()
+    return tokens[:tokens.index(-1)] if -1 in tokens else tokens
+
+
+def find_draft(words: bytes | bytearray, min_n: int, max_n: int, k: int,
+               table: bytes | bytearray = b"") -> list[int]:
     """The draft for the tokens in `words` (WORD-byte words): the tokens after the latest
     earlier occurrence of the longest suffix n-gram (min_n <= n <= max_n) that occurs
-    earlier, at most k of them (fewer where the context ends first); [] without a match."""
+    earlier, at most k of them (fewer where the context ends first); at each n, where the
+    context has none, the tokens after its latest occurrence in `table` (earlier requests'
+    tokens, a separator between them); [] without a match."""
     count = len(words) // WORD
     for n in range(min(max_n, count - 1), min_n - 1, -1):
         pattern = bytes(words[(count - n) * WORD:])
-        end = (count - 1) * WORD  # an occurrence ends before the last token: one token follows it at least
-        at = words.rfind(pattern, 0, end)
-        while at > 0 and at % WORD:  # not on a word boundary: look further back
-            at = words.rfind(pattern, 0, at + len(pattern) - 1)
+        at = latest(words, pattern, (count - 1) * WORD)  # an occurrence ending before the last token
         if at >= 0:
-            start = at // WORD + n
-            return array("i", bytes(words[start * WORD:(start + min(k, count - start)) * WORD])).tolist()
+            return following(words, at + n, min(k, count - at - n))
+        at = latest(table, pattern, len(table)) if table else -1
+        if at >= 0 and (draft := following(table, at + n, k)):
+            return draft
     return []
 
 
@@ -78,11 +95,13 @@ class _Draft:
 
 class Speculator:
     """Proposes drafts (`propose`) and learns from their verification (`observe`).
-    Mutates only its own per-request state and counters; `forget` drops a request's."""
+    Mutates only its own per-request state, counters and suffix table; `finished` drops a request's state."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._states: dict[str, _Draft] = {}
+        self.table = SuffixTable(config.suffix_decoding_max_cached_requests) \
+            if config.method is SpecMethod.SUFFIX else None  # earlier requests' tokens, per cache scope
         self._stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
     def propose(self, req: Request) -> list[int]:
@@ -106,7 +125,8 @@ class Speculator:
         if k <= 0:
             return []
         self._extend(st, req)
-        return find_draft(st.words, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
+        table = self.table.words(req.cache_scope.salt) if self.table is not None else b""
+        return find_draft(st.words, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k, table)
 
     @staticmethod
     def _extend(st: _Draft, req: Request) -> None:
@@ -143,9 +163,14 @@ class Speculator:
         if st.accepted == 0 and st.drafts >= GIVE_UP:
             st.k = 0  # it never took a token: it stops paying for drafts
 
-    def forget(self, request_id: str) -> None:
-        """The request finished: drop its buffer and state (an unknown id is ignored)."""
-        self._states.pop(request_id, None)
+    def finished(self, req: Request) -> None:
+        """The request finished: its tokens go to its scope's suffix table (method
+        "suffix"); its buffer and state are dropped."""
+        st = self._states.pop(req.request_id, None)
+        if self.table is not None:
+            st = st or _Draft(0)
+            self._extend(st, req)
+            self.table.add(req.cache_scope.salt, st.words)
 
     def make_stats(self) -> SpecStats:
         """The counters since the last call (then reset)."""

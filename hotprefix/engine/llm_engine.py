@@ -71,6 +71,10 @@ class LLMEngine:
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
                                  cc.kv_disk_write is DiskWritePolicy.REUSED)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
+        if (spec := self.config.scheduler.speculative_config) is not None:
+            log.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d-%d), not for requests with "
+                     "an output constraint", spec.method.value, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                     spec.prompt_lookup_max)
         self.preparer = RequestPreparer(self.encoder, self.grammars, self.arch.vocab_size, self.max_model_len,
                                         frozenset(eos), plan.block_size, plan.num_blocks)
         self.warmed = False

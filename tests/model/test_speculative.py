@@ -58,7 +58,7 @@ def oracle(reference: dict[tuple, list[tuple[int, ...]]], calls: list):
     """A find_draft that proposes what the reference went on to say (for a context whose
     prompt it knows: any of its samples whose output so far matches), with the token at
     call-number-dependent position changed (or none), so that every outcome occurs."""
-    def find(words, min_n, max_n, k):
+    def find(words, min_n, max_n, k, table=b""):
         tokens = array("i", bytes(words)).tolist()
         for prompt, samples in reference.items():
             said = tokens[len(prompt):]

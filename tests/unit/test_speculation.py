@@ -10,12 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hotprefix.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from hotprefix.config import ConfigError, EngineConfig, SchedulerConfig, SpecMethod, SpeculativeConfig
+from hotprefix.core.hashing import CacheScope
 from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.core.speculation import GIVE_UP, Speculator, find_draft
+from hotprefix.core.suffix_table import SuffixTable
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
 from tests.unit.builders import make_request
 
@@ -225,3 +227,73 @@ def test_the_flag_and_the_llm_keyword_mean_the_same(command):
     with pytest.raises(ConfigError, match="method 'eagle' is not supported"):
         engine_config_from_args(parser.parse_args([*command, "--speculative-config",
                                                    '{"method": "eagle", "num_speculative_tokens": 3}']))
+
+
+def test_the_suffix_table_keeps_a_scopes_last_requests_within_its_bounds():
+    table = SuffixTable(max_requests=2, max_scope_tokens=10, max_tokens=14)
+
+    def words(*ids: int) -> bytes:
+        return array("i", ids).tobytes()
+
+    table.add("a", words(1, 2, 3))
+    table.add("a", words(4, 5))
+    table.add("a", words(6))  # a third request: the first goes
+    assert table.words("a") == words(4, 5, -1, 6, -1) and table.num_tokens == 5
+    table.add("b", words(7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18))  # over the scope's 10: its tail kept
+    assert table.words("b") == words(10, 11, 12, 13, 14, 15, 16, 17, 18, -1)
+    assert table.words("a") == words(6, -1)  # 15 in all, over 14: the least recently used scope's oldest went
+    assert table.num_tokens == 12
+    table.add(None, words(1, 2, 3))  # 16: b (read before a) drops its one request, and with it the scope
+    assert table.words(None) == words(1, 2, 3, -1) and table.words("b") == b"" and table.num_tokens == 6
+    assert table.words("c") == b""
+
+
+def finished(spec: Speculator, rid: str, tokens: list[int], salt: str | None) -> None:
+    req = make_request(rid, 0, prompt=tokens[:3], cache_scope=CacheScope(salt))
+    req.output_token_ids = tokens[3:]
+    spec.finished(req)
+
+
+def test_suffix_drafts_come_from_earlier_requests_of_the_same_scope_only():
+    spec = Speculator(SpeculativeConfig(SpecMethod.SUFFIX, 3, 2, 2))
+    finished(spec, "a", [50, 51, 52, 53, 54, 55], "tenant-1")
+    finished(spec, "b", [60, 61, 62, 63, 64], None)
+
+    def draft_for(salt: str | None, out: list[int]) -> list[int]:
+        req = make_request(f"q{salt}{out}", 0, prompt=[9, 8, 7], cache_scope=CacheScope(salt), max_tokens=50)
+        req.output_token_ids = out
+        req.num_computed_tokens = req.num_tokens - 1
+        return spec.propose(req)
+
+    assert draft_for("tenant-1", [51, 52]) == [53, 54, 55]
+    assert draft_for("tenant-2", [51, 52]) == []  # another tenant's text is never proposed
+    assert draft_for(None, [51, 52]) == []
+    assert draft_for(None, [61, 62]) == [63, 64]  # the unsalted scope's own (as its prefix cache blocks)
+    assert draft_for("tenant-1", [61, 62]) == []
+    assert draft_for("tenant-1", [54, 55]) == []  # the end of a request: nothing follows it
+    ngram = Speculator(SpeculativeConfig(SpecMethod.NGRAM, 3, 2, 2))
+    assert ngram.table is None
+
+
+def test_the_suffix_method_in_vllms_json():
+    c = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 4,
+                                 "suffix_decoding_max_cached_requests": 100})
+    assert (c.method, c.suffix_decoding_max_cached_requests) == (SpecMethod.SUFFIX, 100)
+    assert SpeculativeConfig.parse(c.to_json()) == c
+    with pytest.raises(ConfigError, match="unknown key"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                 "suffix_decoding_max_cached_requests": 100})
+
+
+def test_the_scheduler_feeds_finished_requests_to_their_scopes_suffix_table():
+    cfg = SchedulerConfig(max_num_batched_tokens=64, speculative_config=SpeculativeConfig(SpecMethod.SUFFIX, 3, 2, 2))
+    s = Scheduler(cfg, KVCacheManager(16, 4), 0)
+    s.add_request(make_request("a", 0, prompt=[40, 41, 42, 43, 44, 45], cache_scope=CacheScope("t"), max_tokens=1))
+    s.update(out := s.schedule(), ModelRunnerOutput({"a": 46}))
+    assert out.requests[0].sample and s.requests == {}
+    for rid, salt, want in [("b", "t", [43, 44, 45]), ("c", "u", [])]:
+        s.add_request(make_request(rid, 0, prompt=[9, 41], cache_scope=CacheScope(salt), max_tokens=9))
+        s.update(s.schedule(), ModelRunnerOutput({rid: 42}))
+        assert s.schedule().requests[0].draft_token_ids == want
+        s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        s.check_integrity()
