@@ -129,7 +129,8 @@ class ModelRunner:
 
     # -- the step ------------------------------------------------------------
     def _batch(self, sched: SchedulerOutput) -> StepBatch:
-        """The step's tokens, positions, KV slots and sequence spans. Raises ValueError
+        """The step's tokens, positions, KV slots and sequence spans (a draft's positions one
+        span each). Raises ValueError
         for an empty chunk (the scheduler never makes one; native kernels crash on it)."""
         ids: list[int] = []
         pos: list[int] = []
@@ -140,7 +141,11 @@ class ModelRunner:
             n = len(r.token_ids)
             if n == 0:
                 raise ValueError(f"request {r.request_id}: a scheduled chunk must hold at least one token")
-            seqs.append(SeqSpan(len(ids), n, r.start_pos, r.block_ids))
+            # a draft to verify: its positions as decode rows of one sequence (each sees the KV the others
+            # write in the same layer: every layer writes the step's KV before it attends), so a step of
+            # decodes and drafts stays a decode step (the fused one); the same logits as one chunk
+            rows = [(j, 1) for j in range(n)] if r.draft_token_ids else [(0, n)]
+            seqs.extend(SeqSpan(len(ids) + j, m, r.start_pos + j, r.block_ids) for j, m in rows)
             ids.extend(r.token_ids)
             rng = range(r.start_pos, r.start_pos + n)
             pos.extend(rng)

@@ -14,6 +14,7 @@ from array import array
 import pytest
 
 from hotprefix.core import speculation
+from hotprefix.model.steps.fused_decode import FusedDecode
 from hotprefix.sampling_params import SamplingParams
 from tests.model.test_batch_invariance import loaded, make_engine  # noqa: F401 (a fixture)
 
@@ -82,8 +83,16 @@ def test_oracle_drafts_give_the_tokens_and_logprobs_of_decoding_one_at_a_time(lo
     calls: list[int] = []
     monkeypatch.setattr(speculation, "find_draft", oracle(reference, calls))
     engine = make_engine(loaded, mode, caching=True, speculative_config=NGRAM, **config)
+    fused = engine.runner.strategy(FusedDecode)
+    assert (fused is not None) == (mode == "int8")
+    verified_fused = []
+    if fused is not None:  # a step of decodes and drafts is still a decode step: the fused one takes it
+        real = fused.forward
+        monkeypatch.setattr(fused, "forward", lambda batch, meta: verified_fused.append(  # a request's rows share
+            len({id(s.block_ids) for s in batch.seqs}) < len(batch.seqs)) or real(batch, meta))  # its block list
     got = outputs(run(engine, REQUESTS))
     assert got == want
+    assert any(verified_fused) == (mode == "int8")
     stats = engine.scheduler.make_stats().spec
     assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_per_pos[3] > 0  # some drafts were kept whole
