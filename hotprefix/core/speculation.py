@@ -13,8 +13,8 @@ KV blocks of the rejected tail (KVCacheManager.trim).
 
 Adaptive, per request: the draft length follows acceptance (a draft taken whole lets
 the next be one longer, up to k; one taken in part proposes one more than was taken
-next time); a draft of which nothing is taken makes the request wait 1, 2, 4 ... up to
-MAX_BACKOFF steps before it proposes again, and a request that has taken nothing after
+next time); a draft of which nothing is taken makes the next one a single token, after
+the request waits 1, 2, 4 ... up to MAX_BACKOFF steps, and a request that has taken nothing after
 GIVE_UP drafts stops proposing. Requests with an output constraint (a grammar) never
 propose: their tokens must pass the grammar one at a time.
 
@@ -159,6 +159,7 @@ class Speculator:
         if accepted > 0:
             st.backoff = 1
             return
+        st.k = 1  # a rejected draft costs about its rows: the next tries one token
         st.wait, st.backoff = st.backoff, min(MAX_BACKOFF, st.backoff * 2)
         if st.accepted == 0 and st.drafts >= GIVE_UP:
             st.k = 0  # it never took a token: it stops paying for drafts

@@ -73,20 +73,21 @@ def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_wa
     spec.observe("r", 3, 1)
     assert spec.propose(req) == [3, 4]  # one more than was taken
     spec.observe("r", 2, 2)
-    assert spec.propose(req) == [3, 4, 5]  # taken whole: one longer, up to k
-    waits = []
+    assert (d := spec.propose(req)) == [3, 4, 5]  # taken whole: one longer, up to k
+    waits, lengths = [], []
     for _ in range(GIVE_UP - 2):
-        spec.observe("r", 3, 0)
+        spec.observe("r", len(d), 0)
         skipped = 0
-        while not spec.propose(req):
+        while not (d := spec.propose(req)):
             skipped += 1
         waits.append(skipped)
-    assert waits == [1, 2, 4, 8, 16, 32]
-    spec.observe("r", 3, 2)  # a draft taken in part ends the waits
-    assert spec.propose(req) == [3, 4, 5]
+        lengths.append(len(d))
+    assert waits == [1, 2, 4, 8, 16, 32] and lengths == [1] * 6  # after nothing taken: wait, then one token
+    spec.observe("r", 1, 1)  # taken: the waits end, the length grows again
+    assert spec.propose(req) == [3, 4]
     stats = spec.make_stats()
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
-        (GIVE_UP + 1, 3 + 2 + 3 * (GIVE_UP - 1), 5, [3, 2, 0])
+        (GIVE_UP + 1, 3 + 2 + 3 + 1 * (GIVE_UP - 2), 4, [3, 1, 0])
     assert spec.make_stats().num_drafts == 0  # reset on read
 
 
@@ -167,13 +168,15 @@ def test_a_verified_draft_keeps_the_accepted_tokens_and_releases_the_rejected_ta
     assert req.output_token_ids == [2, 9] and req.num_computed_tokens == 16 and len(s.kv.block_ids("r")) == 4
     sr, _ = step(s, 4)
     assert sr.draft_token_ids == []  # it waits a step after a draft of which nothing was kept
-    sr, o = step(s, 1, kept=[5, 6])  # [.. 9, 4]: [4] at 10 -> [5, 6, 7]; 5 and 6 kept, then 1 sampled
-    assert (sr.draft_token_ids, sr.start_pos) == ([5, 6, 7], 17)
-    assert o.new_token_ids == [5, 6, 1] and req.output_token_ids == [2, 9, 4, 5, 6, 1]
-    assert req.num_computed_tokens == 20 and len(s.kv.block_ids("r")) == 5  # the sixth block went back
+    sr, o = step(s, 6, kept=[5])  # [.. 9, 4]: [4] at 10 -> [5]: one token after a rejected draft; kept
+    assert (sr.draft_token_ids, sr.start_pos) == ([5], 17)
+    sr, o = step(s, 1, kept=[7])  # [.. 4, 5, 6] at 3 -> [7, 1]: 7 kept, then 1 sampled
+    assert (sr.draft_token_ids, sr.start_pos) == ([7, 1], 19)
+    assert o.new_token_ids == [7, 1] and req.output_token_ids == [2, 9, 4, 5, 6, 7, 1]
+    assert req.num_computed_tokens == 21 and len(s.kv.block_ids("r")) == 6  # positions 19-21 took a sixth
     stats = s.make_stats().spec
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
-        (2, 6, 2, [1, 1, 0])
+        (3, 6, 2, [2, 0, 0])
     s.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
     s.check_integrity()
     assert s.kv.pool.num_free_blocks == 16 and s.spec._states == {}
