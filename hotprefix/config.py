@@ -10,12 +10,17 @@ blocks, the model's shape) live in plans built from these configs, never by muta
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
+from hotprefix.config_json import SPECULATIVE as SPECULATIVE
+from hotprefix.config_json import EventEncoding as EventEncoding
+from hotprefix.config_json import KVEventsConfig as KVEventsConfig
+from hotprefix.config_json import SpecMethod as SpecMethod
+from hotprefix.config_json import SpeculativeConfig as SpeculativeConfig
+from hotprefix.config_json import as_mode as as_mode
 from hotprefix.flags import GIB, SIZE, ConfigError, Unit, flag
 from hotprefix.flags import FlagGroup as G
 from hotprefix.flags import parse_size as parse_size  # (re-exported: where callers import them from)
@@ -86,12 +91,6 @@ class AttentionBackend(str, Enum):
     TRITON = "triton"
 
 
-def as_mode(cls: type[Enum], name: str, value: object) -> Enum:
-    """value as a member of the mode Enum cls. Raises ConfigError naming the flag."""
-    try:
-        return cls(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
 
 
 def cache_root() -> Path:
@@ -200,68 +199,6 @@ class ModelConfig:
         return self.max_model_len or model_context
 
 
-class EventEncoding(str, Enum):
-    """How each KV event is written in a batch: tagged, a map with its "type" (vLLM's
-    msgspec structs since mid-2026); positional, an array led by its type (vLLM's earlier
-    array_like structs, which llm-d's kv-cache indexer of June 2026 still reads). The
-    batch itself is an array either way."""
-
-    TAGGED = "tagged"
-    POSITIONAL = "positional"
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """vLLM's --kv-events-config, the same keys with the same defaults, and hotprefix's
-    `encoding`: what goes into the cache (and leaves it) is published on a ZMQ PUB socket
-    (engine/kv_events.py), with a ROUTER socket that replays the last buffer_steps
-    batches from a sequence number."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None  # "zmq" or "null"; unset: zmq when enabled (as vLLM)
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-    encoding: EventEncoding = EventEncoding.TAGGED
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
-        object.__setattr__(self, "encoding", as_mode(EventEncoding, "--kv-events-config encoding", self.encoding))
-        if self.publisher not in ("zmq", "null"):
-            raise ConfigError(f"--kv-events-config publisher must be zmq or null, got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"--kv-events-config {name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.endpoint, str) or not isinstance(self.topic, str):
-            raise ConfigError("--kv-events-config endpoint and topic must be strings")
-
-    @property
-    def enabled(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def parse(cls, value: str | dict | KVEventsConfig) -> KVEventsConfig:
-        """The config from its JSON text (the flag), a dict (an LLM keyword, --config) or
-        itself. Raises ConfigError for bad JSON or a key vLLM's config does not have."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--kv-events-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"--kv-events-config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(value) - known):
-            raise ConfigError(f"--kv-events-config has no key {', '.join(unknown)} (keys: {', '.join(sorted(known))})")
-        return cls(**value)
-
-
 DISK_STAGING_BYTES = 512 << 20
 
 
@@ -367,6 +304,12 @@ class SchedulerConfig:
         (), "a tenant's weight in each step's fair share of tokens and seats (others weigh 1): TENANT=WEIGHT, "
         "TENANT being a gateway tenant's cache salt or a direct client's ip:ADDRESS", group=G.SCHEDULER,
         names=("--tenant-weight",), nargs="+", metavar="TENANT=WEIGHT", unit=Unit(_tenant_weights), shown="1 each")
+    speculative_config: SpeculativeConfig | None = flag(
+        None, "speculative decoding without a draft model, as vLLM's JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}: drafts from the "
+        "request's own tokens (method suffix: also earlier requests' of the same cache scope), verified in one "
+        "pass; the same tokens as without", group=G.SCHEDULER, names=("--speculative-config", "-sc"),
+        unit=SPECULATIVE, shown="off")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", as_mode(PreemptionMode, "--preemption-mode",
@@ -386,6 +329,7 @@ class SchedulerConfig:
         bad = next((w for _, w in self.tenant_weights if not 0.01 <= w <= 100), None)
         if bad is not None:
             raise ConfigError(f"--tenant-weight: a weight must be in [0.01, 100], got {bad}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     @property
     def token_budget(self) -> int:

@@ -207,7 +207,8 @@ def _without_none(t: Any) -> Any:
 
 @functools.cache
 def declared(cls: type) -> tuple[Declared, ...]:
-    """The declared fields of dataclass cls and of its dataclass-typed fields, in order.
+    """The declared fields of dataclass cls and of its undeclared dataclass-typed fields (its
+    sections), in order.
     Raises TypeError for a declaration that cannot work (a switch that can only turn a
     True field on)."""
     hints = typing.get_type_hints(cls)

@@ -39,5 +39,9 @@ ITERATION_TOKENS = "iteration_tokens_total"  # histogram: tokens run through the
 PREFILL_TIME = "request_prefill_time_seconds"  # first scheduled -> first token
 DECODE_TIME = "request_decode_time_seconds"  # first token -> finished
 INFERENCE_TIME = "request_inference_time_seconds"  # first scheduled -> finished
+SPEC_DRAFTS = "spec_decode_num_drafts"  # vLLM's speculative decoding counters (only with --speculative-config)
+SPEC_DRAFT_TOKENS = "spec_decode_num_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "spec_decode_num_accepted_tokens"
+SPEC_ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # label position = 0 .. k - 1
 PARAMS_N = "request_params_n"
 PARAMS_MAX_TOKENS = "request_params_max_tokens"

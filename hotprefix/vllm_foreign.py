@@ -69,7 +69,7 @@ NO_CP = "no context parallelism: one engine holds each sequence's whole context"
 NO_LORA = "no LoRA adapter is loaded (--lora-modules is refused)"
 TEXT_ONLY = ("the models served here take text only: no image, audio or video to process (requests with them "
              "are refused)")
-NO_SPEC = "no speculative decoding: every token comes from the model itself (the same tokens, without the speed-up)"
+NO_SPEC = "speculation is configured by --speculative-config's JSON here (ngram or suffix drafts, no draft model)"
 KERNELS = ("vLLM's kernel, compilation and backend choices do not apply: hotprefix runs its own kernels (C on the "
            "CPU, Triton on CUDA)")
 NO_SSM = "the models served here have no state-space (Mamba) or linear-attention (GDN, KDA) layers"
@@ -185,7 +185,7 @@ class ExpertFlags:
 
 @dataclass(frozen=True)
 class AdapterFlags:
-    """LoRA adapters, speculative decoding, and inputs other than text."""
+    """LoRA adapters, vLLM's other speculation flags, and inputs other than text."""
 
     enable_lora: bool | None = no_effect(NO_LORA)
     lora_modules: str | None = refused("LoRA adapters are not supported: answers would come from the base model "
@@ -200,7 +200,6 @@ class AdapterFlags:
     fully_sharded_loras: bool | None = no_effect(NO_LORA)
     enable_tower_connector_lora: bool | None = no_effect(NO_LORA)
     specialize_active_lora: bool | None = no_effect(NO_LORA)
-    speculative_config: str | None = value(NO_SPEC, "-sc", "--speculative-config")
     spec_method: str | None = value(NO_SPEC)
     spec_model: str | None = value(NO_SPEC)
     spec_tokens: str | None = value(NO_SPEC)

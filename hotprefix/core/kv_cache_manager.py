@@ -260,6 +260,20 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past those the request's computed tokens need: a speculative
+        step's rejected tail (its positions are past every full block of known tokens, so
+        none of these blocks is cached or shared)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = blocks_for_tokens(request.num_computed_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        if any(b.block_hash is not None or b.ref_cnt != 1 for b in tail):
+            raise IntegrityError(f"{request.request_id}: a draft's block is cached or shared: {tail}")
+        del blocks[keep:]
+        self.pool.free(reversed(tail))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -25,6 +25,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # speculative decoding (core/speculation.py): the last len(draft_token_ids) of token_ids are a
+    # draft to verify; the runner samples the last len(draft_token_ids) + 1 positions in order
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -46,9 +49,11 @@ class SchedulerOutput:
     persist: list[tuple[int, bytes]] = field(default_factory=list)
 
     def num_prefill_decode_tokens(self) -> tuple[int, int]:
-        """(prefill, decode) tokens: a decode is one new token after the prompt;
-        everything else (prompt chunks, recomputation after preemption) is prefill."""
-        decode = sum(1 for r in self.requests if len(r.token_ids) == 1 and r.start_pos >= len(r.prompt_token_ids))
+        """(prefill, decode) tokens: a decode is one new token after the prompt (and its
+        draft, with speculative decoding); everything else (prompt chunks, recomputation
+        after preemption) is prefill."""
+        decode = sum(len(r.token_ids) for r in self.requests
+                     if len(r.token_ids) == 1 + len(r.draft_token_ids) and r.start_pos >= len(r.prompt_token_ids))
         return self.num_scheduled_tokens - decode, decode
 
     @property
@@ -63,13 +68,18 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens for the requests that asked for one (by request id), and
-    the requests whose own sampling failed (id -> why): those get no token."""
+    the requests whose own sampling failed (id -> why): those get no token. A request
+    that verified a draft also has the draft tokens it keeps, which come before its
+    sampled token."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # requests with prompt_logprobs: (the prompt position of the first entry, the entries)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: the draft tokens each request keeps (before its sampled token) and their logprobs
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.kv_tiers import Source, TierStats
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
+from hotprefix.core.speculation import Speculator
 from hotprefix.core.stats import SchedulerStats
 from hotprefix.core.swap import SwapSpace
 
@@ -106,6 +107,9 @@ class Scheduler:
         self._last_tokens = (0, 0)
         self._device_hit_blocks = 0  # since the last make_stats
         self.shares = FairShares(dict(config.tenant_weights))
+        spec = config.speculative_config
+        self.spec = Speculator(spec) if spec is not None else None  # drafts (core/speculation.py); None: off
+        self._drafts: dict[str, list[int]] = {}  # this step's, by request id
 
     # -- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -136,6 +140,8 @@ class Scheduler:
                 self.waiting.remove(req)
             req.status = status
             self.kv.free(req)
+            if self.spec is not None:
+                self.spec.finished(req)
             self._finished_ids.add(rid)
 
     def has_unfinished(self) -> bool:
@@ -159,6 +165,7 @@ class Scheduler:
         if self.kv.tiers is not None:
             self.kv.tiers.end_step()  # the runner made the last step's tier copies
         try:
+            self._drafts = self._propose()
             self.shares.plan(self.config.token_budget, self.config.max_num_seqs, *self._demands())
             budget = self._schedule_running(out, self.config.token_budget)
             budget = self._schedule_swapped(out, budget)
@@ -183,7 +190,7 @@ class Scheduler:
         seats: Counter[Tenant] = Counter()
         budget, max_seqs = self.config.token_budget, self.config.max_num_seqs
         for req in self.running + self.swapped:
-            tokens[req.tenant] += self._chunk(req, budget)
+            tokens[req.tenant] += self._chunk(req, budget) + len(self._drafts.get(req.request_id, ()))
             seats[req.tenant] += 1
         held = Counter(r.tenant for r in self.running)
         for req in self.waiting:
@@ -212,16 +219,32 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(req, cap)
-            while self.kv.allocate_slots(req, n) is None:
+            draft = self._drafted(req, n, cap)
+            while not draft and self.kv.allocate_slots(req, n) is None:
                 victim = self._victim(self.running[i:])
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.requests.append(self._scheduled(req, n))
-                budget -= n
+                out.requests.append(self._scheduled(req, n, draft=draft))
+                budget -= n + len(draft)
                 i += 1
         return budget
+
+    def _propose(self) -> dict[str, list[int]]:
+        """This step's drafts of the running requests that decode (speculative decoding)."""
+        if self.spec is None:
+            return {}
+        drafts = {r.request_id: self.spec.propose(r) for r in self.running}
+        return {rid: d for rid, d in drafts.items() if d}
+
+    def _drafted(self, req: Request, n: int, cap: int) -> list[int]:
+        """The request's draft, cut to the tokens it may take, if its blocks (for its next
+        token and the draft) could be allocated; else [] and nothing allocated."""
+        draft = self._drafts.get(req.request_id, [])[:max(0, cap - n)] if n == 1 else []
+        if draft and self.kv.allocate_slots(req, n + len(draft)) is None:
+            return []  # no room for the draft: the request decodes one token as usual
+        return draft
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         for req in list(self.swapped):
@@ -290,18 +313,22 @@ class Scheduler:
         out.requests.append(self._scheduled(req, n, seated=True))
         return n
 
-    def _scheduled(self, req: Request, n: int, seated: bool = False) -> ScheduledRequest:
-        """The request computes n more tokens this step (taken from its tenant's allowance)."""
-        self.shares.take(req.tenant, n, seated)
+    def _scheduled(self, req: Request, n: int, seated: bool = False, draft: list[int] | None = None
+                   ) -> ScheduledRequest:
+        """The request computes n more tokens this step, and its draft after them (taken
+        from its tenant's allowance). Until update() it counts the draft as computed."""
+        draft = draft or []
+        self.shares.take(req.tenant, n + len(draft), seated)
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + n]
+        tokens = req.all_token_ids[start:start + n] + draft
         req.num_computed_tokens += n
+        sample = req.num_computed_tokens == req.num_tokens
+        req.num_computed_tokens += len(draft)
         return ScheduledRequest(
             request_id=req.request_id, token_ids=tokens, start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id),
-            sample=req.num_computed_tokens == req.num_tokens,
+            block_ids=self.kv.block_ids(req.request_id), sample=sample,
             sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids)
+            output_token_ids=req.output_token_ids, draft_token_ids=draft)
 
     def _victim(self, candidates: list[Request]) -> Request:
         """Whom to preempt among requests not yet scheduled this step (the one
@@ -354,17 +381,31 @@ class Scheduler:
                                                 prompt_logprobs=req.prompt_logprobs))
                 self.finish_requests([req.request_id], RequestStatus.FINISHED_LENGTH)
                 continue
-            token = result.sampled_token_ids[sr.request_id]
-            req.output_token_ids.append(token)
-            status = req.check_token_stop()
-            lp = result.logprobs.get(sr.request_id)
-            first = len(req.output_token_ids) == 1 and req.prompt_logprobs is not None
-            outputs.append(EngineCoreOutput(req.request_id, [token], status, req.stop_reason,
-                                            [lp] if lp is not None else [],
-                                            prompt_logprobs=list(req.prompt_logprobs) if first else None))
-            if status is not None:
-                self.finish_requests([req.request_id], status)
+            outputs.append(out := self._append(req, sr, result))
+            if out.finished_status is not None:
+                self.finish_requests([req.request_id], out.finished_status)
         return outputs
+
+    def _append(self, req: Request, sr: ScheduledRequest, result: ModelRunnerOutput) -> EngineCoreOutput:
+        """Append the step's tokens to a request (the draft tokens it keeps, then the sampled
+        one), up to the first that stops it; release the KV of a draft's rejected tail."""
+        rid = req.request_id
+        kept = result.accepted_token_ids.get(rid, [])
+        tokens = kept + [result.sampled_token_ids[rid]]
+        lps = result.accepted_logprobs.get(rid, []) + ([result.logprobs[rid]] if rid in result.logprobs else [])
+        if sr.draft_token_ids:
+            self.spec.observe(rid, len(sr.draft_token_ids), len(kept))
+            req.num_computed_tokens = sr.start_pos + 1 + len(kept)  # the KV written for the draft's kept tokens
+            self.kv.trim(req)
+        first = not req.output_token_ids and req.prompt_logprobs is not None
+        status, added = None, 0
+        for token in tokens:
+            req.output_token_ids.append(token)
+            added += 1
+            if (status := req.check_token_stop()) is not None:
+                break
+        return EngineCoreOutput(rid, tokens[:added], status, req.stop_reason, lps[:added],
+                                prompt_logprobs=list(req.prompt_logprobs) if first else None)
 
     def fail_step(self, sched: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
         """The step could not run (its KV may be half written): forget the cache
@@ -409,7 +450,7 @@ class Scheduler:
             num_preemptions=self._step_preemptions, num_preemptions_total=self.num_preemptions,
             num_prefill_tokens=prefill, num_decode_tokens=decode, kv_cache_usage=self.kv.usage(),
             swap_usage=self.swap.usage(), prefix_cache=self.kv.make_stats(), tiers=tiers,
-            block_size=self.kv.block_size)
+            block_size=self.kv.block_size, spec=self.spec.make_stats() if self.spec is not None else None)
 
     def check_integrity(self) -> None:
         """Every running request holds exactly the blocks its computed tokens

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hotprefix.core.kv_cache_manager import PrefixCacheStats
 from hotprefix.core.kv_tiers import TierStats
+from hotprefix.core.speculation import SpecStats
 
 
 @dataclass
@@ -28,3 +29,4 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     tiers: TierStats = field(default_factory=TierStats)  # hits by source (device included), tier copies
     block_size: int = 16
+    spec: SpecStats | None = None  # speculative decoding's counters since the last read (None: off)

@@ -56,6 +56,12 @@ class EngineCounters:
     # tokens per step, as a histogram over ITERATION_BUCKETS (counts per bucket, not cumulative; the last is +Inf)
     iteration_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_BUCKETS) + 1))
     iteration_tokens: int = 0
+    # speculative decoding (vLLM's spec_decode counters): drafts verified, their tokens, the tokens kept,
+    # and kept tokens by draft position (None: speculation is off)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] | None = None
 
     def add(self, st: SchedulerStats) -> None:
         if (n := st.num_prefill_tokens + st.num_decode_tokens) > 0:
@@ -70,6 +76,12 @@ class EngineCounters:
             self.cached_tokens_by_source[source.value] += n * st.block_size
         self.offloaded_blocks += st.tiers.offloaded_blocks
         self.loaded_blocks += st.tiers.loaded_blocks
+        if st.spec is not None and self.spec_accepted_per_pos is not None:
+            self.spec_drafts += st.spec.num_drafts
+            self.spec_draft_tokens += st.spec.num_draft_tokens
+            self.spec_accepted_tokens += st.spec.num_accepted_tokens
+            for pos, n in enumerate(st.spec.accepted_per_pos):
+                self.spec_accepted_per_pos[pos] += n
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, thread: threading.Thread | None = None,
                  go: threading.Event | None = None) -> None:
         self.engine = engine
-        self.counters = EngineCounters()
+        spec = engine.config.scheduler.speculative_config
+        self.counters = EngineCounters(spec_accepted_per_pos=[0] * spec.num_speculative_tokens if spec else None)
         self.live = LiveStats()  # replaced (never mutated) by the engine thread
         self.dead: BaseException | None = None
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()

@@ -84,11 +84,19 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         name, loaded = loaded.name, None  # int8 mode's released float32 copies are garbage now
         return_freed_memory()  # (unless the caller holds `loaded`)
+        self._log_start(name, time.monotonic() - t0)
+
+    def _log_start(self, name: str, seconds: float) -> None:
+        """The start-up lines: what was loaded, the pool, and speculation when it is on."""
+        plan = self.runner.plan
         log.info("loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool: %d blocks x %d tokens = %d tokens "
                  "(%s, %.1f MiB)", name, self.arch.family, self.arch.num_layers, self.runner.device,
-                 str(self.runner.dtype).removeprefix("torch."), time.monotonic() - t0, plan.num_blocks,
-                 plan.block_size, plan.num_tokens, plan.dtype_name,
-                 plan.num_blocks * plan.bytes_per_block / 2**20)
+                 str(self.runner.dtype).removeprefix("torch."), seconds, plan.num_blocks, plan.block_size,
+                 plan.num_tokens, plan.dtype_name, plan.num_blocks * plan.bytes_per_block / 2**20)
+        if (spec := self.config.scheduler.speculative_config) is not None:
+            log.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d-%d), not for requests with "
+                     "an output constraint", spec.method.value, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                     spec.prompt_lookup_max)
 
     def _disk_tier(self, loaded: LoadedModel) -> DiskStore | None:
         """The disk tier --kv-disk-dir asks for, in a directory named by what makes the
@@ -354,12 +362,12 @@ class LLMEngine:
             st.first_token_time = st.first_token_time or now
         if co.prompt_logprobs is not None and st.prompt_logprobs is None:
             st.prompt_logprobs = co.prompt_logprobs
-        for tok in co.new_token_ids:
+        for i, tok in enumerate(co.new_token_ids):  # several after a verified draft (speculative decoding)
             out.token_ids.append(tok)
             added.append(tok)
             stop = child.detok.append(tok)
             if co.logprobs:
-                out.logprobs = (out.logprobs or []) + co.logprobs
+                out.logprobs = (out.logprobs or []) + co.logprobs[i:i + 1]
             if stop is not None and not co.finished:
                 self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
                 out.finish_reason, out.stop_reason = "stop", stop

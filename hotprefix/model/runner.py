@@ -129,7 +129,8 @@ class ModelRunner:
 
     # -- the step ------------------------------------------------------------
     def _batch(self, sched: SchedulerOutput) -> StepBatch:
-        """The step's tokens, positions, KV slots and sequence spans. Raises ValueError
+        """The step's tokens, positions, KV slots and sequence spans (a draft's positions one
+        span each). Raises ValueError
         for an empty chunk (the scheduler never makes one; native kernels crash on it)."""
         ids: list[int] = []
         pos: list[int] = []
@@ -140,7 +141,11 @@ class ModelRunner:
             n = len(r.token_ids)
             if n == 0:
                 raise ValueError(f"request {r.request_id}: a scheduled chunk must hold at least one token")
-            seqs.append(SeqSpan(len(ids), n, r.start_pos, r.block_ids))
+            # a draft to verify: its positions as decode rows of one sequence (each sees the KV the others
+            # write in the same layer: every layer writes the step's KV before it attends), so a step of
+            # decodes and drafts stays a decode step (the fused one); the same logits as one chunk
+            rows = [(j, 1) for j in range(n)] if r.draft_token_ids else [(0, n)]
+            seqs.extend(SeqSpan(len(ids) + j, m, r.start_pos + j, r.block_ids) for j, m in rows)
             ids.extend(r.token_ids)
             rng = range(r.start_pos, r.start_pos + n)
             pos.extend(rng)
@@ -195,8 +200,8 @@ class ModelRunner:
         end = 0
         for r in sched.requests:
             end += len(r.token_ids)
-            if not r.sample or r.sampling_params.max_tokens == 0:  # (0: the prompt only)
-                continue
+            if not r.sample or r.sampling_params.max_tokens == 0 or r.draft_token_ids:  # (0: the prompt only;
+                continue  # a draft: _verify_drafts)
             p = r.sampling_params
             stop_ids = () if p.ignore_eos else self.eos_token_ids
             try:
@@ -244,6 +249,7 @@ class ModelRunner:
             return out
         hidden = self.forward(sched, self.paths)
         self._prompt_logprobs(sched, hidden, out)
+        self._verify_drafts(sched, hidden, out)
         ends, rids, rows = self._sample_rows(sched, out, self._masks(sched))
         if not rows:
             return out
@@ -262,6 +268,32 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
+
+    def _verify_drafts(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Speculative decoding: each request with a draft samples its last len(draft) + 1
+        positions in order (Sampler.verify); the draft tokens it keeps go to
+        out.accepted_token_ids, the last token to out.sampled_token_ids. A request whose
+        sampling raises lands in out.failed. hidden: [T, E]."""
+        end = 0
+        for r in sched.requests:
+            end += len(r.token_ids)
+            draft, p = r.draft_token_ids, r.sampling_params
+            if not draft:
+                continue
+            try:
+                stop_ids = (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
+                gen = self._generator(r)
+                rows = [SampleRow(p, r.prompt_token_ids, r.output_token_ids + draft[:j], tuple(stop_ids), gen)
+                        for j in range(len(draft) + 1)]
+                logits = self.model.compute_logits(hidden[end - len(draft) - 1:end])  # [k + 1, V]
+                tokens, lps = self.sampler.verify(logits, rows, draft)
+            except Exception as e:
+                log.warning("request %s: sampling failed: %s", r.request_id, e)
+                out.failed[r.request_id] = f"sampling failed: {e}"
+                continue
+            out.accepted_token_ids[r.request_id], out.sampled_token_ids[r.request_id] = tokens[:-1], tokens[-1]
+            if p.logprobs is not None:
+                out.accepted_logprobs[r.request_id], out.logprobs[r.request_id] = lps[:-1], lps[-1]
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """The prompt tokens' logprobs of the requests that ask for them: position p's

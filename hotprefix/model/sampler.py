@@ -150,3 +150,22 @@ class Sampler:
             else None
             for i, r in enumerate(rows)]
         return tokens, lps
+
+    def verify(self, logits: torch.Tensor, rows: list[SampleRow], draft: list[int]
+               ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Speculative decoding's acceptance, exact: position j (logits[j], rows[j]: the
+        request's history with the draft's first j tokens) is sampled as decoding would
+        sample it, with the request's generator, in order; the draft is kept while each
+        sample equals its token. Returns the tokens to append (the kept draft tokens, then
+        the first sample that differs, or one more after a draft kept whole) and their
+        logprobs: the same draws, so the same tokens, as decoding one at a time.
+        logits: [len(draft) + 1, V] float32 (modified in place)."""
+        tokens: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        for j, row in enumerate(rows):
+            (tok,), (lp,) = self(logits[j:j + 1], [row])
+            tokens.append(tok)
+            lps.append(lp)
+            if j == len(draft) or tok != draft[j]:
+                break
+        return tokens, lps

@@ -68,6 +68,7 @@ class _EngineCollector(Collector):
         yield self._counter(N.PREFIX_HITS, "Prompt tokens served from the prefix cache.", c.prefix_cache_hits)
         yield self._counter(N.PREFIX_EVICTED, "Cached blocks whose slot was reused.", c.evicted_blocks)
         yield from self._tiers(c, live.tiers)
+        yield from self._speculation(c)
         info = GaugeMetricFamily(self.p + N.CACHE_CONFIG_INFO, "Information of the KV cache configuration.",
                                  labels=["model_name", *self.cache_info])
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
@@ -87,6 +88,17 @@ class _EngineCollector(Collector):
         for k, v in values.items():
             m.add_metric([self.model_name, k], v)
         return m
+
+    def _speculation(self, c: EngineCounters) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters, with --speculative-config."""
+        if c.spec_accepted_per_pos is None:
+            return
+        yield self._counter(N.SPEC_DRAFTS, "Drafts verified (speculative decoding).", c.spec_drafts)
+        yield self._counter(N.SPEC_DRAFT_TOKENS, "Draft tokens verified.", c.spec_draft_tokens)
+        yield self._counter(N.SPEC_ACCEPTED_TOKENS, "Draft tokens accepted.", c.spec_accepted_tokens)
+        yield self._labelled(CounterMetricFamily, N.SPEC_ACCEPTED_PER_POS, "Draft tokens accepted, by their "
+                             "position in the draft.", "position",
+                             {str(i): n for i, n in enumerate(list(c.spec_accepted_per_pos))})
 
     def _tiers(self, c: EngineCounters, t: TierGauges | None) -> Iterator[Metric]:
         """The cached tokens by source, and (with tiers) what each tier holds and moved."""

@@ -1,0 +1,179 @@
+"""Speculative decoding without a draft model: prompt-lookup (n-gram) drafts.
+
+Owned by the scheduler (engine thread). Before a step, a running request that is
+decoding gets a draft: the longest suffix n-gram of its own tokens (prompt and output
+so far; n from prompt_lookup_max down to prompt_lookup_min) is looked for earlier in
+them, its latest earlier occurrence wins, and up to k tokens that followed it are
+proposed. The step computes the request's last token and the draft as one chunk
+through the paged KV (k + 1 positions scored at once); the runner samples position by
+position with the request's own generator and keeps the draft while each sample equals
+the draft token (model/sampler.Sampler.verify), so the tokens are exactly those decoding
+one at a time would give. The scheduler then keeps the accepted tokens and releases the
+KV blocks of the rejected tail (KVCacheManager.trim).
+
+Adaptive, per request: the draft length follows acceptance (a draft taken whole lets
+the next be one longer, up to k; one taken in part proposes one more than was taken
+next time); a draft of which nothing is taken makes the next one a single token, after
+the request waits 1, 2, 4 ... up to MAX_BACKOFF steps, and a request that has taken nothing after
+GIVE_UP drafts stops proposing. Requests with an output constraint (a grammar) never
+propose: their tokens must pass the grammar one at a time.
+
+Tokens are kept per request as 4-byte words in a bytearray, so a search is bytes.rfind
+(C speed) checked for word alignment.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from hotprefix.config import SpecMethod, SpeculativeConfig
+from hotprefix.core.request import Request
+from hotprefix.core.suffix_table import WORD, SuffixTable
+
+MAX_BACKOFF = 64  # the most steps a request that took nothing waits before it proposes again
+GIVE_UP = 8  # drafts after which a request that never took a token stops proposing
+
+
+def latest(haystack: bytes | bytearray, pattern: bytes, end: int) -> int:
+    """The word index of the latest occurrence of `pattern` (whole words) in haystack[:end]
+    (bytes), or -1."""
+    at = haystack.rfind(pattern, 0, end)
+    while at > 0 and at % WORD:  # not on a word boundary: look further back
+        at = haystack.rfind(pattern, 0, at + len(pattern) - 1)
+    return at // WORD if at >= 0 else -1
+
+
+def following(haystack: bytes | bytearray, start: int, k: int) -> list[int]:
+    """Up to k tokens from word `start` on, ending before a separator (-1) or the end."""
+    tokens = array("i", bytes(haystack[start * WORD:(start + k) * WORD])).tolist()
+    return tokens[:tokens.index(-1)] if -1 in tokens else tokens
+
+
+def find_draft(words: bytes | bytearray, min_n: int, max_n: int, k: int,
+               table: bytes | bytearray = b"") -> list[int]:
+    """The draft for the tokens in `words` (WORD-byte words): the tokens after the latest
+    earlier occurrence of the longest suffix n-gram (min_n <= n <= max_n) that occurs
+    earlier, at most k of them (fewer where the context ends first); at each n, where the
+    context has none, the tokens after its latest occurrence in `table` (earlier requests'
+    tokens, a separator between them); [] without a match."""
+    count = len(words) // WORD
+    for n in range(min(max_n, count - 1), min_n - 1, -1):
+        pattern = bytes(words[(count - n) * WORD:])
+        at = latest(words, pattern, (count - 1) * WORD)  # an occurrence ending before the last token
+        if at >= 0:
+            return following(words, at + n, min(k, count - at - n))
+        at = latest(table, pattern, len(table)) if table else -1
+        if at >= 0 and (draft := following(table, at + n, k)):
+            return draft
+    return []
+
+
+@dataclass
+class SpecStats:
+    """Counters since the last read (vLLM's spec_decode metrics): drafts proposed and
+    verified, their tokens, the tokens accepted, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Draft:
+    """One request's buffer (its tokens so far as words) and its adaptive state."""
+
+    k: int
+    words: bytearray = field(default_factory=bytearray)
+    num_words: int = 0
+    wait: int = 0  # steps to skip before the next proposal
+    backoff: int = 1
+    drafts: int = 0
+    accepted: int = 0
+
+
+class Speculator:
+    """Proposes drafts (`propose`) and learns from their verification (`observe`).
+    Mutates only its own per-request state, counters and suffix table; `finished` drops a request's state."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._states: dict[str, _Draft] = {}
+        self.table = SuffixTable(config.suffix_decoding_max_cached_requests) \
+            if config.method is SpecMethod.SUFFIX else None  # earlier requests' tokens, per cache scope
+        self._stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, req: Request) -> list[int]:
+        """The draft for a running request that decodes next (its last token is its only
+        uncomputed one), within its max_tokens and max_model_len: [] when it may not or
+        need not propose."""
+        if req.sampling_params.structured is not None or req.num_output_tokens == 0 \
+                or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        st = self._states.get(req.request_id)
+        if st is None:
+            st = self._states[req.request_id] = _Draft(self.config.num_speculative_tokens)
+        if st.wait > 0 or st.k == 0:
+            st.wait = max(0, st.wait - 1)
+            return []
+        k = st.k
+        if req.sampling_params.max_tokens is not None:
+            k = min(k, req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        if req.max_model_len is not None:
+            k = min(k, req.max_model_len - req.num_tokens - 1)
+        if k <= 0:
+            return []
+        self._extend(st, req)
+        table = self.table.words(req.cache_scope.salt) if self.table is not None else b""
+        return find_draft(st.words, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k, table)
+
+    @staticmethod
+    def _extend(st: _Draft, req: Request) -> None:
+        """Append the request's tokens not yet in its buffer."""
+        p = req.num_prompt_tokens
+        if st.num_words < p:
+            st.words += array("i", req.prompt_token_ids[st.num_words:]).tobytes()
+            st.num_words = p
+        st.words += array("i", req.output_token_ids[st.num_words - p:]).tobytes()
+        st.num_words = req.num_tokens
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A draft of `proposed` tokens was verified and `accepted` of them kept: count it
+        and set the request's next draft length (see the module's docstring)."""
+        s = self._stats
+        s.num_drafts += 1
+        s.num_draft_tokens += proposed
+        s.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            s.accepted_per_pos[pos] += 1
+        st = self._states.get(request_id)
+        if st is None:
+            return
+        st.drafts += 1
+        st.accepted += accepted
+        if accepted == proposed:
+            st.k = min(self.config.num_speculative_tokens, st.k + 1)
+        elif accepted > 0:
+            st.k = accepted + 1
+        if accepted > 0:
+            st.backoff = 1
+            return
+        st.k = 1  # a rejected draft costs about its rows: the next tries one token
+        st.wait, st.backoff = st.backoff, min(MAX_BACKOFF, st.backoff * 2)
+        if st.accepted == 0 and st.drafts >= GIVE_UP:
+            st.k = 0  # it never took a token: it stops paying for drafts
+
+    def finished(self, req: Request) -> None:
+        """The request finished: its tokens go to its scope's suffix table (method
+        "suffix"); its buffer and state are dropped."""
+        st = self._states.pop(req.request_id, None)
+        if self.table is not None:
+            st = st or _Draft(0)
+            self._extend(st, req)
+            self.table.add(req.cache_scope.salt, st.words)
+
+    def make_stats(self) -> SpecStats:
+        """The counters since the last call (then reset)."""
+        s, self._stats = self._stats, SpecStats(accepted_per_pos=[0] * self.config.num_speculative_tokens)
+        return s

@@ -1,0 +1,111 @@
+"""Speculative decoding gives the tokens and logprobs of decoding one token at a time,
+bit for bit (the CPU kernels are batch-invariant: a verify chunk's logits are the single
+steps' logits). Drafts here come from an oracle (the reference's own output, with one
+token changed at a position that varies), so that drafts kept whole, kept in part and
+rejected at once all occur on a tiny random model; the n-gram proposer's own drafts on
+real text are tested over HTTP (tests/server/test_speculative_http.py). The pool is small
+and the budget tight: preemption, chunking and drafts cut to the budget occur; the
+KV-cache manager's integrity is checked after every step."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from hotprefix.core import speculation
+from hotprefix.model.steps.fused_decode import FusedDecode
+from hotprefix.sampling_params import SamplingParams
+from tests.model.test_batch_invariance import loaded, make_engine  # noqa: F401 (a fixture)
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _sp(**kw) -> SamplingParams:
+    return SamplingParams(**{"ignore_eos": True, "logprobs": 20, **kw})
+
+
+REQUESTS = [
+    ([11, 12, 13, 14] * 5, _sp(temperature=0.0, max_tokens=40)),
+    (list(range(40, 63)), _sp(temperature=0.9, seed=3, max_tokens=33)),
+    ([7, 8, 9] * 6, _sp(temperature=0.8, seed=5, top_p=0.9, top_k=50, max_tokens=30, repetition_penalty=1.2,
+                        frequency_penalty=0.3, presence_penalty=0.2)),
+    (list(range(90, 110)), _sp(temperature=1.0, seed=11, n=2, max_tokens=25, logit_bias={5: 3.0})),
+    (list(range(200, 215)), _sp(temperature=0.0, max_tokens=37, min_tokens=20, ignore_eos=False)),
+]
+
+
+def outputs(finals: dict) -> dict:
+    """Per request, per sample: its tokens, finish reason, and each position's logprobs (bits)."""
+    return {i: [(tuple(o.token_ids), o.finish_reason,
+                 tuple((lp.sampled.token_id, lp.sampled.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                       for lp in o.logprobs)) for o in out.outputs] for i, out in finals.items()}
+
+
+def run(engine, requests) -> dict:
+    """Every request added at once, stepped to the end; integrity checked after every step."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[int(out.request_id)] = out
+        engine.scheduler.check_integrity()
+    return final
+
+
+def oracle(reference: dict[tuple, list[tuple[int, ...]]], calls: list):
+    """A find_draft that proposes what the reference went on to say (for a context whose
+    prompt it knows: any of its samples whose output so far matches), with the token at
+    call-number-dependent position changed (or none), so that every outcome occurs."""
+    def find(words, min_n, max_n, k, table=b""):
+        tokens = array("i", bytes(words)).tolist()
+        for prompt, samples in reference.items():
+            said = tokens[len(prompt):]
+            for out in samples:
+                if tokens[:len(prompt)] == list(prompt) and list(out[:len(said)]) == said:
+                    draft = list(out[len(said):len(said) + k])
+                    wrong = len(calls) % (k + 2)  # k + 1: keep it whole
+                    calls.append(len(draft))
+                    if wrong < len(draft):
+                        draft[wrong] = (draft[wrong] + 1) % 300
+                    return draft
+        return []
+    return find
+
+
+@pytest.mark.parametrize("mode", ["int8", "float32"])
+def test_oracle_drafts_give_the_tokens_and_logprobs_of_decoding_one_at_a_time(loaded, mode, monkeypatch):  # noqa: F811
+    config = dict(max_num_batched_tokens=13, num_blocks_override=24, preemption_mode="recompute")
+    want = outputs(run(make_engine(loaded, mode, caching=True, **config), REQUESTS))
+    reference = {tuple(p): [o[0] for o in want[i]] for i, (p, _) in enumerate(REQUESTS)}
+    calls: list[int] = []
+    monkeypatch.setattr(speculation, "find_draft", oracle(reference, calls))
+    engine = make_engine(loaded, mode, caching=True, speculative_config=NGRAM, **config)
+    fused = engine.runner.strategy(FusedDecode)
+    assert (fused is not None) == (mode == "int8")
+    verified_fused = []
+    if fused is not None:  # a step of decodes and drafts is still a decode step: the fused one takes it
+        real = fused.forward
+        monkeypatch.setattr(fused, "forward", lambda batch, meta: verified_fused.append(  # a request's rows share
+            len({id(s.block_ids) for s in batch.seqs}) < len(batch.seqs)) or real(batch, meta))  # its block list
+    got = outputs(run(engine, REQUESTS))
+    assert got == want
+    assert any(verified_fused) == (mode == "int8")
+    stats = engine.scheduler.make_stats().spec
+    assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[3] > 0  # some drafts were kept whole
+    assert engine.scheduler.num_preemptions > 0  # the pool was tight enough to preempt
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+
+
+def test_the_ngram_proposers_rejected_drafts_change_nothing(loaded):  # noqa: F811
+    """The real proposer on a tiny random model: its drafts (from the repeating prompt) are
+    rejected, and the answer is the same."""
+    requests = [([21, 22, 23] * 4, _sp(temperature=0.0, max_tokens=60)),
+                ([21, 22, 23] * 4, _sp(temperature=0.7, seed=1, max_tokens=60))]
+    want = outputs(run(make_engine(loaded, "int8", caching=True), requests))
+    engine = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
+    assert outputs(run(engine, requests)) == want
+    assert engine.scheduler.make_stats().spec.num_drafts > 0
