@@ -10,6 +10,7 @@ LLAMA3_ROPE = dict(rope_theta=500000.0, rms_norm_eps=1e-5,
 # Published configs (the fields that matter for sizing).
 LLAMA, MISTRAL, QWEN2, QWEN3 = (["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen2ForCausalLM"],
                                 ["Qwen3ForCausalLM"])
+QWEN3_MOE = ["Qwen3MoeForCausalLM"]
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": dict(architectures=LLAMA, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=64, hidden_size=2048, intermediate_size=8192, vocab_size=128256,
@@ -33,6 +34,10 @@ PRESETS: dict[str, dict] = {
     "qwen3-32b": dict(architectures=QWEN3, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                       head_dim=128, hidden_size=5120, intermediate_size=25600, vocab_size=151936,
                       max_position_embeddings=40960),
+    "qwen3-30b-a3b": dict(architectures=QWEN3_MOE, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6),
     "smollm2-135m": dict(architectures=LLAMA, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          hidden_size=576, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
                          tie_word_embeddings=True),

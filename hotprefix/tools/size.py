@@ -108,6 +108,10 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
     head = (f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim} dims "
             f"({shape.num_heads} query heads); ~{shape.num_params() / 1e9:.2f} B parameters, "
             f"weights {_human(weight_bytes)}")
+    if shape.moe_layers:
+        active = shape.num_params(active=True)
+        head += (f"; {shape.num_experts} experts, {shape.experts_per_token} a token: ~{active / 1e9:.2f} B "
+                 f"parameters read per token ({_human(weight_bytes * active // shape.num_params())})")
     w = max(len(label) for label, _ in rows)
     cols = [r.dtype for r in reports]
     cells = [[fn(r) for r in reports] for _, fn in rows]
@@ -155,8 +159,9 @@ def run(a: argparse.Namespace) -> int:
                            a.max_model_len, budget, int(a.kv_offloading_size * 2**30), int(a.kv_disk_size * 2**30))
                for dt in (a.dtype or DTYPES)]
     if a.json:
+        active = weights * shape.num_params(active=True) // shape.num_params()
         print(json.dumps({"model": name, "shape": asdict(shape), "weight_bytes": weights,
-                          "reports": [asdict(r) for r in reports]}, indent=2))
+                          "active_weight_bytes": active, "reports": [asdict(r) for r in reports]}, indent=2))
     else:
         print(render_table(name, shape, reports, weights))
     return 0

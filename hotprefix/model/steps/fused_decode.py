@@ -29,6 +29,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
     pool = kv.layers[0].k
     if not isinstance(backend, CpuAttention) or not backend.kernels:
         return "the attention backend is not the cpu one with the C kernels"
+    if model.arch.num_experts:
+        return "mixture-of-experts layers"
     if model.arch.qk_norm or pool.dtype != torch.float32 or pool.device.type != "cpu":
         return "q/k norms, or not a float32 CPU pool"
     for layer in model.model.layers:

@@ -168,15 +168,9 @@ static inline const float *block_weights(int qtype, const uint8_t *b, float *wv)
     return wv;
 }
 
-#if defined(HP_F512)
-#define F32_RM 16  /* rows of x a pass over a weight row takes: their 16-lane sums stay in registers */
-#else
-#define F32_RM 6
-#endif
-
 /* Weight row n against rows m0 .. m0 + mt - 1 of x (mt <= F32_RM): y[m, n] = x[m] . w[n],
  * each a 16-lane dot product (v16): the same bits whatever M, the pass or the build. */
-static void row_pass(int qtype, const float *x, int m0, int mt, int K, const uint8_t *row, int n, float *y, int N) {
+void f32_row_pass(int qtype, const float *x, int m0, int mt, int K, const uint8_t *row, int n, float *y, int N) {
     const int bv = block_values(qtype), bb = block_bytes(qtype), nb = K / bv;
     float wv[QKK];
     v16 acc[F32_RM];
@@ -207,7 +201,7 @@ int hp_qmatmul(int qtype, const float *x, int M, int K, const uint8_t *w, int N,
         const int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int m0 = 0; m0 < M; m0 += F32_RM)
             for (int n = n0; n < n1; n++)
-                row_pass(qtype, x, m0, M - m0 < F32_RM ? M - m0 : F32_RM, K, w + (size_t)n * rb, n, y, N);
+                f32_row_pass(qtype, x, m0, M - m0 < F32_RM ? M - m0 : F32_RM, K, w + (size_t)n * rb, n, y, N);
     }
     return 0;
 }

@@ -60,6 +60,15 @@ typedef struct {
     int M;
 } hp_step;
 
+/* A mixture's experts: each projection as expert 0's rows (regrouped by hp_repack expert by
+ * expert when int8, else GGUF blocks or F32 rows as stored) and the bytes from one expert's
+ * rows to the next's; gate and up [X, I, E], down [X, E, I]. */
+typedef struct {
+    hp_part gate, up, down;
+    int64_t gate_stride, up_stride, down_stride;
+    int X, E, I, int8;
+} hp_moe;
+
 /* products and weights (blocks.c, int8.c, repack.c) */
 int hp_qmatmul(int qtype, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads);
 int hp_dequantize(int qtype, const uint8_t *w, int N, int K, float *out);
@@ -77,6 +86,10 @@ void hp_kv_write(float *kpool, float *vpool, int64_t head_stride, const int64_t 
                  int64_t k_row, const float *v, int64_t v_row, int KVH, int D);
 void hp_rmsnorm(const float *x, int M, int E, int64_t x_row, const float *w, float eps, float *out, int nthreads);
 void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, const float *sin_, int nthreads);
+
+/* a mixture's expert FFNs, tokens grouped by expert (moe.c) */
+int hp_moe_ffn(const hp_moe *m, const float *x, int T, const int64_t *ids, const float *w, int k, float *out,
+               int64_t *reads, int nthreads);
 
 /* the fused decode step and the struct layouts (decode.c) */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads);
