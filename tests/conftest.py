@@ -52,7 +52,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overrides):
-    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3) with
+    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3, qwen3moe) with
     its tokenizer into folder; return the transformers model (fp32, eager)."""
     import torch
     import transformers
@@ -62,10 +62,13 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     kw = dict(TINY)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3moe"):
         kw["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 models
+    if family == "qwen3moe":  # 8 experts of FFN 32, 2 a token, weights renormalised (Qwen3-30B-A3B's choice)
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     kw.update(overrides)
     shard = kw.pop("max_shard_size", None)
     cfg = cls_cfg(**kw)

@@ -56,7 +56,7 @@ class ModelArch:
         return ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size,
                           self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
                           self.max_position_embeddings, self.num_experts, self.experts_per_token,
-                          self.expert_intermediate_size, moe_layers)
+                          self.expert_intermediate_size, moe_layers, self.qk_norm)
 
     def moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""
