@@ -126,6 +126,18 @@ def test_an_expert_id_outside_the_table_is_refused_before_anything_is_read():
     assert reads.tolist() == [0] * X
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_an_expert_named_twice_for_a_token_is_added_twice(int8):
+    """No top-k names an expert twice, but the kernel sums whatever it is given: both
+    slots of the repeated expert count (the reference's arithmetic)."""
+    bl = experts("Q8_0", seed=11)
+    ref_w = [dequantize_rows(b) for b in bl]
+    m = ops.MoeExperts(*[b.regrouped() for b in bl] if int8 else bl)
+    x = torch.randn(3, E, generator=torch.Generator().manual_seed(12))
+    ids, w = torch.tensor([[3, 3, 1], [5, 2, 5], [0, 0, 0]]), torch.rand(3, 3)
+    assert rel(ops.moe_ffn(m, x, ids, w), experts_torch(x, ids, w, *ref_w)) < (0.035 if int8 else 2e-6)
+
+
 def test_experts_that_do_not_fit_are_refused():
     gate, up, down = experts("Q8_0")
     with pytest.raises(ValueError, match="gate and up"):

@@ -191,6 +191,7 @@ typedef struct {
 /* int8.c */
 int xquant_alloc(xquant *x, int M, int K);
 void xquant_free(xquant *x);
+void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk);
 void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk);
 void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K, float *y,
                  xquant *x32, xquant *xk);

@@ -84,24 +84,27 @@ static void quantize_row_k(const float *x, int K, int8_t *xq, float *dx, int16_t
     }
 }
 
-/* For a thread of an enclosing parallel region (a work-sharing loop each, ending in a
- * barrier): rows 0..M-1 of x [*, K] quantized into x32 (per 32 values, need32) and xk (per
- * 256, needk); row m reads x's row src[m] (src NULL: row m). */
-void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk) {
+/* Row xr (K values) quantized into row m of x32 (per 32 values, need32) and of xk (per
+ * 256, needk). */
+void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk) {
     if (need32) {
         const int nb = K / QK;
-        #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row(x + (size_t)(src ? src[m] : m) * K, K, x32->q + (size_t)m * K, x32->d + (size_t)m * nb,
-                         x32->sum + (size_t)m * nb, x32->sd + (size_t)m * nb);
+        quantize_row(xr, K, x32->q + (size_t)m * K, x32->d + (size_t)m * nb, x32->sum + (size_t)m * nb,
+                     x32->sd + (size_t)m * nb);
     }
     if (needk) {
         const int nbk = K / QKK;
-        #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row_k(x + (size_t)(src ? src[m] : m) * K, K, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk,
-                           xk->bs + (size_t)m * nbk * KBS);
+        quantize_row_k(xr, K, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk, xk->bs + (size_t)m * nbk * KBS);
     }
+}
+
+/* For a thread of an enclosing parallel region (a work-sharing loop, ending in a
+ * barrier): rows 0..M-1 of x [*, K] quantized (xquant_row); row m reads x's row src[m]
+ * (src NULL: row m). */
+void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk) {
+    if (!need32 && !needk) return;
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) xquant_row(x + (size_t)(src ? src[m] : m) * K, K, m, need32, needk, x32, xk);
 }
 
 int xquant_alloc(xquant *x, int M, int K) {

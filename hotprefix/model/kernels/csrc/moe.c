@@ -24,6 +24,7 @@ typedef struct {
     int *start;   /* [X + 1]: expert e's slots are start[e] .. start[e + 1] - 1 */
     int *tok;     /* [P]: each sorted slot's token */
     float *wt;    /* [P]: its router weight */
+    char *first;  /* [P]: whether it is its token's first slot (lowest expert): it starts the sum */
     int *used;    /* [nused]: the experts with slots, ascending */
     int *wave;    /* [nwaves + 1]: wave i takes used[wave[i]] .. used[wave[i + 1] - 1] */
     int nused, nwaves, rows;  /* rows: the most slots of one wave */
@@ -33,7 +34,9 @@ typedef struct {
  * and the quantized rows of the int8 products (x, then act). */
 typedef struct { float *xs, *h, *act, *y; xquant x32, xk; } moe_buf;
 
-static void plan_free(moe_plan *pl) { free(pl->start); free(pl->tok); free(pl->wt); free(pl->used); free(pl->wave); }
+static void plan_free(moe_plan *pl) {
+    free(pl->start); free(pl->tok); free(pl->wt); free(pl->first); free(pl->used); free(pl->wave);
+}
 
 /* The waves: consecutive used experts while their slots fit WAVE_ROWS (an expert with
  * more is a wave alone). */
@@ -62,7 +65,8 @@ static int plan_build(moe_plan *pl, const int64_t *ids, const float *w, int T, i
     pl->wt = malloc(sizeof(float) * P);
     pl->used = malloc(sizeof(int) * X);
     pl->wave = malloc(sizeof(int) * ((size_t)X + 1));
-    if (!pl->start || !pl->tok || !pl->wt || !pl->used || !pl->wave) return -2;
+    pl->first = malloc(P);
+    if (!pl->start || !pl->tok || !pl->wt || !pl->used || !pl->wave || !pl->first) return -2;
     for (int p = 0; p < P; p++) {
         if (ids[p] < 0 || ids[p] >= X) return -3;
         pl->start[ids[p] + 1]++;
@@ -75,9 +79,12 @@ static int plan_build(moe_plan *pl, const int64_t *ids, const float *w, int T, i
     int *fill = pl->wave;  /* a cursor per expert, before the waves are written there */
     memcpy(fill, pl->start, sizeof(int) * X);
     for (int p = 0; p < P; p++) {
-        const int q = fill[ids[p]]++;
+        const int q = fill[ids[p]]++, base = p - p % k;
+        int at = base;  /* the token's first slot of its lowest expert: the first its sum adds */
+        for (int r = base + 1; r < base + k; r++) at = ids[r] < ids[at] ? r : at;
         pl->tok[q] = p / k;
         pl->wt[q] = w[p];
+        pl->first[q] = p == at;
     }
     plan_waves(pl);
     return 0;
@@ -166,18 +173,24 @@ static void wave_team(const hp_moe *m, const moe_plan *pl, int w, const float *x
         for (int r = 0; r < rows; r++) memcpy(b->xs + (size_t)r * E, x + (size_t)pl->tok[p0 + r] * E, sizeof(float) * E);
     }
     wave_products(m, pl, w, gu, gus, 2, E, b->xs, b->h, b, reads);
+    const int dk = k_family(m->down.qtype);
     #pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) silu_mul_row(b->h + (size_t)r * 2 * I, I, b->act + (size_t)r * I);
-    if (m->int8) xquant_rows(b->act, NULL, rows, I, !k_family(m->down.qtype), k_family(m->down.qtype), &b->x32, &b->xk);
+    for (int r = 0; r < rows; r++) {
+        silu_mul_row(b->h + (size_t)r * 2 * I, I, b->act + (size_t)r * I);
+        if (m->int8) xquant_row(b->act + (size_t)r * I, I, r, !dk, dk, &b->x32, &b->xk);
+    }
     wave_products(m, pl, w, down, ds, 1, I, b->act, b->y, b, reads);
-    /* each token's experts in ascending order: threads take columns, every slot in order */
-    #pragma omp for schedule(static)
+    /* each token's experts in ascending order (its first starts from 0): threads take
+     * columns, every slot in order; no barrier after it (the next wave's first loop
+     * writes neither out nor y, and ends in one) */
+    #pragma omp for schedule(static) nowait
     for (int c = 0; c < E; c += 64) {
         const int c1 = c + 64 < E ? c + 64 : E;
         for (int r = 0; r < rows; r++) {
             float *o = out + (size_t)pl->tok[p0 + r] * E;
             const float *yr = b->y + (size_t)r * E, wt = pl->wt[p0 + r];
-            for (int j = c; j < c1; j++) o[j] = o[j] + wt * yr[j];
+            if (pl->first[p0 + r]) for (int j = c; j < c1; j++) o[j] = 0.0f + wt * yr[j];
+            else for (int j = c; j < c1; j++) o[j] = o[j] + wt * yr[j];
         }
     }
 }
@@ -196,11 +209,7 @@ int hp_moe_ffn(const hp_moe *m, const float *x, int T, const int64_t *ids, const
     if (!rc && !buf_alloc(&b, m, pl.rows)) rc = -2;
     if (!rc) {
         #pragma omp parallel num_threads(nthreads)
-        {
-            #pragma omp for schedule(static)
-            for (int t = 0; t < T; t++) memset(out + (size_t)t * m->E, 0, sizeof(float) * m->E);
-            for (int wv = 0; wv < pl.nwaves; wv++) wave_team(m, &pl, wv, x, &b, out, reads);
-        }
+        for (int wv = 0; wv < pl.nwaves; wv++) wave_team(m, &pl, wv, x, &b, out, reads);
     }
     buf_free(&b, m);
     plan_free(&pl);
