@@ -39,4 +39,5 @@ run() {  # SERVER COMMAND...
   kill -- -"$pid"; wait "$pid" 2>/dev/null || true
 }
 run hotprefix .venv/bin/hotprefix serve --model "$FILE" --port "$PORT" --kv-cache-memory 2GiB
-run llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$FILE" -c 16384
+# LLAMA_ARGS: more llama-server arguments (--no-repack where its AMX path crashes on the file)
+run llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$FILE" -c 16384 ${LLAMA_ARGS:-}
