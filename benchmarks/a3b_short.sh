@@ -2,7 +2,7 @@
 # real_shapes.sh's comparison cut to what a loaded shared 2-core machine finishes in ~30 min:
 # for each server on FILE (hotprefix, then llama-server): start to /v1/models, idle RSS of its
 # process group, the ttft workload with 2 output tokens (a cold 1,030-token prompt, then 5 warm
-# ones on its 1,000-token prefix), single-stream decode (stream_decode.py: 2 x 16 tokens); for
+# ones on its 1,000-token prefix), single-stream decode (stream_decode.py: 16 tokens by the difference of two latencies, twice); for
 # hotprefix also shared (8 concurrent on a warm 1,000-token prefix, 8 tokens each).
 #
 #   OUT=docs/bench/a3b bash benchmarks/a3b_short.sh FILE.gguf

@@ -1,7 +1,10 @@
 """Single-stream decode rate of a running OpenAI-compatible server, shorter than `hotprefix
-bench --workload decode` (3 x 128 tokens) for machines where that would take too long:
-`rounds` streamed completions of `tokens` tokens, one at a time, each one's rate the tokens
-after its first over the time after its first (bench's definition).
+bench --workload decode` (3 x 128 tokens) for machines where that would take too long, and
+independent of streamed text (llama-server holds back a random model's tokens that are not
+whole UTF-8, so a stream's first text can come late or never): per round, one prompt asked
+for 1 token (its prefix then cached), then 2, then 2 + `tokens` tokens; the rate is
+`tokens` over the difference of the last two latencies (each server's own token counts
+checked).
 
     .venv/bin/python benchmarks/stream_decode.py URL [--tokens 16] [--rounds 2] [--json out.json]
 """
@@ -9,24 +12,34 @@ after its first over the time after its first (bench's definition).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
+import time
 
 import httpx
 from run_facts import report
 
-from hotprefix.tools.bench import _request
+
+def latency(client: httpx.Client, url: str, model: str, prompt: str, n: int) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    r = client.post(url + "/v1/completions", json=body)
+    took = time.perf_counter() - t0
+    r.raise_for_status()
+    got = r.json()["usage"]["completion_tokens"]
+    if got != n:
+        raise SystemExit(f"asked for {n} tokens, got {got}")
+    return took
 
 
-async def rates(url: str, tokens: int, rounds: int) -> list[float]:
+def rates(url: str, tokens: int, rounds: int) -> list[float]:
     out = []
-    async with httpx.AsyncClient(timeout=3600) as client:
-        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+    with httpx.Client(timeout=3600) as client:
+        model = client.get(url + "/v1/models").json()["data"][0]["id"]
         for i in range(rounds):
-            r = await _request(client, url, model, f"Story {i}: the harbour at dawn, the boats and the gulls", tokens)
-            if not r.ok or r.ttft is None or r.output_tokens < 2:
-                raise SystemExit(f"round {i} failed: {r.error}")
-            out.append((r.output_tokens - 1) / (r.end - r.start - r.ttft))
+            prompt = f"Story {i}: the harbour at dawn, the boats and the gulls"
+            latency(client, url, model, prompt, 1)
+            short, long = latency(client, url, model, prompt, 2), latency(client, url, model, prompt, 2 + tokens)
+            out.append(tokens / (long - short))
     return out
 
 
@@ -37,7 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    got = asyncio.run(rates(a.url.rstrip("/"), a.tokens, a.rounds))
+    got = rates(a.url.rstrip("/"), a.tokens, a.rounds)
     report({"url": a.url, "tokens": a.tokens, "rates": got, "stream_tokens_per_s_median": statistics.median(got)},
            a.json)
 
