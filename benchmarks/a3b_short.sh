@@ -2,8 +2,8 @@
 # real_shapes.sh's comparison cut to what a loaded shared 2-core machine finishes in ~30 min:
 # for each server on FILE (hotprefix, then llama-server): start to /v1/models, idle RSS of its
 # process group, the ttft workload with 2 output tokens (a cold 1,030-token prompt, then 5 warm
-# ones on its 1,000-token prefix), single-stream decode (stream_decode.py: 16 tokens by the difference of two latencies, twice); for
-# hotprefix also shared (8 concurrent on a warm 1,000-token prefix, 8 tokens each).
+# ones on its 1,000-token prefix), single-stream decode (stream_decode.py: 16 tokens by the difference of two latencies, twice),
+# shared (8 concurrent on a warm 1,000-token prefix, 8 tokens each). ONLY=llamaserver (or hotprefix): that server alone.
 #
 #   OUT=docs/bench/a3b bash benchmarks/a3b_short.sh FILE.gguf
 set -euo pipefail
@@ -21,6 +21,7 @@ STARTED=()
 trap 'for p in "${STARTED[@]}"; do kill -- -"$p" 2>/dev/null || true; done' EXIT
 run() {  # SERVER COMMAND...
   local server=$1; shift
+  [ -z "${ONLY:-}" ] || [ "$ONLY" = "$server" ] || return 0
   local url="http://127.0.0.1:$PORT" t0
   t0=$(date +%s.%N)
   setsid "$@" >> "$OUT/$TAG-$server-serve.log" 2>&1 &
@@ -33,7 +34,7 @@ run() {  # SERVER COMMAND...
   [ -f "$OUT/$TAG-$server-ttft.json" ] ||  # a step done by an earlier run is not run again
     .venv/bin/hotprefix bench "$url" --workload ttft --max-tokens 2 --json "$OUT/$TAG-$server-ttft.json" > /dev/null
   [ -f "$OUT/$TAG-$server-decode.json" ] || $PY benchmarks/stream_decode.py "$url" --json "$OUT/$TAG-$server-decode.json" > /dev/null
-  if [ "$server" = hotprefix ] && [ ! -f "$OUT/$TAG-$server-shared.json" ]; then
+  if [ ! -f "$OUT/$TAG-$server-shared.json" ]; then
     .venv/bin/hotprefix bench "$url" --workload shared --max-tokens 8 --json "$OUT/$TAG-$server-shared.json" > /dev/null
   fi
   kill -- -"$pid"; wait "$pid" 2>/dev/null || true
