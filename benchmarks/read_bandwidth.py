@@ -2,7 +2,8 @@
 file reads, and those bytes: what single-stream decode speed is measured against.
 
 A decode step reads every weight once except the embedding table (one row a token; the
-table itself when the output is tied to it). The bandwidth is a parallel sum over a
+table itself when the output is tied to it), and of a mixture's experts only the ones the
+token takes (k of X: the active weights). The bandwidth is a parallel sum over a
 buffer of that size on every core (torch's reduction), best of 7 after one untimed pass.
 
     .venv/bin/python benchmarks/read_bandwidth.py FILE.gguf [--json out.json]
@@ -20,18 +21,21 @@ from hotprefix.model.gguf_file import GGUFFile
 
 
 def decode_bytes(path: str) -> int:
-    """Bytes of the tensors a decode step reads."""
+    """Bytes of the tensors a decode step reads (a mixture's experts: k of X)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     reader = GGUFFile(path)
     names = {t.name for t in reader.tensors}
+    arch = reader.get("general.architecture")
+    experts, used = reader.get(f"{arch}.expert_count") or 1, reader.get(f"{arch}.expert_used_count") or 1
     total = 0
     for t in reader.tensors:
         if t.name == "token_embd.weight" and "output.weight" in names:
             continue
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
         rows, cols = t.rows_cols
-        total += rows * cols // block * size
+        nbytes = rows * cols // block * size
+        total += nbytes * used // experts if "_exps." in t.name else nbytes
     return total
 
 

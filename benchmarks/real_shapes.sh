@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The models users run, both engines on the same file in one run: random-weight GGUFs of
-# Llama-3.2-1B's and Llama-3.1-8B's shapes in Q4_0 and Q4_K_M (benchmarks/make_gguf.py, which
+# Llama-3.2-1B's and Llama-3.1-8B's shapes in Q4_0 and Q4_K_M, and 24 of Qwen3-30B-A3B's 48
+# layers (a3b: a mixture of 128 experts, 8 a token) in Q4_K_M (benchmarks/make_gguf.py, which
 # quantizes with llama.cpp's own llama-quantize), served by hotprefix and by llama.cpp's
 # llama-server (../shared/peers/llamaserver.sh) one after the other.
 #
-#   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M, gemma3-270m-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
+#   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M, gemma3-270m-Q4_K_M, a3b-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
 #
 # $LLAMASERVER_ARGS: more llama-server flags (--no-repack where the CPU lists AMX but the VM
 # does not enable it: llama.cpp's AMX repacking then dies of an illegal instruction).
@@ -16,11 +17,11 @@
 # tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); the machine's
 # read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py),
 # and decode's share of it with the two measured alternately in process (decode_bandwidth.py);
-# for the 1B and Gemma 3 files, int8 mode's KL against float32 mode beside llama-server's (kl_vs_llamacpp.py).
+# for the 1B, Gemma 3 and a3b files, int8 mode's KL against float32 mode beside llama-server's (kl_vs_llamacpp.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-OUT=docs/bench/real
+OUT=${OUT:-docs/bench/real}  # another folder keeps an earlier run's meta.json
 PORT=${PORT:-8790}
 PEERS=${PEERS:-../shared/peers}
 BENCH_MODELS=${BENCH_MODELS:-$HOME/.cache/hotprefix-bench}
@@ -60,7 +61,7 @@ run() {
   done
   rss_stop $pid "$OUT/$tag-$server-rss"
   # int8 mode's next-token distributions against float32 mode's, beside llama.cpp's own (1B)
-  if [ "$server" = llamaserver ] && { [ "${tag%%-*}" = 1b ] || [ "${tag%%-*}" = gemma3 ]; }; then
+  if [ "$server" = llamaserver ] && [ "${tag%%-*}" != 8b ]; then
     $PY benchmarks/kl_vs_llamacpp.py "$url" --model "$file" --json "$OUT/$tag-kl.json" > "$OUT/$tag-kl.log" 2>&1 ||
       echo "kl_vs_llamacpp.py failed on $tag: see $OUT/$tag-kl.log" >&2
   fi
@@ -76,6 +77,7 @@ for tag in "${TAGS[@]}"; do
   # KV pools of similar capacity: hotprefix's is float32 (2x llama.cpp's f16 a token)
   # at 8B, shared (8 cold 1,030-token prefills for llama-server: ~1,000 s) is left out
   if [ "$shape" = 8b ]; then kv=(--kv-cache-memory 2GiB); ctx=(-c 8192); WORKLOADS=(ttft decode)
+  elif [ "$shape" = a3b ]; then kv=(--kv-cache-memory 2GiB); ctx=(-c 16384); WORKLOADS=(ttft decode shared)
   else kv=(); ctx=(-c 16384); WORKLOADS=(ttft decode shared); fi
   # hotprefix: a first start (regroups into the cache when it is cold), then the measured one
   t0=$(date +%s.%N)

@@ -81,6 +81,11 @@ def table(folder: Path, tag: str) -> str:
         lo, hi = min(r["share"] for r in share["rounds"]), max(r["share"] for r in share["rounds"])
         out.append(f"| the same, in process, decode and reads alternated (median, range) | "
                    f"{100 * share['share_median']:.0f} % ({100 * lo:.0f}-{100 * hi:.0f}) | | |")
+        read = share.get("bytes_read_per_token")
+        if read:  # a mixture: what its decode steps read, by the experts' counters, against k of X experts
+            out.append(f"| bytes read a decode token (experts by their counters) / the active weights' bytes | "
+                       f"{read['total'] / 1e6:.0f} MB / {share['decode_bytes_per_token'] / 1e6:.0f} MB = "
+                       f"{read['total'] / share['decode_bytes_per_token']:.3f} | | |")
     return "\n".join(out)
 
 

@@ -135,6 +135,11 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     layer_windows: tuple[int | None, ...] = ()  # each layer's attention window (empty: all full)
+    num_experts: int = 0  # a mixture of experts: moe_layers of the layers route each token
+    experts_per_token: int = 0  # to this many of num_experts SwiGLU experts
+    expert_intermediate_size: int = 0
+    moe_layers: int = 0
+    qk_norm: bool = False  # per-head RMSNorms of q and k (Qwen3): 2 x head_dim a layer
 
     @property
     def kv(self) -> KVShape:
@@ -144,14 +149,20 @@ class ModelShape:
     def kv_groups(self) -> KVGroupLayout:
         return KVGroupLayout.of(self.layer_windows or (None,) * self.num_layers)
 
-    def num_params(self) -> int:
-        """Parameters of a Llama-style decoder (attention without bias, SwiGLU MLP, RMSNorms)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameters of a Llama-style decoder (attention without bias, SwiGLU MLPs or
+        mixtures of SwiGLU experts with a router, RMSNorms, Qwen3's q/k norms); `active`: those one token's
+        forward pass reads (its top experts only; the embedding table counted whole, as
+        published "active" counts do)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o; k, v
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        experts = self.experts_per_token if active else self.num_experts
+        moe = experts * 3 * h * self.expert_intermediate_size + self.num_experts * h  # experts, router
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        dense_layers = self.num_layers - self.moe_layers
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        return self.num_layers * (attn + norms) + dense_layers * mlp + self.moe_layers * moe + embed + h
 
 
 @dataclass(frozen=True)

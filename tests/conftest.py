@@ -60,7 +60,7 @@ TINY_GEMMA3 = dict(num_hidden_layers=7, head_dim=32, query_pre_attn_scalar=24, s
 
 
 def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overrides):
-    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3, gemma3) with
+    """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3, gemma3, qwen3moe) with
     its tokenizer into folder; return the transformers model (fp32, eager)."""
     import torch
     import transformers
@@ -71,12 +71,15 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     kw = dict(TINY)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3moe"):
         kw["head_dim"] = 32  # differs from hidden / heads, as in real Qwen3 models
     if family == "gemma3":
         kw.update(TINY_GEMMA3)
+    if family == "qwen3moe":  # 8 experts of FFN 32, 2 a token, weights renormalised (Qwen3-30B-A3B's choice)
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     kw.update(overrides)
     shard = kw.pop("max_shard_size", None)
     cfg = cls_cfg(**kw)

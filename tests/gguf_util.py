@@ -12,7 +12,10 @@ HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
+F32_ALWAYS = ("ffn_gate_inp",)  # llama-quantize never quantizes a router
 # Bytes per 256-value block and where the f16 scales sit, for the K-quants that neither
 # gguf-py nor tests/kquants.py quantizes: we write random quants with small finite scales.
 K_LAYOUT = {"Q2_K": (84, [80, 82]), "Q3_K": (110, [108])}
@@ -30,7 +33,7 @@ def tensor_type(weight_type: str, gguf_name: str, cols: int) -> str:
         return weight_type
     base, more = MIXES[weight_type]
     more_bits = gguf_name == "output.weight" or (
-        gguf_name.startswith("blk.0.") and gguf_name.split(".")[2] in ("attn_v", "ffn_down"))
+        gguf_name.startswith("blk.0.") and gguf_name.split(".")[2] in ("attn_v", "ffn_down", "ffn_down_exps"))
     t = more if more_bits else base
     return FALLBACK[t] if cols % 256 else t
 
@@ -82,6 +85,38 @@ def _gemma3_metadata(w, cfg) -> None:
 
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
+
+
+def hf_tensors(hf_model):
+    """(HF name, float32 array) of every weight, a mixture's experts as the 3-D
+    `mlp.experts.{gate,up,down}_proj.weight` (transformers keeps gate and up as one)."""
+    for name, t in hf_model.state_dict().items():
+        a = t.detach().float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            i = a.shape[1] // 2
+            yield name.replace("gate_up_proj", "gate_proj.weight"), a[:, :i]
+            yield name.replace("gate_up_proj", "up_proj.weight"), a[:, i:]
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", a
+        else:
+            yield name, a
+
+
+def _blocks(a: np.ndarray, ttype: str, rng: np.random.Generator) -> np.ndarray:
+    """a [N, K] (or experts' [X, N, K]) as GGUF blocks of ttype: [..., bytes a row]."""
+    from tests.kquants import quantize
+
+    rows = a.reshape(-1, a.shape[-1])
+    raw = random_k_blocks(ttype, rows.shape, rng) if ttype in K_LAYOUT else quantize(rows, ttype)
+    return raw.reshape(*a.shape[:-1], raw.shape[-1])
+
+
+def _moe_metadata(w, cfg) -> None:
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
 def random_k_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -155,13 +190,12 @@ class SpmVocab:
 
 def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: str = "llama",
                seed: int = 0) -> Path:
-    """Write hf_model's weights (2-D ones as weight_type or as a MIXES mix picks, norms as
-    F32) and tokenizer (an HF byte-level BPE tokenizer, or an SpmVocab) into a GGUF file at
-    path, as `arch` (llama: q/k rows permuted; gemma3: its names, keys and norms)."""
+    """Write hf_model's weights (2-D ones and a mixture's 3-D experts as weight_type or as
+    a MIXES mix picks; norms and routers as F32) and tokenizer (an HF byte-level BPE
+    tokenizer, or an SpmVocab) into a GGUF file at path, as `arch` (llama: q/k rows
+    permuted; gemma3: its names, keys and norms)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
-
-    from tests.kquants import quantize
 
     cfg = hf_model.config
     rng = np.random.default_rng(seed)
@@ -182,6 +216,7 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(0)
+    _moe_metadata(w, cfg)
 
     if isinstance(tokenizer, SpmVocab):
         tokenizer.write(w, cfg.vocab_size)
@@ -189,10 +224,9 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
         _write_bpe_tokenizer(w, tokenizer, cfg.vocab_size)
 
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    for name, t in hf_model.state_dict().items():
+    for name, a in hf_tensors(hf_model):
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        a = t.detach().float().numpy()
         if arch == "gemma3" and name.endswith("norm.weight"):  # the converter stores Gemma's norms as w + 1
             a = a + np.float32(1.0)
         if arch == "llama" and name.endswith("q_proj.weight"):
@@ -201,16 +235,44 @@ def write_gguf(path: Path, hf_model, tokenizer, weight_type: str = "F32", arch: 
             a = _permute(a, nkv)
         gname = _gguf_name(name, arch)
         ttype = tensor_type(weight_type, gname, a.shape[-1])
-        if a.ndim != 2 or ttype == "F32":
+        if a.ndim == 1 or ttype == "F32" or gname.split(".")[-2] in F32_ALWAYS:
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
-        elif ttype in K_LAYOUT:
-            raw = random_k_blocks(ttype, a.shape, rng)
-            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q[ttype])
         else:
-            q = quantize(a, ttype)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=Q[ttype])
+            raw = _blocks(a, ttype, rng)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q[ttype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def hf_model_from_gguf(path: Path, config):
+    """A transformers model of `config` holding a GGUF file's weights as gguf-py
+    dequantizes them (the reference for architectures whose GGUF transformers cannot
+    load, as qwen3moe's experts): HF names from the file's, experts' gate and up joined
+    as transformers keeps them. No Q/K un-permutation (not for llama-style files)."""
+    import gguf
+    import torch
+    import transformers
+
+    names = {v: k for k, v in HF_TO_GGUF.items()} | {"token_embd": "model.embed_tokens",
+                                                      "output_norm": "model.norm", "output": "lm_head"}
+    state = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        a = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        a = a.reshape([int(d) for d in reversed(t.shape.tolist())])
+        parts = t.name.split(".")
+        hf = (f"model.layers.{parts[1]}.{names[parts[2]]}" if parts[0] == "blk" else names[parts[0]]) + ".weight"
+        state[hf] = torch.from_numpy(a)
+    for key in [k for k in state if k.endswith("mlp.experts.gate_proj.weight")]:
+        base = key[:-len("gate_proj.weight")]
+        state[base + "gate_up_proj"] = torch.cat([state.pop(key), state.pop(base + "up_proj.weight")], dim=1)
+        state[base + "down_proj"] = state.pop(base + "down_proj.weight")
+    model = getattr(transformers, config.architectures[0])(config).float().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    if missing:
+        model.tie_weights()
+    model.config._attn_implementation = "eager"
+    return model

@@ -46,6 +46,15 @@ class ModelArch:
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
     norm_adds_one: bool = False
+    # a mixture of experts (num_experts > 0): each MoE layer routes a token to the top
+    # experts_per_token of num_experts SwiGLU experts of expert_intermediate_size, their
+    # softmax weights renormalised over the chosen ones with norm_topk_prob; dense_layers
+    # keep a dense MLP of intermediate_size (Qwen3-MoE's mlp_only_layers, decoder_sparse_step)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def kv_shape(self) -> KVShape:
@@ -54,9 +63,15 @@ class ModelArch:
     @property
     def shape(self) -> ModelShape:
         """What sizing needs (`hotprefix size` reads a config.json through this parser too)."""
+        moe_layers = sum(self.moe_layer(i) for i in range(self.num_layers))
         return ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size,
                           self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
-                          self.max_position_embeddings, self.layer_windows)
+                          self.max_position_embeddings, self.layer_windows, self.num_experts, self.experts_per_token,
+                          self.expert_intermediate_size, moe_layers, self.qk_norm)
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts."""
+        return self.num_experts > 0 and i not in self.dense_layers
 
     @property
     def rope_type(self) -> str:
@@ -89,6 +104,12 @@ class ModelArch:
             raise ModelLoadError(f"layer_types must name {self.num_layers} layers, each {SLIDING!r} or {FULL!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window must be at least 1, got {self.sliding_window}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
+                                     and self.expert_intermediate_size > 0):
+            raise ModelLoadError(f"a mixture of {self.num_experts} experts cannot route each token to "
+                                 f"{self.experts_per_token} of them (expert FFN {self.expert_intermediate_size})")
+        if self.num_experts < 0 or (not self.num_experts and self.experts_per_token):
+            raise ModelLoadError(f"{self.experts_per_token} experts per token of {self.num_experts} experts")
 
 
 def _family_of(cfg: dict[str, Any]) -> str:
@@ -166,9 +187,22 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             layer_types=kinds, rope_local_theta=local_theta,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or spec.activations[0],
-            norm_adds_one=spec.norm_adds_one,
+            norm_adds_one=spec.norm_adds_one, **_moe_fields(cfg),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
     arch.validate()
     return arch
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields of a config.json (none for a dense model).
+    Raises KeyError for an MoE config without its top-k or expert size."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+    return dict(num_experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)

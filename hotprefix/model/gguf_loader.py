@@ -16,7 +16,7 @@ from hotprefix.model.gguf_file import ArrayField, GGUFFile, GGUFFormatError
 if TYPE_CHECKING:
     import torch
 
-    from hotprefix.model.kernels.weights import PackedWeight
+    from hotprefix.model.kernels.weights import ExpertBlocks, PackedWeight
 
 # Tensor types we dequantize (gguf.quants implements each of these in numpy); of these, the
 # C kernels multiply from their blocks the ones in kernels.weights.QTYPES.
@@ -36,6 +36,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router, [experts, hidden]
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # its experts, 3-D: [experts, FFN, hidden]
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",  # [experts, hidden, FFN]
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -104,7 +108,8 @@ def read_gguf_arch(path: Path) -> tuple[ModelArch, GGUFFile]:
     try:
         arch = ModelArch(
             family=family, vocab_size=int(vocab), hidden_size=int(hidden),
-            intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
+            intermediate_size=int(a("feed_forward_length") or a("expert_feed_forward_length")),
+            num_layers=int(a("block_count")),
             num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv") or heads),
             head_dim=int(a("attention.key_length") or hidden // heads),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -112,12 +117,27 @@ def read_gguf_arch(path: Path) -> tuple[ModelArch, GGUFFile]:
             max_position_embeddings=int(a("context_length", 4096)),
             tie_word_embeddings="output.weight" not in names, qk_norm=FAMILIES[family].qk_norm,
             torch_dtype="float32", bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
+            eos_token_ids=() if eos is None else (int(eos),), **_moe_fields(a, names),
             **_window_fields(reader, garch, family, int(a("block_count")), int(hidden), int(heads)))
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path.name}: incomplete GGUF metadata ({e})") from None
     arch.validate()
     return arch, reader
+
+
+def _moe_fields(a: Any, names: set[str]) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields from GGUF metadata (`a`: a key of the
+    architecture's): the experts, how many a token takes, their FFN size; llama.cpp
+    renormalises the chosen weights unless the file says otherwise; a layer without a
+    router keeps a dense MLP. Raises TypeError or ValueError for a missing field."""
+    experts = int(a("expert_count") or 0)
+    if not experts:
+        return {}
+    layers = int(a("block_count"))
+    return dict(num_experts=experts, experts_per_token=int(a("expert_used_count")),
+                expert_intermediate_size=int(a("expert_feed_forward_length")),
+                norm_topk_prob=bool(a("expert_weights_norm", True)),
+                dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -128,12 +148,12 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DeferredRows:
-    """A 2-D tensor of a block type the kernels do not multiply (Q2_K, Q3_K), kept as its
+    """A 2-D (or experts' 3-D) tensor of a block type the kernels do not multiply (Q2_K, Q3_K), kept as its
     mapped bytes: widened to float32 only for a mode that asks (LoadedModel.model_weights)."""
 
     type_name: str
     raw: np.ndarray  # [rows, bytes per row], a view of the mapped file
-    shape: tuple[int, int]  # [N, K] in HF's order
+    shape: tuple[int, ...]  # [N, K] in HF's order ([X, N, K]: a mixture's experts)
     permute_heads: int | None  # llama.cpp's Q/K row order to undo
 
     def dequantize(self) -> torch.Tensor:
@@ -190,7 +210,6 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-    from hotprefix.model.kernels.weights import PackedWeight
 
     out = GGUFWeights({}, {}, {})
     for t in reader.tensors:
@@ -212,13 +231,8 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
             continue
         name, permute = _hf_name(t.name, arch, path)
         shape = tuple(int(d) for d in reversed(t.shape))
-        if keep_blocks and len(shape) == 2 and ttype not in FLOAT_TYPES:
-            p = PackedWeight.from_gguf(ttype, torch.from_numpy(_unpermute(raw, permute) if permute else raw), *shape)
-            if p is not None:
-                out.packed[name] = p
-            else:
-                out.deferred[name] = DeferredRows(ttype, raw, shape, permute)
-            out.tensors[name] = torch.empty(shape, device="meta")
+        if keep_blocks and len(shape) in (2, 3) and ttype not in FLOAT_TYPES:
+            _keep_blocks(out, name, ttype, raw, shape, permute)
             continue
         w = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
         if permute is not None:
@@ -229,11 +243,32 @@ def load_gguf_weights(path: Path, arch: ModelArch, reader: GGUFFile, keep_blocks
     return out
 
 
-def dequantize_rows(p: PackedWeight) -> torch.Tensor:
-    """A `kernels.weights.PackedWeight` of GGUF rows as float32 [N, K], dequantized by gguf
-    (the values load_gguf_weights would have given)."""
+def _keep_blocks(out: GGUFWeights, name: str, ttype: str, raw: np.ndarray, shape: tuple[int, ...],
+                 permute: int | None) -> None:
+    """Keep a 2-D weight or a mixture's 3-D experts as their blocks: in `out.packed` for a
+    type the kernels multiply, else in `out.deferred`; a meta tensor of the shape in
+    `out.tensors`."""
+    import torch
+
+    from hotprefix.model.kernels.weights import ExpertBlocks, PackedWeight
+
+    if len(shape) == 3:
+        p = ExpertBlocks.from_gguf(ttype, torch.from_numpy(raw), *shape)
+    else:
+        p = PackedWeight.from_gguf(ttype, torch.from_numpy(_unpermute(raw, permute) if permute else raw), *shape)
+    if p is not None:
+        out.packed[name] = p
+    else:
+        out.deferred[name] = DeferredRows(ttype, raw, shape, permute)
+    out.tensors[name] = torch.empty(shape, device="meta")
+
+
+def dequantize_rows(p: PackedWeight | ExpertBlocks) -> torch.Tensor:
+    """A `kernels.weights.PackedWeight` of GGUF rows as float32 [N, K] (ExpertBlocks: [X,
+    N, K]), dequantized by gguf (the values load_gguf_weights would have given)."""
     import torch
     from gguf import GGMLQuantizationType, dequantize
 
-    w = dequantize(p.raw.numpy(), GGMLQuantizationType(p.qtype))
-    return torch.from_numpy(np.array(w, dtype=np.float32, order="C").reshape(p.n, p.k))
+    w = dequantize(p.raw.numpy(), GGMLQuantizationType(p.qtype))  # rows (an expert's rows) of values
+    shape = (p.experts, p.n, p.k) if hasattr(p, "experts") else (p.n, p.k)
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C").reshape(shape))

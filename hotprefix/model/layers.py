@@ -1,6 +1,7 @@
 """The layers model families are made of, each built complete from a WeightSet: its
 float weights, the GGUF blocks that serve its products, and the ops its small per-row
-steps run on (LayerOps: torch's, or the C kernels' in int8 mode).
+steps run on (LayerOps: torch's, or the C kernels' in int8 mode). A mixture of experts'
+MLP (SparseMoe: a Router, then Experts) is one of them, for every family with experts.
 
 Shapes: T = tokens in the flat batch, E = hidden size, N/K = a product's outputs/inputs,
 H = query heads, KVH = KV heads, D = head dim.
@@ -8,6 +9,7 @@ H = query heads, KVH = KV heads, D = head dim.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Protocol
 
@@ -17,7 +19,7 @@ from torch import nn
 
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.kernels import ops
-from hotprefix.model.kernels.weights import Blocks, PackedWeight
+from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, PackedWeight
 from hotprefix.model.weight_set import WeightSet
 
 
@@ -184,3 +186,105 @@ class Rotary(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k experts of each row of router logits [T, X]: ids [T, k] (int64, by
+    descending weight) and weights [T, k], in float32: a softmax over every expert, its k
+    largest, renormalised over those when `norm` (transformers' order of operations)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+class Router(nn.Module):
+    """A mixture's router: x [T, E] -> (ids [T, k], weights [T, k] float32) of each
+    token's chosen experts (route()); its product is a Linear (on the kernels, F32 rows)."""
+
+    def __init__(self, arch: ModelArch, ws: WeightSet, prefix: str) -> None:
+        super().__init__()
+        self.proj = take_linear(ws, prefix, arch.num_experts, arch.hidden_size)
+        self.k, self.norm = arch.experts_per_token, arch.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raises RuntimeError, on the CPU, for a token whose scores are not finite (its
+        hidden state is NaN or infinite): no expert is chosen for it, and its step fails."""
+        logits = self.proj(x).float()  # [T, X]
+        if logits.device.type == "cpu" and not bool(torch.isfinite(logits).all()):
+            bad = int((~torch.isfinite(logits)).any(dim=-1).sum())
+            raise RuntimeError(f"the router's scores are not finite for {bad} tokens (NaN or infinite hidden states)")
+        return route(logits, self.k, self.norm)
+
+
+def experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """The experts in torch (the reference of the kernels; the path without them): each
+    chosen expert over the tokens that chose it, silu(gate x) * up x then down, and each
+    token's expert outputs weighted and summed in float32. x [T, E]; ids, weights [T, k];
+    gate, up [X, I, E]; down [X, E, I]. Returns [T, E] in x's dtype."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the slots (token, rank) sorted by expert
+    counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            slots = order[start:start + c]
+            tok = slots // k
+            h = x[tok]  # [c, E]
+            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])  # [c, E]
+            out.index_add_(0, tok, y.float() * weights.reshape(-1)[slots, None].float())
+        start += c
+    return out.to(x.dtype)
+
+
+class Experts(nn.Module):
+    """A mixture's SwiGLU experts, gate and up [X, I, E], down [X, E, I] (HF names:
+    `{prefix}.{j}.gate_proj.weight` for expert j, or `{prefix}.gate_proj.weight` of all,
+    as a GGUF file gives them). forward(x [T, E], ids, weights [T, k]) -> [T, E]: on the
+    CPU from their blocks (ops.moe_ffn: each chosen expert's read once a step, no other's),
+    on CUDA in Triton (kernels/triton_moe.py), else in torch (experts_torch). `reads`
+    [X]: the bytes of each expert's blocks the kernel has read (tests, benchmarks)."""
+
+    def __init__(self, arch: ModelArch, ws: WeightSet, prefix: str) -> None:
+        super().__init__()
+        x, e, i = arch.num_experts, arch.hidden_size, arch.expert_intermediate_size
+        taken, blocks = [], []
+        for proj, shape in (("gate_proj", (i, e)), ("up_proj", (i, e)), ("down_proj", (e, i))):
+            name = f"{prefix}.{proj}.weight"
+            w = ws.take_stacked(name, [f"{prefix}.{j}.{proj}.weight" for j in range(x)], shape)
+            b = ws.blocks_for(name, w)
+            check_served(name, w, b, ws, (x, *shape))
+            taken.append(None if w is None else nn.Parameter(w, requires_grad=False))
+            blocks.append(b)
+        self.gate, self.up, self.down = taken
+        self.kernel = ops.MoeExperts(*blocks) if all(isinstance(b, ExpertBlocks) for b in blocks) else None
+        self.register_buffer("reads", torch.zeros(x, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            return ops.moe_ffn(self.kernel, x, ids, weights, self.reads)
+        if self.gate is None:
+            raise RuntimeError("the experts are held only as blocks, which the C kernels read on the CPU alone")
+        if x.is_cuda and importlib.util.find_spec("triton") is not None:
+            from hotprefix.model.kernels.triton_moe import fused_moe
+
+            return fused_moe(x, ids, weights, self.gate, self.up, self.down)
+        return experts_torch(x, ids, weights, self.gate, self.up, self.down)
+
+
+class SparseMoe(nn.Module):
+    """A mixture-of-experts MLP: the router (`{prefix}.gate`) picks each token's experts
+    (`{prefix}.experts`), whose outputs it weights. Built as MLP is: (arch, ws, prefix, ops)."""
+
+    def __init__(self, arch: ModelArch, ws: WeightSet, prefix: str, ops_: LayerOps) -> None:
+        super().__init__()
+        self.gate = Router(arch, ws, f"{prefix}.gate")
+        self.experts = Experts(arch, ws, f"{prefix}.experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(x, ids, weights)

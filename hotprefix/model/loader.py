@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -64,7 +65,7 @@ class LoadedModel:
         return out
 
     def deferred_float_bytes(self) -> int:
-        return sum(4 * d.shape[0] * d.shape[1] for d in self.deferred.values())
+        return sum(4 * math.prod(d.shape) for d in self.deferred.values())
 
 
 def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:

@@ -16,6 +16,7 @@ GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hea
               query_pre_attn_scalar=256, tie_word_embeddings=True)
 GEMMA3_LARGE = dict(GEMMA3, sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
                     rope_scaling=dict(rope_type="linear", factor=8.0))
+QWEN3_MOE = ["Qwen3MoeForCausalLM"]
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": dict(architectures=LLAMA, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=64, hidden_size=2048, intermediate_size=8192, vocab_size=128256,
@@ -51,6 +52,10 @@ PRESETS: dict[str, dict] = {
                         hidden_size=3840, intermediate_size=15360),
     "gemma-3-27b": dict(GEMMA3_LARGE, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
                         head_dim=128, query_pre_attn_scalar=168, hidden_size=5376, intermediate_size=21504),
+    "qwen3-30b-a3b": dict(architectures=QWEN3_MOE, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6),
     "smollm2-135m": dict(architectures=LLAMA, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          hidden_size=576, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
                          tie_word_embeddings=True),

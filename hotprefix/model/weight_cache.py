@@ -8,7 +8,8 @@ layouts are defined there), and mapped on later starts: nothing is read before a
 needs it, and the pages are the page cache's, shared by every server of that file.
 
 Format: b"HPRG" | version u32 | index length u64 | index (JSON: name -> [offset, bytes,
-qtype, n, k]) | each weight at a 4096-aligned offset. A file that does not parse or whose
+qtype, n, k], a mixture's experts with their count after) | each weight at a 4096-aligned
+offset (a mixture's experts one after another inside it). A file that does not parse or whose
 index differs from the weights asked for is rebuilt. It is written under a temporary
 name, synced and renamed into place, so a process killed mid-write leaves nothing that
 reads as complete; the next start removes such leftovers. The directory is private
@@ -32,7 +33,7 @@ import torch
 
 from hotprefix.config import cache_root
 from hotprefix.model.kernels.build import source_digest
-from hotprefix.model.kernels.weights import PackedWeight
+from hotprefix.model.kernels.weights import ExpertBlocks, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +41,31 @@ MAGIC, VERSION, ALIGN = b"HPRG", 1, 4096
 _HEAD = struct.Struct("<4sIQ")
 
 
-def _spec(packed: dict[str, PackedWeight], names: list[str], lib: ctypes.CDLL) -> dict[str, list[int]]:
-    """name -> [offset, bytes, qtype, n, k] of the file that holds these weights regrouped."""
+def _entry(w: PackedWeight | ExpertBlocks, off: int, size: int) -> list[int]:
+    """A weight's index entry: [offset, bytes, qtype, n, k], and a mixture's experts' count."""
+    return [off, size, w.qtype, w.n, w.k] + ([w.experts] if isinstance(w, ExpertBlocks) else [])
+
+
+def _spec(packed: dict[str, PackedWeight | ExpertBlocks], names: list[str], lib: ctypes.CDLL
+          ) -> dict[str, list[int]]:
+    """name -> [offset, bytes, qtype, n, k(, experts)] of the file that holds these weights regrouped."""
     sizes = {n: packed[n].regrouped_bytes(lib) for n in names}
-    head = len(json.dumps({n: [0, s, packed[n].qtype, packed[n].n, packed[n].k] for n, s in sizes.items()}))
+    head = len(json.dumps({n: _entry(packed[n], 0, s) for n, s in sizes.items()}))
     off = -(-(_HEAD.size + head + 64 * len(names)) // ALIGN) * ALIGN  # room for the offsets' digits
     spec = {}
     for n in names:
-        spec[n] = [off, sizes[n], packed[n].qtype, packed[n].n, packed[n].k]
+        spec[n] = _entry(packed[n], off, sizes[n])
         off = -(-(off + sizes[n]) // ALIGN) * ALIGN
     return spec
+
+
+def _mapped(data: np.ndarray, entry: list[int]) -> PackedWeight | ExpertBlocks:
+    """The regrouped weight an index entry names, a view of the map."""
+    off, size, qtype, rows, k, *experts = entry
+    raw = torch.from_numpy(data[off:off + size])
+    if experts:
+        return ExpertBlocks(qtype, raw.view(experts[0], -1), experts[0], rows, k, int8=True)
+    return PackedWeight(qtype, raw, rows, k, int8=True)
 
 
 def cache_path(source: Path, spec: dict[str, list[int]]) -> Path:
@@ -75,8 +91,7 @@ def _read(path: Path, spec: dict[str, list[int]]) -> dict[str, PackedWeight] | N
         index = None
     if index != spec or max(off + size for off, size, *_ in spec.values()) > len(data):
         return None
-    return {name: PackedWeight(qtype, torch.from_numpy(data[off:off + size]), rows, k, int8=True)
-            for name, (off, size, qtype, rows, k) in spec.items()}
+    return {name: _mapped(data, entry) for name, entry in spec.items()}
 
 
 def _write(path: Path, packed: dict[str, PackedWeight], spec: dict[str, list[int]], lib: ctypes.CDLL) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hotprefix.model.arch import ModelLoadError
-from hotprefix.model.kernels.weights import Blocks, PackedWeight
+from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, PackedWeight, float_blocks
 
 
 class WeightSet:
@@ -28,7 +28,8 @@ class WeightSet:
     Mutates itself: each weight is taken once."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 blocks: dict[str, PackedWeight] | None = None, rows: dict[str, PackedWeight] | None = None,
+                 blocks: dict[str, PackedWeight | ExpertBlocks] | None = None,
+                 rows: dict[str, PackedWeight] | None = None,
                  family: str = "", record: bool = False, f32: bool = False) -> None:
         self._tensors = dict(tensors)
         self.dtype, self.device = dtype, device
@@ -59,13 +60,21 @@ class WeightSet:
             return None
         return w.to(device=self.device, dtype=self.dtype)
 
-    def blocks_for(self, name: str, w: torch.Tensor | None) -> Blocks | None:
+    def blocks_for(self, name: str, w: torch.Tensor | None) -> Blocks | ExpertBlocks | None:
         """What products of weight `name` read on the kernels: its GGUF blocks, else (f32)
         its float rows as F32 blocks (None where K is not a multiple of 32)."""
         b = self.blocks.get(name)
         if b is None and self.f32 and w is not None:
-            b = PackedWeight.from_float(w)
+            b = float_blocks(w)
         return b
+
+    def take_stacked(self, name: str, parts: list[str], shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The weight `name` of [len(parts), *shape]: as loaded under that name (a GGUF
+        file's 3-D experts), else stacked from one weight per part (a HF checkpoint's
+        per-expert weights, each taken). Raises ModelLoadError as take."""
+        if self.record or name in self._tensors:
+            return self.take(name, (len(parts), *shape))
+        return torch.stack([self.take(p, shape) for p in parts])
 
     def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         """take(name) when the checkpoint has it (recording: when `present`), else None."""

@@ -126,6 +126,10 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
             f"({shape.num_heads} query heads); ~{shape.num_params() / 1e9:.2f} B parameters, "
             f"weights {_human(weight_bytes)}; {len(groups.windows)} KV groups of {groups.page_layers} layers "
             f"({windows})")
+    if shape.moe_layers:
+        active = shape.num_params(active=True)
+        head += (f"; {shape.num_experts} experts, {shape.experts_per_token} a token: ~{active / 1e9:.2f} B "
+                 f"parameters read per token ({_human(weight_bytes * active // shape.num_params())})")
     w = max(len(label) for label, _ in rows)
     cols = [r.dtype for r in reports]
     cells = [[fn(r) for r in reports] for _, fn in rows]
@@ -186,8 +190,9 @@ def run(a: argparse.Namespace) -> int:
                for dt in (a.dtype or DTYPES)]
     logged = LoggedCurve.read(Path(a.from_log), shape, [r.dtype for r in reports]) if a.from_log else None
     if a.json:
+        active = weights * shape.num_params(active=True) // shape.num_params()
         print(json.dumps({"model": name, "shape": asdict(shape), "weight_bytes": weights,
-                          "reports": [asdict(r) for r in reports],
+                          "active_weight_bytes": active, "reports": [asdict(r) for r in reports],
                           **({"from_log": logged.to_json()} if logged else {})}, indent=2))
     else:
         print(render_table(name, shape, reports, weights, logged.sizes if logged else None))

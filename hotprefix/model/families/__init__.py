@@ -23,7 +23,9 @@ class FamilySpec:
     window_pattern - 1 before a global one (0: none); norm_adds_one: HF checkpoints store
     RMSNorm weights as w for (1 + w); hf_defaults: config.json values its HF config class
     fills in when a file omits them; gguf_names: GGUF layer tensor names that map to other
-    HF names than the Llama family's (model/gguf_loader.py)."""
+    HF names than the Llama family's (model/gguf_loader.py). A mixture-of-experts family
+    says so in its shape (ModelArch.num_experts > 0), not here: its module builds MoE layers
+    (layers.SparseMoe) where the shape has experts."""
 
     name: str
     hf_architectures: tuple[str, ...]
@@ -51,6 +53,7 @@ _GEMMA3_DEFAULTS = (("head_dim", 256), ("query_pre_attn_scalar", 256), ("rope_th
 # post_ffw_norm): four norms a layer (after attention and around the MLP)
 _GEMMA3_GGUF = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
                 ("post_ffw_norm", "post_feedforward_layernorm"))
+_QWEN3_MOE = "hotprefix.model.families.qwen3_moe:Qwen3MoeForCausalLM"
 FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (
     FamilySpec("llama", ("LlamaForCausalLM",), ("llama",), "llama", _LLAMA, gguf_permutes_qk=True),
     FamilySpec("mistral", ("MistralForCausalLM",), ("mistral",), "mistral", _LLAMA, gguf_permutes_qk=True),
@@ -60,6 +63,7 @@ FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (
                "hotprefix.model.families.gemma3:Gemma3ForCausalLM", qk_norm=True,
                activations=("gelu_pytorch_tanh",), window_pattern=6, norm_adds_one=True,
                hf_defaults=_GEMMA3_DEFAULTS, gguf_names=_GEMMA3_GGUF),
+    FamilySpec("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", _QWEN3_MOE, qk_norm=True),
 )}
 HF_ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.hf_architectures}
 MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in f.model_types}

@@ -8,6 +8,7 @@ E = hidden size, I = MLP size, V = vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,15 +111,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention, then the MLP (`mlp`: a class built as MLP is, e.g. layers.SparseMoe),
+    each after its RMSNorm, each added to the residual."""
+
     def __init__(self, arch: ModelArch, ws: WeightSet, prefix: str, backend: AttentionBackend,
-                 ops_: LayerOps) -> None:
+                 ops_: LayerOps, mlp: type[nn.Module] = MLP) -> None:
         super().__init__()
         e, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(ws.take(f"{prefix}.input_layernorm.weight", (e,)), eps, ops_)
         self.self_attn = Attention(arch, ws, f"{prefix}.self_attn", backend, ops_)
         self.post_attention_layernorm = RMSNorm(ws.take(f"{prefix}.post_attention_layernorm.weight", (e,)), eps,
                                                 ops_)
-        self.mlp = MLP(arch, ws, f"{prefix}.mlp", ops_)
+        self.mlp = mlp(arch, ws, f"{prefix}.mlp", ops_)
 
     def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -132,10 +136,10 @@ class DecoderLayer(nn.Module):
 
 class _Inner(nn.Module):
     def __init__(self, arch: ModelArch, ws: WeightSet, backend: AttentionBackend, ops_: LayerOps,
-                 embed: Embedding) -> None:
+                 embed: Embedding, mlp: Callable[[int], type[nn.Module]]) -> None:
         super().__init__()
         self.embed_tokens = embed
-        self.layers = nn.ModuleList(DecoderLayer(arch, ws, f"model.layers.{i}", backend, ops_)
+        self.layers = nn.ModuleList(DecoderLayer(arch, ws, f"model.layers.{i}", backend, ops_, mlp(i))
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(ws.take("model.norm.weight", (arch.hidden_size,)), arch.rms_norm_eps, ops_)
 
@@ -159,12 +163,16 @@ class LlamaForCausalLM(nn.Module):
             check_served(embed, table, self.logits_blocks, ws, (v, e))
         elif table is None:
             ws.count_served((v, e))
-        self.model = _Inner(arch, ws, backend, ops_, Embedding(table, ws.rows.get(embed)))
+        self.model = _Inner(arch, ws, backend, ops_, Embedding(table, ws.rows.get(embed)), self.mlp_class)
         if not arch.tie_word_embeddings:
             self.lm_head = take_linear(ws, "lm_head", v, e)
             self.logits_blocks = self.lm_head.blocks
         self.rotary = Rotary(rope_inv_freq(arch, ws.pop_raw("rope_freqs")).to(ws.device))
         ws.finish()
+
+    def mlp_class(self, layer: int) -> type[nn.Module]:
+        """The MLP of decoder layer `layer` (a family whose layers differ overrides it)."""
+        return MLP
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: Any
                 ) -> torch.Tensor:

@@ -66,7 +66,15 @@ class HpStep(ctypes.Structure):
                 ("shared", HpPlan * KINDS), ("M", c_int)]
 
 
-STRUCTS = (HpPart, HpLayer, HpStack, HpStep, HpPlan, HpAtt)  # hp_struct_layout's `which`, in order
+class HpMoe(ctypes.Structure):
+    """hp_moe: a mixture's experts (each projection's expert 0 and the bytes to the next) and shape."""
+
+    _fields_ = [("gate", HpPart), ("up", HpPart), ("down", HpPart), ("gate_stride", c_int64),
+                ("up_stride", c_int64), ("down_stride", c_int64), ("X", c_int), ("E", c_int), ("I", c_int),
+                ("int8", c_int)]
+
+
+STRUCTS = (HpPart, HpLayer, HpStack, HpStep, HpPlan, HpAtt, HpMoe)  # hp_struct_layout's `which`, in order
 
 _i, _f = c_int, c_float
 SIGNATURES: dict[str, tuple[type | None, list]] = {
@@ -87,6 +95,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_rope": (None, [_p, _i, _i, c_int64, _i, _p, _p, _i]),
     "hp_score_rows": (None, [_p, _i, _i, _p, _i, _p, _p, _p, _p, _i]),
     "hp_decode_layers": (_i, [POINTER(HpStack), POINTER(HpStep), _i]),
+    "hp_moe_ffn": (_i, [POINTER(HpMoe), _p, _i, _p, _p, _i, _p, _p, _i]),
     "hp_struct_layout": (_i, [_i, POINTER(c_int64)]),
 }
 

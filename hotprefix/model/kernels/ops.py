@@ -13,9 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from hotprefix.model.kernels.abi import ACT_GELU_TANH, ACT_SILU, KINDS, HpAtt, HpLayer, HpPlan, HpStack, HpStep
+from hotprefix.model.kernels.abi import (
+    ACT_GELU_TANH,
+    ACT_SILU,
+    KINDS,
+    HpAtt,
+    HpLayer,
+    HpMoe,
+    HpPart,
+    HpPlan,
+    HpStack,
+    HpStep,
+)
 from hotprefix.model.kernels.build import need
-from hotprefix.model.kernels.weights import Blocks, FusedWeight, PackedWeight
+from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, FusedWeight, PackedWeight
 
 Lib = ctypes.CDLL | None
 
@@ -339,3 +350,48 @@ def decode_layers(stack: DecodeStack, x: torch.Tensor, ropes: list[tuple[torch.T
     rc = lib.hp_decode_layers(ctypes.byref(stack.stack), ctypes.byref(step), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"hp_decode_layers failed ({rc})")
+
+
+class MoeExperts:
+    """The C struct of a mixture's experts (hp_moe) over gate, up [X, I, E] and down
+    [X, E, I] as ExpertBlocks of one form (all regrouped, or all as stored), built once:
+    it holds their addresses, and keeps them. Raises ValueError for shapes or forms that
+    disagree or rows that are not contiguous."""
+
+    def __init__(self, gate: ExpertBlocks, up: ExpertBlocks, down: ExpertBlocks) -> None:
+        x, i, e = gate.experts, gate.n, gate.k
+        ws = (gate, up, down)
+        if (up.experts, up.n, up.k, down.experts, down.n, down.k) != (x, i, e, x, e, i) \
+                or len({w.int8 for w in ws}) != 1 or not all(w.raw.is_contiguous() for w in ws):
+            raise ValueError("experts: gate and up [X, I, E], down [X, E, I], contiguous, of one form")
+        self._keep = ws
+        self.experts, self.hidden = x, e
+        self.c = HpMoe(*(HpPart(w.raw.data_ptr(), w.qtype, w.n) for w in ws), *(w.expert_bytes for w in ws),
+                       x, e, i, int(gate.int8))
+
+
+def moe_ffn(experts: MoeExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            reads: torch.Tensor | None = None, lib: Lib = None) -> torch.Tensor:
+    """The mixture's FFN of x [T, E] float32 (CPU) -> new [T, E]: token t through experts
+    ids[t] ([T, k] int64) weighted by weights[t] ([T, k] float32), each chosen expert's
+    blocks read once for every token that chose it, no other expert's. reads: int64 [X]
+    (contiguous) to which each expert's bytes read are added, or None. Raises ValueError
+    for an expert id outside the table (before anything is read), RuntimeError when the
+    kernel refuses the experts or runs out of memory."""
+    lib = need(lib)
+    _f32_cpu("moe_ffn", x, weights)
+    x, ids, weights = x.contiguous(), ids.to(torch.int64).contiguous(), weights.contiguous()
+    t, k = ids.shape
+    if x.shape != (t, experts.hidden) or weights.shape != (t, k):
+        raise ValueError(f"moe_ffn: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    if reads is not None and (reads.dtype != torch.int64 or not reads.is_contiguous()
+                              or reads.numel() != experts.experts):
+        raise ValueError("moe_ffn: reads must be a contiguous int64 tensor of one entry per expert")
+    out = torch.empty(t, experts.hidden, dtype=torch.float32)
+    rc = lib.hp_moe_ffn(ctypes.byref(experts.c), x.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k,
+                        out.data_ptr(), None if reads is None else reads.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"an expert id outside the table of {experts.experts} experts")
+    if rc:
+        raise RuntimeError(f"hp_moe_ffn failed ({rc}: {'refused the experts' if rc == -1 else 'out of memory'})")
+    return out

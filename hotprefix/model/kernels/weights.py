@@ -1,7 +1,8 @@
 """Weights as the C kernels read them: a weight's GGUF blocks as stored in the file
 (PackedWeight), the same blocks regrouped by 16 rows for int8 products, float32 rows
 (type F32, a view of the float weight), and several weights over one input multiplied as
-one product (FusedWeight: q, k and v; gate and up).
+one product (FusedWeight: q, k and v; gate and up), and a mixture's experts (ExpertBlocks:
+[X, N, K], one expert's blocks after another).
 
 Types (GGML ids): F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 values a block) and the K-quants
 Q4_K, Q5_K, Q6_K (256). On the CPU every product of every batch size reads them: float32
@@ -139,6 +140,74 @@ class FusedWeight:
 
 
 Blocks = PackedWeight | FusedWeight
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A mixture's [X, N, K] expert weights (X experts of [N, K]) kept as blocks: `raw` is
+    uint8 [X, bytes of one expert], each expert's N rows as GGUF stores them (a view of the
+    mapped file) or, with `int8`, regrouped by 16 rows as PackedWeight's are, expert by
+    expert; F32 rows for float32 weights. A product reads only the experts it is given."""
+
+    qtype: int
+    raw: torch.Tensor
+    experts: int
+    n: int
+    k: int
+    int8: bool = False
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.raw.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    def expert(self, e: int) -> PackedWeight:
+        """Expert e's [N, K] rows (a view)."""
+        return PackedWeight(self.qtype, self.raw[e].view(self.n, -1) if not self.int8 else self.raw[e],
+                            self.n, self.k, self.int8)
+
+    def regrouped_bytes(self, lib: ctypes.CDLL | None = None) -> int:
+        return self.experts * self.expert(0).regrouped_bytes(lib)
+
+    def regrouped(self, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> ExpertBlocks:
+        """The int8-activation form, expert by expert (a new weight), written into `out`
+        (uint8, regrouped_bytes long) or a new tensor. Raises as PackedWeight.regrouped."""
+        if self.int8:
+            return self
+        size = self.regrouped_bytes(lib)
+        out = torch.empty(size, dtype=torch.uint8) if out is None else out
+        if out.numel() != size:
+            raise ValueError(f"regrouped: out must be {size} bytes")
+        per = out.view(self.experts, size // self.experts)
+        for e in range(self.experts):
+            self.expert(e).regrouped(lib, out=per[e])
+        return ExpertBlocks(self.qtype, per, self.experts, self.n, self.k, int8=True)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: torch.Tensor, experts: int, n: int, k: int) -> ExpertBlocks | None:
+        """The blocks of a GGUF [X, N, K] tensor (raw: its X * N rows), or None as
+        PackedWeight.from_gguf."""
+        p = PackedWeight.from_gguf(type_name, raw, experts * n, k)
+        return None if p is None else cls(p.qtype, p.raw.view(experts, -1), experts, n, k)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> ExpertBlocks | None:
+        """Float32 [X, N, K] as F32 blocks (a view), or None as PackedWeight.from_float."""
+        if w.dim() != 3 or not w.is_contiguous() or PackedWeight.from_float(w.view(-1, w.shape[2])) is None:
+            return None
+        return cls(F32, w.view(torch.uint8).view(w.shape[0], -1), *w.shape)
+
+
+def float_blocks(w: torch.Tensor) -> PackedWeight | ExpertBlocks | None:
+    """A float32 CPU weight's rows as F32 blocks (2-D: PackedWeight, 3-D: ExpertBlocks), or None."""
+    return ExpertBlocks.from_float(w) if w.dim() == 3 else PackedWeight.from_float(w)
 
 
 def part_table(parts: tuple[PackedWeight, ...]) -> ctypes.Array:

@@ -32,6 +32,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
     pool = kv.layers[0].k
     if not isinstance(backend, CpuAttention) or not backend.kernels:
         return "the attention backend is not the cpu one with the C kernels"
+    if model.arch.num_experts:
+        return "mixture-of-experts layers"
     if ops.kv_type(pool) is None:
         return "not a float32 or fp8 CPU pool"
     if len(backend.spec.windows) > ops.KINDS:

@@ -169,11 +169,11 @@ static inline const float *block_weights(int qtype, const uint8_t *b, float *wv)
 }
 
 #if defined(HP_F512)
-#define F32_RM 6   /* rows of x and of W a register tile takes: 24 sums in registers, x and w loads shared */
-#define F32_NB 4
+#define F32_TM 6   /* rows of x and of W a register tile takes: 24 sums in registers, x and w loads shared */
+#define F32_TN 4
 #else
-#define F32_RM 2
-#define F32_NB 2
+#define F32_TM 2
+#define F32_TN 2
 #endif
 #define F32_CHUNK 16  /* weight rows a thread's task takes, dequantized once into float32 rows */
 
@@ -198,11 +198,11 @@ static void NAME(const float *const *wf, const float *x, int m0, int K, int n0, 
     for (int m = 0; m < MT; m++)                                                                        \
         for (int j = 0; j < NB; j++) y[(size_t)(m0 + m) * N + n0 + j] = v16_hsum(acc[m][j]);            \
 }
-TILE_DOT(tile_dot_full, F32_RM, F32_NB)
-TILE_DOT(tile_dot_row, 1, F32_NB)
+TILE_DOT(tile_dot_full, F32_TM, F32_TN)
+TILE_DOT(tile_dot_row, 1, F32_TN)
 TILE_DOT(tile_dot_one, 1, 1)
 
-/* An edge tile (mt <= F32_RM rows of x, nb <= F32_NB of W), one row and one column at a time. */
+/* An edge tile (mt <= F32_TM rows of x, nb <= F32_TN of W), one row and one column at a time. */
 static void tile_dot_any(const float *const *wf, const float *x, int m0, int mt, int K, int n0, int nb, float *y,
                          int N) {
     for (int m = 0; m < mt; m++)
@@ -225,22 +225,39 @@ static void chunk_rows(int qtype, const float *x, int M, int K, const uint8_t *w
         }
         wf[n - n0] = dst;
     }
-    for (int m0 = 0; m0 < M; m0 += F32_RM) {
-        const int mt = M - m0 < F32_RM ? M - m0 : F32_RM;
-        for (int n = n0; n < n1; n += F32_NB) {
-            const int nb = n1 - n < F32_NB ? n1 - n : F32_NB;
-            if (mt == F32_RM && nb == F32_NB) tile_dot_full(wf + (n - n0), x, m0, K, n, y, N);
-            else if (mt == 1 && nb == F32_NB) tile_dot_row(wf + (n - n0), x, m0, K, n, y, N);  /* decode */
+    for (int m0 = 0; m0 < M; m0 += F32_TM) {
+        const int mt = M - m0 < F32_TM ? M - m0 : F32_TM;
+        for (int n = n0; n < n1; n += F32_TN) {
+            const int nb = n1 - n < F32_TN ? n1 - n : F32_TN;
+            if (mt == F32_TM && nb == F32_TN) tile_dot_full(wf + (n - n0), x, m0, K, n, y, N);
+            else if (mt == 1 && nb == F32_TN) tile_dot_row(wf + (n - n0), x, m0, K, n, y, N);  /* decode */
             else tile_dot_any(wf + (n - n0), x, m0, mt, K, n, nb, y, N);
         }
     }
 }
 
+/* Weight row n against rows m0 .. m0 + mt - 1 of x (mt <= F32_RM): y[m, n] = x[m] . w[n],
+ * each a 16-lane dot product (v16): the same bits whatever M, the pass or the build. */
+void f32_row_pass(int qtype, const float *x, int m0, int mt, int K, const uint8_t *row, int n, float *y, int N) {
+    const int bv = block_values(qtype), bb = block_bytes(qtype), nb = K / bv;
+    float wv[QKK];
+    v16 acc[F32_RM];
+    for (int m = 0; m < mt; m++) acc[m] = v16_zero();
+    for (int b = 0; b < nb; b++) {
+        const float *wb = block_weights(qtype, row + (size_t)b * bb, wv);
+        for (int m = 0; m < mt; m++) {
+            const float *xb = x + (size_t)(m0 + m) * K + (size_t)b * bv;
+            for (int i = 0; i < bv; i += 16) acc[m] = v16_fma(wb + i, xb + i, acc[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) y[(size_t)(m0 + m) * N + n] = v16_hsum(acc[m]);
+}
+
 static int shape_ok(int qtype, int K) { return block_bytes(qtype) && K > 0 && K % block_values(qtype) == 0; }
 
 /* y[M, N] = x[M, K] @ W^T, W given as N GGUF rows of `qtype` blocks (or F32 rows), for
- * any M: threads take chunks of 16 weight rows; within one, register tiles of F32_RM rows
- * of x and F32_NB rows of W (the group's x stays in cache while the chunk's rows pass). Every output
+ * any M: threads take chunks of 16 weight rows; within one, register tiles of F32_TM rows
+ * of x and F32_TN rows of W (the group's x stays in cache while the chunk's rows pass). Every output
  * is one 16-lane dot product, so the result of a row of x does not depend on the others.
  * Returns 0; -1 for a type these kernels do not read or K not a multiple of its block; -2
  * when out of memory. */

@@ -18,8 +18,9 @@
  * ------------------------------------------------------------------------ */
 
 /* sizeof and the field offsets, in declaration order, of hp_api.h's structs (which: 0
- * hp_part, 1 hp_layer, 2 hp_stack, 3 hp_step) into out (room for 32); returns how many
- * were written. kernels/abi.bind compares them with its ctypes mirrors. */
+ * hp_part, 1 hp_layer, 2 hp_stack, 3 hp_step, 4 hp_plan, 5 hp_att, 6 hp_moe) into out
+ * (room for 32); returns how many were written. kernels/abi.bind compares them with its
+ * ctypes mirrors. */
 int hp_struct_layout(int which, int64_t *out) {
 #define F(T, f) out[n++] = (int64_t)offsetof(T, f)
     int n = 0;
@@ -40,6 +41,9 @@ int hp_struct_layout(int which, int64_t *out) {
         case 5: out[n++] = sizeof(hp_att); F(hp_att, q); F(hp_att, k); F(hp_att, v); F(hp_att, head_stride);
                 F(hp_att, KVH); F(hp_att, D); F(hp_att, kv_type); F(hp_att, scale); F(hp_att, k_scale);
                 F(hp_att, v_scale); F(hp_att, out); F(hp_att, st_m); F(hp_att, st_l); F(hp_att, st_acc); break;
+        case 6: out[n++] = sizeof(hp_moe); F(hp_moe, gate); F(hp_moe, up); F(hp_moe, down); F(hp_moe, gate_stride);
+                F(hp_moe, up_stride); F(hp_moe, down_stride); F(hp_moe, X); F(hp_moe, E); F(hp_moe, I);
+                F(hp_moe, int8); break;
         default: break;
     }
 #undef F

@@ -11,6 +11,7 @@
  *   ops.c        RMSNorm, RoPE, silu * up, KV writes (ops.h: their row functions)
  *   decode.c     every decoder layer of a decode step in one call
  *   score.c      prompt logprobs: each row's target logprob, rank and top k
+ *   moe.c        a mixture's expert FFNs, tokens grouped by expert
  */
 #ifndef HP_H
 #define HP_H
@@ -204,9 +205,24 @@ typedef struct {
 /* int8.c */
 int xquant_alloc(xquant *x, int M, int K);
 void xquant_free(xquant *x);
+void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk);
+void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk);
 void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K, float *y,
                  xquant *x32, xquant *xk);
 int parts_valid(const hp_part *parts, int nparts, int K);
+/* one group (16 rows of a part, its columns from col on in y's rows of ldy) against rows
+ * m0..m1-1 of quantized x */
+void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
+                   const xquant *xk, float *y);
+
+/* blocks.c: weight row `row` (its index n in y's columns) against rows m0 .. m0 + mt - 1
+ * of float32 x [*, K] (mt <= F32_RM): y[m * N + n] = x[m] . w, a 16-lane dot product */
+#if defined(HP_F512)
+#define F32_RM 16  /* rows of x a pass over a weight row takes: their 16-lane sums stay in registers */
+#else
+#define F32_RM 6
+#endif
+void f32_row_pass(int qtype, const float *x, int m0, int mt, int K, const uint8_t *row, int n, float *y, int N);
 
 /* group kernels (int8_q32.c, int8_kq.c): one group of 16 weight rows against mt rows of
  * quantized x, written to y (row stride ldy), nvalid of the 16 columns kept; `stream`

@@ -72,6 +72,15 @@ typedef struct {
     int M;
 } hp_step;
 
+/* A mixture's experts: each projection as expert 0's rows (regrouped by hp_repack expert by
+ * expert when int8, else GGUF blocks or F32 rows as stored) and the bytes from one expert's
+ * rows to the next's; gate and up [X, I, E], down [X, E, I]. */
+typedef struct {
+    hp_part gate, up, down;
+    int64_t gate_stride, up_stride, down_stride;
+    int X, E, I, int8;
+} hp_moe;
+
 /* products and weights (blocks.c, int8.c, repack.c) */
 int hp_qmatmul(int qtype, const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads);
 int hp_dequantize(int qtype, const uint8_t *w, int N, int K, float *out);
@@ -97,6 +106,10 @@ void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, c
 /* prompt logprobs: each row's target logprob, rank and top k over the full vocabulary (score.c) */
 void hp_score_rows(const float *logits, int R, int V, const int64_t *targets, int k, float *lp, int64_t *rank,
                    int64_t *top_ids, float *top_lp, int nthreads);
+
+/* a mixture's expert FFNs, tokens grouped by expert (moe.c) */
+int hp_moe_ffn(const hp_moe *m, const float *x, int T, const int64_t *ids, const float *w, int k, float *out,
+               int64_t *reads, int nthreads);
 
 /* the fused decode step and the struct layouts (decode.c) */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads);

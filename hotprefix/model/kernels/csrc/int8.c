@@ -84,6 +84,29 @@ static void quantize_row_k(const float *x, int K, int8_t *xq, float *dx, int16_t
     }
 }
 
+/* Row xr (K values) quantized into row m of x32 (per 32 values, need32) and of xk (per
+ * 256, needk). */
+void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk) {
+    if (need32) {
+        const int nb = K / QK;
+        quantize_row(xr, K, x32->q + (size_t)m * K, x32->d + (size_t)m * nb, x32->sum + (size_t)m * nb,
+                     x32->sd + (size_t)m * nb);
+    }
+    if (needk) {
+        const int nbk = K / QKK;
+        quantize_row_k(xr, K, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk, xk->bs + (size_t)m * nbk * KBS);
+    }
+}
+
+/* For a thread of an enclosing parallel region (a work-sharing loop, ending in a
+ * barrier): rows 0..M-1 of x [*, K] quantized (xquant_row); row m reads x's row src[m]
+ * (src NULL: row m). */
+void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk) {
+    if (!need32 && !needk) return;
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) xquant_row(x + (size_t)(src ? src[m] : m) * K, K, m, need32, needk, x32, xk);
+}
+
 int xquant_alloc(xquant *x, int M, int K) {
     const size_t rows = (size_t)(M > 0 ? M : 1), nb = (size_t)K / QK + 1, nbk = (size_t)K / QKK + 1;
     x->q = malloc(rows * (size_t)K + 1);
@@ -105,7 +128,7 @@ int parts_valid(const hp_part *parts, int nparts, int K) {
 }
 
 /* One group (16 rows of one part) against rows m0..m1 of x. */
-static void group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
+void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                        const xquant *xk, float *y) {
     const int nvalid = pt->n - g * G < G ? pt->n - g * G : G;
     float *yg = y + col + (size_t)g * G;
@@ -144,20 +167,7 @@ void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K,
         ldy += parts[p].n;
         gstart[p + 1] = gstart[p] + (parts[p].n + G - 1) / G;
     }
-    if (need32) {
-        const int nb = K / QK;
-        #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row(x + (size_t)m * K, K, x32->q + (size_t)m * K, x32->d + (size_t)m * nb,
-                         x32->sum + (size_t)m * nb, x32->sd + (size_t)m * nb);
-    }
-    if (needk) {
-        const int nbk = K / QKK;
-        #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row_k(x + (size_t)m * K, K, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk,
-                           xk->bs + (size_t)m * nbk * KBS);
-    }
+    xquant_rows(x, NULL, M, K, need32, needk, x32, xk);
     /* (rows of x in chunks of M_CHUNK, groups): a chunk's int8 rows stay in cache while
      * the groups pass over them, instead of all of x streaming past every group */
     const int chunks = (M + M_CHUNK - 1) / M_CHUNK, groups = gstart[nparts];
@@ -167,7 +177,7 @@ void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K,
         int p = 0;
         while (gg >= gstart[p + 1]) p++;
         const int m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
-        group_rows(parts + p, gg - gstart[p], col[p], ldy, K, c * M_CHUNK, m_end, x32, xk, y);
+        i8_group_rows(parts + p, gg - gstart[p], col[p], ldy, K, c * M_CHUNK, m_end, x32, xk, y);
     }
 }
 
