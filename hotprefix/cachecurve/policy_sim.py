@@ -12,7 +12,9 @@ by request. What it follows, as the engine does for requests run one after anoth
 - the prompt's blocks are taken first (a hit leaves the queue, a new block is its
   head, whose hash is evicted to the host tier), its full blocks are cached unless the
   same hash is cached already (then the new block stays uncached and the cached one
-  stays where it is), then the output's blocks the same way;
+  stays where it is), then the output's blocks the same way; but first each uncached
+  copy whose cached block the output's blocks evicted is cached in its place, back from
+  the output to the last hash still cached (every cached block's parent is cached);
 - the request releases its blocks last first, so its first block is the most recent;
 - the host tier is LRU over lookups and offloads; it keeps a block it loads back, and
   the slots of a step's run and its offloads are not given up in that step;
@@ -105,15 +107,27 @@ class PolicySim:
     def _take(self, need: int, keys: list[Key | int], start: int, full: int, held: list[Key | int],
               locked: set[Key | int]) -> None:
         """One step: `need` more blocks from the head of the queue (their hashes offloaded
-        to the host tier), then positions start..full-1 cached, each unless its hash is."""
+        to the host tier), then positions start..full-1 cached, each unless its hash is
+        (after the chain before them is refilled, see _refill)."""
         q = self.queue
         evicted = [k for k in (q.popitem(last=False)[0] for _ in range(need)) if type(k) is not int or k < 0]
         held += [next(self._ids) for _ in range(need)]
+        if 0 < start < full:
+            self._refill(keys, start, held)
         for i in range(start, full):
             if keys[i] not in q and keys[i] not in self.pinned:
                 held[i] = keys[i]
         if self.host_slots:
             self._offload(evicted, locked)
+
+    def _refill(self, keys: list[Key | int], start: int, held: list[Key | int]) -> None:
+        """KVCacheManager._refill_chain: the positions before `start` whose hash is no longer
+        cached (this request's copy stayed uncached and the cached block was evicted since)
+        are cached from this request's own copies, from the last cached hash on. Mutates held."""
+        j = start
+        while j > 0 and held[j - 1] != keys[j - 1] and keys[j - 1] not in self.queue and keys[j - 1] not in self.pinned:
+            j -= 1
+        held[j:start] = keys[j:start]
 
     def _offload(self, evicted: list[Key | int], locked: set[Key | int]) -> None:
         host = self.host
