@@ -45,7 +45,7 @@ class Seen:
     query_start_loc: list[int]
     max_query_len: int
     num_splits: int
-    window: int
+    windows: tuple[int | None, ...]
 
 
 class Recorder:
@@ -58,14 +58,14 @@ class Recorder:
         t = meta.triton
         self.calls.append(Seen(input_ids.tolist(), meta.slot_mapping.tolist(), t.seq_lens.tolist(),
                                t.block_tables.clone(), t.query_start_loc.tolist(), t.max_query_len, t.num_splits,
-                               t.sliding_window))
+                               tuple(meta.windows)))
         return torch.stack([input_ids, positions], 1).float()
 
 
-def graphs(sizes=(1, 2, 4, 8), max_blocks=4, splits=3, window=0, capture=False) -> tuple[DecodeGraphs, Recorder]:
+def graphs(sizes=(1, 2, 4, 8), max_blocks=4, splits=3, windows=(None,), capture=False) -> tuple[DecodeGraphs, Recorder]:
     model = Recorder()
     kv = KVCache(1, 64, BS, 1, 8, torch.float32, CPU)
-    return DecodeGraphs(model, kv, sizes, max_blocks, splits, window, CPU, capture=capture), model
+    return DecodeGraphs(model, kv, sizes, max_blocks, splits, windows, CPU, capture=capture), model
 
 
 def step(ctx_lens: list[int], q_len: int = 1, window: int | None = None, first_id: int = 100):
@@ -81,7 +81,7 @@ def step(ctx_lens: list[int], q_len: int = 1, window: int | None = None, first_i
             pos.append(p)
             slots.append(blocks[p // BS] * BS + p % BS)
     batch = StepBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), seqs, BS)
-    return batch, TritonStep(batch.slot_mapping, triton_meta(batch, window, CPU))
+    return batch, TritonStep.of(batch.slot_mapping, triton_meta(batch, CPU), (window,))
 
 
 def test_default_sizes():
@@ -124,12 +124,12 @@ def test_padding_rows_write_no_kv_and_read_none():
 def test_the_graphs_split_count_and_window_not_the_steps():
     """A graph is captured at one split count (the longest context's) and window: the
     step's own (its context's split count) is not what runs."""
-    g, model = graphs(max_blocks=80, splits=7, window=0)
+    g, model = graphs(max_blocks=80, splits=7)
     batch, meta = step([300, 5])
     assert meta.triton.num_splits == decode_splits(300) == 2
     assert g.refusal(batch, meta, ALL_PATHS) is None
     g.forward(batch, meta)
-    assert (model.calls[-1].num_splits, model.calls[-1].window) == (7, 0)
+    assert (model.calls[-1].num_splits, model.calls[-1].windows) == (7, (None,))
 
 
 def test_block_tables_up_to_the_captured_width():
@@ -154,7 +154,7 @@ def test_block_tables_up_to_the_captured_width():
 def test_refusals_and_which_steps_the_runner_replays():
     """steps.choose takes the graphs for a decode-only step within the largest size,
     the captured width and window; else the step runs eagerly (layer by layer)."""
-    g, _ = graphs(sizes=(1, 2, 4), max_blocks=4, window=0)
+    g, _ = graphs(sizes=(1, 2, 4), max_blocks=4)
     cases = {
         "decodes": (step([5, 6, 7]), None),
         "as many as the largest": (step([5] * 4), None),
@@ -162,7 +162,7 @@ def test_refusals_and_which_steps_the_runner_replays():
         "a prefill": (step([5, 6], q_len=3), "not a decode-only step"),
         "a chunk and a decode": (step([5], q_len=2), "not a decode-only step"),
         "too long a context": (step([20]), LARGER),
-        "another window": (step([5], window=16), "another sliding window"),
+        "another window": (step([5], window=16), "other sliding windows"),
     }
     for name, ((batch, meta), why) in cases.items():
         assert g.refusal(batch, meta, ALL_PATHS) == why, name
@@ -231,7 +231,7 @@ def test_a_served_step_replays_the_graph_of_its_size(fake_cuda):
 # -- what decode_graphs builds -----------------------------------------------------------
 
 def fake_model(window: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(arch=SimpleNamespace(sliding_window=window))
+    return SimpleNamespace(arch=SimpleNamespace(layer_windows=(window, window)))
 
 
 def fake_pool(device: str) -> SimpleNamespace:
@@ -244,8 +244,8 @@ def built(monkeypatch) -> list[dict]:
     """DecodeGraphs replaced by a recorder of its arguments (capturing needs CUDA)."""
     made: list[dict] = []
 
-    def record(model, kv_cache, sizes, max_blocks, num_splits, sliding_window, device):
-        made.append(dict(sizes=sizes, max_blocks=max_blocks, num_splits=num_splits, window=sliding_window,
+    def record(model, kv_cache, sizes, max_blocks, num_splits, windows, device):
+        made.append(dict(sizes=sizes, max_blocks=max_blocks, num_splits=num_splits, windows=windows,
                          device=device))
         return made[-1]
 
@@ -275,9 +275,9 @@ def test_no_graphs_with_enforce_eager(built, caplog):
 
 
 @pytest.mark.parametrize("sizes,max_num_seqs,max_model_len,window,expect", [
-    ((), 20, 4096, None, dict(sizes=(1, 2, 4, 8, 16, 20), max_blocks=256, num_splits=16, window=0)),
-    ((1, 3), 64, 1000, 512, dict(sizes=(1, 3), max_blocks=63, num_splits=4, window=512)),
-    ((), 256, 100, None, dict(sizes=default_sizes(256), max_blocks=7, num_splits=1, window=0)),
+    ((), 20, 4096, None, dict(sizes=(1, 2, 4, 8, 16, 20), max_blocks=256, num_splits=16, windows=(None,))),
+    ((1, 3), 64, 1000, 512, dict(sizes=(1, 3), max_blocks=63, num_splits=4, windows=(512,))),
+    ((), 256, 100, None, dict(sizes=default_sizes(256), max_blocks=7, num_splits=1, windows=(None,))),
 ])
 def test_graphs_on_cuda(built, sizes, max_num_seqs, max_model_len, window, expect):
     """The sizes (--cuda-graph-sizes, else the defaults up to --max-num-seqs), the block

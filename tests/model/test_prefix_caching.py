@@ -134,7 +134,8 @@ def test_cascade_attention_over_shared_blocks_is_plain_attention_bit_for_bit(tin
     requests = [ScheduledRequest(f"d{i}", [p[-1]], len(p) - 1, tables[i], True, GREEDY, p, [])
                 for i, p in enumerate(prompts)]
     decode = SchedulerOutput(requests)
-    _, meta = runner.prepare(decode)
+    _, step = runner.prepare(decode)
+    meta = step.windows[None]  # (no window: the model's only plans)
     assert meta.cascades == [Cascade((0, 1, 2, 3), 16)]
     h, kvh = runner.arch.num_heads, runner.arch.num_kv_heads
     g = h // kvh
