@@ -22,6 +22,7 @@ import openai
 import pytest
 import zmq
 
+from tests.gateway.conftest import wait_until
 from tests.server.conftest import free_port, launch_server, stop_process
 
 pytestmark = pytest.mark.slow
@@ -208,6 +209,9 @@ def test_a_killed_backend_is_routed_around(workers, tiny_llama):
         victim = workers[0][0]
         victim.kill()
         victim.wait()
+        wait_until(lambda: any(w["url"] == workers[0][1] and not w["is_healthy"]
+                               for w in httpx.get(router.url + "/workers").json()["workers"]),
+                   timeout=60, what="the router's health check to mark the killed backend")
         for t in range(6):  # every request is answered, by the survivor
             assert ask(client, workers[1:], prompt(10 + t))[0] == 0
     finally:

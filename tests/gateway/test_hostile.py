@@ -273,10 +273,13 @@ def settled(store: Store, key_id: str) -> list:
 
 
 async def leave_once_running(world: World, gw_url: str, key: str, body: dict) -> int | None:
-    """Send `body` through the gateway, not streamed; once the backend holds the request,
-    the client goes away (its connection closed, as a client timeout does). The status
-    when the gateway answered first (a refusal), else None."""
+    """Send `body` through the gateway, not streamed, once the backend holds no request
+    (a previous one's abort has landed: its load is then this one's); once the backend
+    holds it, the client goes away (its connection closed, as a client timeout does). The
+    status when the gateway answered first (a refusal), else None."""
     async with httpx.AsyncClient(timeout=120) as c:
+        while (await c.get(world.server + "/load")).json()["server_load"] > 0:  # the previous one is gone
+            await asyncio.sleep(0.02)
         task = asyncio.ensure_future(c.post(gw_url + "/v1/chat/completions", json=body,
                                             headers={"Authorization": f"Bearer {key}"}))
         while not task.done() and (await c.get(world.server + "/load")).json()["server_load"] < 1:
