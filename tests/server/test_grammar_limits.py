@@ -129,8 +129,13 @@ def test_a_tenant_holds_at_most_half_of_the_preprocessing_workers(tiny_llama):
         p = SamplingParams(max_tokens=1)
         a1 = asyncio.ensure_future(ae.submit("a1", ["slow"], p, RequestOptions(tenant="acme")))
         a2 = asyncio.ensure_future(ae.submit("a2", ["slow"], p, RequestOptions(tenant="acme")))
-        await asyncio.sleep(0.3)
-        assert started == ["slow"]  # acme's second waits for acme's share
+        freed = ae._prep.shares._freed
+        for _ in range(2000):  # until acme's second waits on the share (a state, not a time)
+            if started == ["slow"] and len(getattr(freed, "_waiters", ())) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert started == ["slow"] and ae._prep.shares.busy == {"acme": 1}  # acme's second waits for its share
+        assert len(freed._waiters) == 1
         streams = await asyncio.wait_for(ae.submit("b", ["hi"], p, RequestOptions(tenant="beta")), 10)
         assert started == ["slow", "hi"]  # beta was prepared on the other worker meanwhile
         release.set()
