@@ -24,6 +24,7 @@ import json
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Request
@@ -136,12 +137,15 @@ class Held:
 async def _kept(proxy: Proxy, caller: Caller, rid: str, method: str = "GET") -> tuple[Backend, httpx.Response] | None:
     """The first hotprefix backend in the caller's routing order that keeps response `rid`
     for the caller's tenant, and its answer to `method` on it; None when none does."""
+    if rid in (".", ".."):  # a dot segment, not an id: the URL would name the path above
+        return None
     salt = K.tenant_salt(proxy.secret, caller.tenant.name)
     for backend in proxy.router.order(proxy.route_key(caller)):
         if not backend.supports_salt:
             continue
-        try:
-            r = await proxy.client.request(method, f"{backend.url}/v1/responses/{rid}", params={"cache_salt": salt},
+        try:  # (the id quoted: one segment of the path, never another endpoint of the backend)
+            r = await proxy.client.request(method, f"{backend.url}/v1/responses/{quote(rid, safe='')}",
+                                           params={"cache_salt": salt},
                                            headers=proxy.backend_headers, timeout=10)
         except httpx.HTTPError:
             continue

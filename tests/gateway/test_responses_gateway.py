@@ -9,6 +9,7 @@ import asyncio
 import json
 import typing
 from typing import Literal
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -133,3 +134,24 @@ def test_the_agents_sdk_runs_through_the_gateway_with_a_tenant_key(setup):
     whole, streamed = asyncio.run(both())
     city = calls[0]
     assert calls == [city, city] and whole.final_output == streamed.final_output == f"sunny in {city}"
+
+
+def test_a_previous_response_id_is_looked_up_as_an_id_never_as_a_path(setup):
+    """A tenant's previous_response_id names a stored response: one that reads as a path
+    ("../../metrics") reaches no other endpoint of the backend (with the gateway's key),
+    and is a 404 with its refused usage row, as an unknown id is."""
+    _, store, gw, keys = setup
+    key_id = store.authenticate(SECRET, keys["beta"]).id
+
+    def refused() -> int:
+        return sum(row.status == "invalid" and row.http_status == 404 for row in store.usage_rows(key_id))
+
+    for path in ("../../metrics", "../../v1/models", "..", "../../requests/x", "", "a?cache_salt=x#"):
+        before = refused()
+        r = post(gw, keys["beta"], previous_response_id=path)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["param"] == "previous_response_id", r.text
+        assert refused() == before + 1
+        if path:  # (the gateway's own GET, one path segment: its router matches no empty one)
+            assert httpx.get(f"{gw.url}/v1/responses/{quote(path, safe='')}",
+                             headers={"Authorization": f"Bearer {keys['beta']}"}).status_code == 404
