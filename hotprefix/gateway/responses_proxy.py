@@ -38,6 +38,7 @@ from hotprefix.gateway.tenant_api import TenantRequest, TenantResponses
 from hotprefix.gateway.usage import Accounting, Caller, InFlight, Outcome
 
 ENDED = ("response.completed", "response.incomplete", "response.failed", "error")  # a stream's last event
+FAILED = ("response.failed", "error")  # ... the backend's failure: no answer (settled by its count)
 
 
 def chat_usage(usage: Any) -> dict[str, Any] | None:
@@ -80,12 +81,12 @@ class Proxy(Protocol):
 
 class ResponsesReader:
     """A Responses stream (`event:` and `data:` lines) passed on as it is; complete at its
-    final event, whose response's usage settles the request."""
+    final event, whose response's usage settles the request (a failure's: the backend's count)."""
 
     end = ""
 
     def __init__(self) -> None:
-        self.done, self.seq = False, 0
+        self.done, self.failed, self.seq = False, False, 0
 
     def line(self, line: str, flight: InFlight) -> str | None:
         if line.startswith("data: "):
@@ -105,7 +106,7 @@ class ResponsesReader:
             o.chunks += 1
             o.ttft_s = o.ttft_s or time.monotonic() - flight.t0
         if event.get("type") in ENDED:
-            self.done = True
+            self.done, self.failed = True, event.get("type") in FAILED
             if isinstance(event.get("response"), dict):
                 take_response(event["response"], o)
 

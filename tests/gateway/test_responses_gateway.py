@@ -155,3 +155,33 @@ def test_a_previous_response_id_is_looked_up_as_an_id_never_as_a_path(setup):
         if path:  # (the gateway's own GET, one path segment: its router matches no empty one)
             assert httpx.get(f"{gw.url}/v1/responses/{quote(path, safe='')}",
                              headers={"Authorization": f"Bearer {keys['beta']}"}).status_code == 404
+
+
+def test_a_stream_its_backend_fails_is_an_error_charged_what_the_backend_did(setup, monkeypatch):
+    """A Responses stream that the backend ends with an `error` event (its engine failed the
+    request after the answer started) is no completed answer: its usage row is an error,
+    settled with the backend's own count of the request (asked by its id), as a stream cut
+    short is; not a success charged its whole reservation (the event carries no usage)."""
+    server, store, gw, keys = setup
+    runner, steps = server.engine.runner, []
+    execute = runner.execute
+
+    def third_step_fails(sched):
+        steps.append(sched)
+        if len(steps) == 3:
+            raise RuntimeError("injected")
+        return execute(sched)
+
+    monkeypatch.setattr(runner, "execute", third_step_fails)
+    with httpx.stream("POST", gw.url + "/v1/responses", headers={"Authorization": f"Bearer {keys['beta']}"},
+                      json={"input": "Count.", "max_output_tokens": 50, "stream": True}, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events if e["type"] == "error"] == ["error"] and events[-1]["type"] == "error"
+    done = server.server.config.app.state.serving.request_log.recent[rid]  # the backend's own row
+    assert (done.status.value, done.completion_tokens) == ("error", 2)
+    key_id = store.authenticate(SECRET, keys["beta"]).id
+    wait_until(lambda: any(row.request_id == rid and row.status != "started" for row in store.usage_rows(key_id)),
+               what="the row")
+    row = next(row for row in store.usage_rows(key_id) if row.request_id == rid)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("error", done.prompt_tokens, 2)
