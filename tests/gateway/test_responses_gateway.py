@@ -185,3 +185,17 @@ def test_a_stream_its_backend_fails_is_an_error_charged_what_the_backend_did(set
                what="the row")
     row = next(row for row in store.usage_rows(key_id) if row.request_id == rid)
     assert (row.status, row.prompt_tokens, row.completion_tokens) == ("error", done.prompt_tokens, 2)
+
+
+def test_a_field_of_the_wrong_shape_is_refused_with_its_row(setup):
+    """A body whose text.format or tool_choice has a shape the server's rules do not read is
+    a 400 naming the field, with its refused usage row (it was a 500 without one)."""
+    _, store, gw, keys = setup
+    key_id = store.authenticate(SECRET, keys["beta"]).id
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    for fields, param in (({"text": {"format": "json_object"}}, "text"),
+                          ({"tools": [tool], "tool_choice": {"type": "allowed_tools", "tools": 5}}, "tool_choice")):
+        before = sum(row.status == "invalid" and row.http_status == 400 for row in store.usage_rows(key_id))
+        r = post(gw, keys["beta"], **fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert sum(row.status == "invalid" and row.http_status == 400 for row in store.usage_rows(key_id)) == before + 1
