@@ -199,3 +199,12 @@ def test_a_field_of_the_wrong_shape_is_refused_with_its_row(setup):
         r = post(gw, keys["beta"], **fields)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert sum(row.status == "invalid" and row.http_status == 400 for row in store.usage_rows(key_id)) == before + 1
+
+
+def test_the_user_field_is_bounded_as_on_the_chat_path(setup):
+    """`user` reaches the backend's request log: a tenant's is at most 256 characters on
+    every endpoint (Responses took any length a body allows)."""
+    _, _, gw, keys = setup
+    assert post(gw, keys["beta"], user="u" * 256).status_code == 200
+    r = post(gw, keys["beta"], user="u" * 257)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text
