@@ -158,9 +158,10 @@ def _chat_tool(t: dict[str, Any], i: int) -> dict[str, Any]:
     one that could not be called as given (deferred, asynchronous, not directly callable)."""
     if t.get("type") != "function" or not isinstance(t.get("name"), str):
         raise InvalidRequestError(f"tools[{i}]: only function tools (with a name) are supported", "tools")
-    if not isinstance(t.get("allowed_callers", []), list):
+    callers = t.get("allowed_callers")
+    if callers is not None and not isinstance(callers, list):
         raise InvalidRequestError(f"tools[{i}]: allowed_callers must be a list", "tools")
-    if t.get("defer_loading") or t.get("async") or "direct" not in t.get("allowed_callers", ["direct"]):
+    if t.get("defer_loading") or t.get("async") or "direct" not in (["direct"] if callers is None else callers):
         raise InvalidRequestError(f"tools[{i}]: deferred, asynchronous or programmatic-only function tools are not "
                                   "supported (a function is called directly)", "tools")
     fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}

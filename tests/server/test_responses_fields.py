@@ -143,3 +143,10 @@ def test_a_field_of_the_wrong_shape_is_a_400_naming_it(srv, fields, param):
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["type"], r.json()["error"]["param"]) == ("BadRequestError", param), r.text
     srv.check_drained()
+
+
+def test_a_tool_whose_allowed_callers_is_null_is_called_directly(srv):
+    """null is the field left out (as the SDKs send unset fields): a function called
+    directly (it was a 500: `"direct" in None`)."""
+    r = _post(srv, tools=[{**TOOL, "allowed_callers": None}])
+    assert r.status_code == 200, r.text
