@@ -9,7 +9,9 @@ request never reads another scope's table, so no tenant's text is ever proposed 
 
 Bounded: a scope keeps its last `max_requests` requests and at most MAX_SCOPE_TOKENS tokens
 (a lookup is a bytes.rfind over them), the table MAX_TABLE_TOKENS in all (16 MB, as
-llama.cpp's n-gram table), the least recently used scope's oldest request out first.
+llama.cpp's n-gram table), the least recently used scope's oldest request out first; and
+at most MAX_SCOPES scopes (each holds ~1 KB besides its words: without this bound, requests
+of ever new salts would hold ~90 times the tokens' bytes), the least recently used out first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 MAX_SCOPE_TOKENS = 1 << 18  # 1 MB of words: one lookup reads at most this
 MAX_TABLE_TOKENS = 1 << 22  # 16 MB in all
+MAX_SCOPES = 1 << 14  # scopes kept (~18 MB of their own at most)
 WORD = 4
 SEPARATOR = array("i", [-1]).tobytes()
 
@@ -38,10 +41,11 @@ class SuffixTable:
     (and may drop the oldest entries of any scope); `words` reads one."""
 
     def __init__(self, max_requests: int, max_scope_tokens: int = MAX_SCOPE_TOKENS,
-                 max_tokens: int = MAX_TABLE_TOKENS) -> None:
+                 max_tokens: int = MAX_TABLE_TOKENS, max_scopes: int = MAX_SCOPES) -> None:
         self.max_requests = max_requests
         self.max_scope_tokens = max_scope_tokens
         self.max_tokens = max_tokens
+        self.max_scopes = max_scopes
         self._scopes: OrderedDict[str | None, _Scope] = OrderedDict()  # least recently used first
         self.num_tokens = 0  # words held in all, separators included
 
@@ -66,7 +70,7 @@ class SuffixTable:
         self.num_tokens += n
         while len(s.lengths) > self.max_requests or len(s.words) // WORD > self.max_scope_tokens:
             self._drop_oldest(scope)
-        while self.num_tokens > self.max_tokens:
+        while self.num_tokens > self.max_tokens or len(self._scopes) > self.max_scopes:
             self._drop_oldest(next(iter(self._scopes)))
 
     def _drop_oldest(self, scope: str | None) -> None:

@@ -94,9 +94,12 @@ async def answer(up: Upstream, flight: InFlight, headers: dict[str, str], timeou
 class StreamReader(Protocol):
     """How a backend's stream reaches the client (one per request): each line as the client
     gets it (None: dropped; it takes the stream's usage and finish into the outcome), whether
-    the stream ended complete, what is sent after it, and an error event of the format."""
+    the stream ended complete, and whether it ended with the backend's own error (`failed`:
+    no answer, settled by the backend's count), what is sent after it, and an error event
+    of the format."""
 
     done: bool
+    failed: bool
     end: str
 
     def line(self, line: str, flight: InFlight) -> str | None:
@@ -115,6 +118,7 @@ class ChatReader:
     `data: [DONE]`, which is sent at the end."""
 
     end = "data: [DONE]\n\n"
+    failed = False  # (a chat stream's error chunk comes after usage on every chunk)
 
     def __init__(self, opts: StreamOptions | None) -> None:
         self.want = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
@@ -154,8 +158,9 @@ async def relay(request: Request, up: Upstream, reader: StreamReader, flight: In
             if (text := reader.line(line, flight)) is not None:
                 yield text
         done = reader.done
-        o.status = UsageStatus.OK if done else UsageStatus.BACKEND_ERROR
-        o.answered = 200 if done else None  # a stream cut short is settled by the backend's count
+        ok = done and not reader.failed
+        o.status = UsageStatus.OK if ok else UsageStatus.ERROR if done else UsageStatus.BACKEND_ERROR
+        o.answered = 200 if ok else None  # a stream cut short or failed is settled by the backend's count
         await up.close()
         await flight.end()
         yield reader.end if done else reader.error("the backend ended the stream early")

@@ -24,6 +24,7 @@ import json
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Request
@@ -37,6 +38,7 @@ from hotprefix.gateway.tenant_api import TenantRequest, TenantResponses
 from hotprefix.gateway.usage import Accounting, Caller, InFlight, Outcome
 
 ENDED = ("response.completed", "response.incomplete", "response.failed", "error")  # a stream's last event
+FAILED = ("response.failed", "error")  # ... the backend's failure: no answer (settled by its count)
 
 
 def chat_usage(usage: Any) -> dict[str, Any] | None:
@@ -79,12 +81,12 @@ class Proxy(Protocol):
 
 class ResponsesReader:
     """A Responses stream (`event:` and `data:` lines) passed on as it is; complete at its
-    final event, whose response's usage settles the request."""
+    final event, whose response's usage settles the request (a failure's: the backend's count)."""
 
     end = ""
 
     def __init__(self) -> None:
-        self.done, self.seq = False, 0
+        self.done, self.failed, self.seq = False, False, 0
 
     def line(self, line: str, flight: InFlight) -> str | None:
         if line.startswith("data: "):
@@ -104,7 +106,7 @@ class ResponsesReader:
             o.chunks += 1
             o.ttft_s = o.ttft_s or time.monotonic() - flight.t0
         if event.get("type") in ENDED:
-            self.done = True
+            self.done, self.failed = True, event.get("type") in FAILED
             if isinstance(event.get("response"), dict):
                 take_response(event["response"], o)
 
@@ -136,12 +138,15 @@ class Held:
 async def _kept(proxy: Proxy, caller: Caller, rid: str, method: str = "GET") -> tuple[Backend, httpx.Response] | None:
     """The first hotprefix backend in the caller's routing order that keeps response `rid`
     for the caller's tenant, and its answer to `method` on it; None when none does."""
+    if rid in (".", ".."):  # a dot segment, not an id: the URL would name the path above
+        return None
     salt = K.tenant_salt(proxy.secret, caller.tenant.name)
     for backend in proxy.router.order(proxy.route_key(caller)):
         if not backend.supports_salt:
             continue
-        try:
-            r = await proxy.client.request(method, f"{backend.url}/v1/responses/{rid}", params={"cache_salt": salt},
+        try:  # (the id quoted: one segment of the path, never another endpoint of the backend)
+            r = await proxy.client.request(method, f"{backend.url}/v1/responses/{quote(rid, safe='')}",
+                                           params={"cache_salt": salt},
                                            headers=proxy.backend_headers, timeout=10)
         except httpx.HTTPError:
             continue

@@ -139,6 +139,7 @@ class TenantResponses(ResponsesRequest):
     instructions (backend_body)."""
 
     n: ClassVar[int] = 1
+    user: str | None = Field(None, max_length=256)  # (as _Sampling's: it reaches the backend's log)
     ALLOWED: ClassVar[frozenset[str]] = frozenset({
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
         "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "text", "metadata", "user", "seed",

@@ -73,6 +73,8 @@ def _window_fields(reader: GGUFFile, garch: str, family: str, layers: int, hidde
     flags = reader.scalars(key)
     if flags is None:
         period = int(_field(reader, key, pattern))
+        if period < 1:
+            raise ValueError(f"{key} must be at least 1, got {period}")
         flags = [(i + 1) % period != 0 for i in range(layers)]
     kinds = tuple(SLIDING if f and window else FULL for f in flags)
     return dict(layer_types=kinds, sliding_window=int(window) if window else None,

@@ -146,8 +146,9 @@ class PrefixGroups:
 class RecentPrompts:
     """The latest finished prompts' log entries, in the order they finished, with when:
     the traffic the dashboard's hit-rate curve replays (cachecurve/curve.py). Bounded by the
-    block digests it holds (`max_blocks`; the oldest entries go first). Lives on the
-    event loop; `snapshot` copies it for another thread."""
+    block digests it holds and one for each entry (`max_blocks`: a prompt shorter than a
+    block holds none, and counts); the oldest entries go first. Lives on the event loop;
+    `snapshot` copies it for another thread."""
 
     def __init__(self, max_blocks: int = 200_000) -> None:
         self.max_blocks = max_blocks
@@ -157,13 +158,18 @@ class RecentPrompts:
 
     def add(self, entry: PrefixEntry, when: float) -> None:
         self.entries.append((when, entry))
-        self.blocks += len(entry.blocks or ())
+        self.blocks += _cost(entry)
         self.added += 1
         while self.blocks > self.max_blocks and len(self.entries) > 1:
-            self.blocks -= len(self.entries.popleft()[1].blocks or ())
+            self.blocks -= _cost(self.entries.popleft()[1])
 
     def snapshot(self) -> list[tuple[float, PrefixEntry]]:
         return list(self.entries)
+
+
+def _cost(entry: PrefixEntry) -> int:
+    """What an entry counts against RecentPrompts.max_blocks: its digests, and itself."""
+    return len(entry.blocks or ()) + 1
 
 
 @dataclass

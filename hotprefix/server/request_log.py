@@ -244,7 +244,8 @@ class RequestLog:
                  row.ttft_s, row.latency_s, row.finish_reason)
         if self.file is not None:
             self.file.write(json.dumps(row.to_json()) + "\n")
-        self.recent[row.request_id] = replace(row, kv=None, prefix=None)  # (its chains: no one asks for them)
+        # (what GET /requests/{id} tells: not its chains, nor the client's user, as long as a body allows)
+        self.recent[row.request_id] = replace(row, kv=None, prefix=None, user=None)
         self.recent.move_to_end(row.request_id)
         while len(self.recent) > self.capacity:
             self.recent.popitem(last=False)

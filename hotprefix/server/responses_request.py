@@ -158,7 +158,10 @@ def _chat_tool(t: dict[str, Any], i: int) -> dict[str, Any]:
     one that could not be called as given (deferred, asynchronous, not directly callable)."""
     if t.get("type") != "function" or not isinstance(t.get("name"), str):
         raise InvalidRequestError(f"tools[{i}]: only function tools (with a name) are supported", "tools")
-    if t.get("defer_loading") or t.get("async") or "direct" not in t.get("allowed_callers", ["direct"]):
+    callers = t.get("allowed_callers")
+    if callers is not None and not isinstance(callers, list):
+        raise InvalidRequestError(f"tools[{i}]: allowed_callers must be a list", "tools")
+    if t.get("defer_loading") or t.get("async") or "direct" not in (["direct"] if callers is None else callers):
         raise InvalidRequestError(f"tools[{i}]: deferred, asynchronous or programmatic-only function tools are not "
                                   "supported (a function is called directly)", "tools")
     fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
@@ -174,6 +177,8 @@ def _tool_choice(choice: str | dict[str, Any] | None,
         return choice, tools
     if choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}, tools
+    if choice.get("type") == "allowed_tools" and not isinstance(choice.get("tools") or [], list):
+        raise InvalidRequestError("tool_choice: allowed_tools' tools must be a list", "tool_choice")
     if choice.get("type") == "allowed_tools" and choice.get("mode", "auto") in ("auto", "required"):
         names = {t.get("name") for t in choice.get("tools") or () if isinstance(t, dict)}
         return choice.get("mode", "auto"), [t for t in tools if t["function"]["name"] in names]
@@ -198,6 +203,8 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
     tools = [_chat_tool(t, i) for i, t in enumerate(body.tools or ())]
     chat["tool_choice"], chat["tools"] = _tool_choice(body.tool_choice, tools)
     fmt = (body.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidRequestError("text.format must be an object (type text, json_object or json_schema)", "text")
     if fmt and fmt.get("type") == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name", "response"), "schema": fmt.get("schema", {}), "strict": fmt.get("strict")}}

@@ -9,6 +9,7 @@ import asyncio
 import json
 import typing
 from typing import Literal
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -133,3 +134,77 @@ def test_the_agents_sdk_runs_through_the_gateway_with_a_tenant_key(setup):
     whole, streamed = asyncio.run(both())
     city = calls[0]
     assert calls == [city, city] and whole.final_output == streamed.final_output == f"sunny in {city}"
+
+
+def test_a_previous_response_id_is_looked_up_as_an_id_never_as_a_path(setup):
+    """A tenant's previous_response_id names a stored response: one that reads as a path
+    ("../../metrics") reaches no other endpoint of the backend (with the gateway's key),
+    and is a 404 with its refused usage row, as an unknown id is."""
+    _, store, gw, keys = setup
+    key_id = store.authenticate(SECRET, keys["beta"]).id
+
+    def refused() -> int:
+        return sum(row.status == "invalid" and row.http_status == 404 for row in store.usage_rows(key_id))
+
+    for path in ("../../metrics", "../../v1/models", "..", "../../requests/x", "", "a?cache_salt=x#"):
+        before = refused()
+        r = post(gw, keys["beta"], previous_response_id=path)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["param"] == "previous_response_id", r.text
+        assert refused() == before + 1
+        if path:  # (the gateway's own GET, one path segment: its router matches no empty one)
+            assert httpx.get(f"{gw.url}/v1/responses/{quote(path, safe='')}",
+                             headers={"Authorization": f"Bearer {keys['beta']}"}).status_code == 404
+
+
+def test_a_stream_its_backend_fails_is_an_error_charged_what_the_backend_did(setup, monkeypatch):
+    """A Responses stream that the backend ends with an `error` event (its engine failed the
+    request after the answer started) is no completed answer: its usage row is an error,
+    settled with the backend's own count of the request (asked by its id), as a stream cut
+    short is; not a success charged its whole reservation (the event carries no usage)."""
+    server, store, gw, keys = setup
+    runner, steps = server.engine.runner, []
+    execute = runner.execute
+
+    def third_step_fails(sched):
+        steps.append(sched)
+        if len(steps) == 3:
+            raise RuntimeError("injected")
+        return execute(sched)
+
+    monkeypatch.setattr(runner, "execute", third_step_fails)
+    with httpx.stream("POST", gw.url + "/v1/responses", headers={"Authorization": f"Bearer {keys['beta']}"},
+                      json={"input": "Count.", "max_output_tokens": 50, "stream": True}, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events if e["type"] == "error"] == ["error"] and events[-1]["type"] == "error"
+    done = server.server.config.app.state.serving.request_log.recent[rid]  # the backend's own row
+    assert (done.status.value, done.completion_tokens) == ("error", 2)
+    key_id = store.authenticate(SECRET, keys["beta"]).id
+    wait_until(lambda: any(row.request_id == rid and row.status != "started" for row in store.usage_rows(key_id)),
+               what="the row")
+    row = next(row for row in store.usage_rows(key_id) if row.request_id == rid)
+    assert (row.status, row.prompt_tokens, row.completion_tokens) == ("error", done.prompt_tokens, 2)
+
+
+def test_a_field_of_the_wrong_shape_is_refused_with_its_row(setup):
+    """A body whose text.format or tool_choice has a shape the server's rules do not read is
+    a 400 naming the field, with its refused usage row (it was a 500 without one)."""
+    _, store, gw, keys = setup
+    key_id = store.authenticate(SECRET, keys["beta"]).id
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    for fields, param in (({"text": {"format": "json_object"}}, "text"),
+                          ({"tools": [tool], "tool_choice": {"type": "allowed_tools", "tools": 5}}, "tool_choice")):
+        before = sum(row.status == "invalid" and row.http_status == 400 for row in store.usage_rows(key_id))
+        r = post(gw, keys["beta"], **fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert sum(row.status == "invalid" and row.http_status == 400 for row in store.usage_rows(key_id)) == before + 1
+
+
+def test_the_user_field_is_bounded_as_on_the_chat_path(setup):
+    """`user` reaches the backend's request log: a tenant's is at most 256 characters on
+    every endpoint (Responses took any length a body allows)."""
+    _, _, gw, keys = setup
+    assert post(gw, keys["beta"], user="u" * 256).status_code == 200
+    r = post(gw, keys["beta"], user="u" * 257)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text

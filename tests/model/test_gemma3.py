@@ -124,6 +124,29 @@ def test_gguf_is_read_as_llama_cpp_writes_it(tmp_path):
         assert rel_err(got, ref) <= bound, qtype
 
 
+def test_a_gguf_window_period_of_zero_is_a_load_error(tmp_path, monkeypatch):
+    """`sliding_window_pattern` as a period (layer i global when (i + 1) % period == 0): a
+    file whose period is 0 is refused with ModelLoadError naming the key (it raised
+    ZeroDivisionError out of the loader)."""
+    from transformers import AutoTokenizer
+
+    import tests.gguf_util as util
+    from hotprefix.model.arch import ModelLoadError
+
+    hf = build_tiny_model(tmp_path / "hf", "gemma3", seed=4)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    base = util._gemma3_metadata
+
+    def period_zero(w, cfg) -> None:
+        base(w, cfg)
+        w.add_uint32("gemma3.attention.sliding_window_pattern", 0)
+
+    monkeypatch.setattr(util, "_gemma3_metadata", period_zero)
+    path = write_gguf(tmp_path / "period0.gguf", hf, tok, "F32", arch="gemma3")
+    with pytest.raises(ModelLoadError, match="sliding_window_pattern must be at least 1, got 0"):
+        load_model(str(path))
+
+
 # merges in the order Gemma's files list them: a piece's two halves come before it
 PIECES = ("▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "or", "ld", "▁w", "hell", "hello", "▁wor", "▁world")
 

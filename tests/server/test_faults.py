@@ -405,6 +405,20 @@ def test_a_finished_request_is_told_by_its_id(server, rid):
     assert told.json() == {"request_id": rid, "status": "ok", "finish_reason": "length", "usage": r.json()["usage"]}
 
 
+def test_the_rows_kept_for_lookups_hold_no_client_text(server):
+    """The last RECENT_ROWS rows are kept for GET /requests/{id}, which tells status, finish
+    and usage: a client's `user` (as long as a body allows) is not kept with them, so ten
+    thousand requests cannot hold ten thousand bodies' worth of it (the log line and file
+    still carry it)."""
+    user = "u" * (BODY_LIMIT // 2)
+    r = httpx.post(server.v1 + "/completions", json={"prompt": "hi", "max_tokens": 1, "user": user,
+                                                     "request_id": "long-user"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert request_log(server).recent["long-user"].user is None
+    told = httpx.get(server.url + "/requests/long-user").json()
+    assert told == {"request_id": "long-user", "status": "ok", "finish_reason": "length", "usage": r.json()["usage"]}
+
+
 def test_the_lookup_waits_for_a_request_that_ends_later_and_says_what_an_abort_used(server):
     """The gateway's case: its client went away, it closed the connection, and asks at once;
     the server aborts the request and its row answers the waiting lookup (asked before the

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from hotprefix.engine.requests import CacheScope
-from hotprefix.server.prefix_log import LogKey
+from hotprefix.server.prefix_log import LogKey, RecentPrompts
+from hotprefix.server.request_log import PrefixEntry
 from tests.server.conftest import start_server
 
 SHARED = "The quick brown fox jumps over the lazy dog. Caching keys and values saves compute."
@@ -137,3 +138,16 @@ def test_a_planted_link_at_the_temporary_name_is_never_written_through(tmp_path)
     assert bytes.fromhex((tmp_path / "requests.jsonl.key").read_text().strip()) == key.key
     assert stat.S_IMODE((tmp_path / "requests.jsonl.key").stat().st_mode) == 0o600
     assert not (tmp_path / f".requests.jsonl.key.{os.getpid()}.tmp").exists()
+
+
+def test_the_recent_prompts_stay_bounded_when_their_prompts_fill_no_block():
+    """The dashboard's recent prompts (the hit-rate curve's traffic) are bounded by what they
+    hold: a prompt shorter than a block has no digest, and still counts (one for its entry),
+    so requests of short prompts cannot grow them without bound (they did: only digests
+    counted)."""
+    recent = RecentPrompts(max_blocks=4)
+    for i in range(10):
+        recent.add(PrefixEntry(3, 0, 1, ()), float(i))
+    assert [when for when, _ in recent.snapshot()] == [6.0, 7.0, 8.0, 9.0] and recent.added == 10
+    recent.add(PrefixEntry(12, 0, 1, ("ab", "cd")), 10.0)  # two digests and its entry: three
+    assert [when for when, _ in recent.snapshot()] == [9.0, 10.0]

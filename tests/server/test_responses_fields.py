@@ -127,3 +127,26 @@ def test_output_logprobs_come_with_include_and_hosted_tools_are_refused(srv):
     for tool in ({**TOOL, "defer_loading": True}, {**TOOL, "allowed_callers": ["programmatic"]}):
         bad = _post(srv, tools=[tool])
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"text": {"format": "json_object"}}, "text"),
+    ({"text": {"format": ["json_object"]}}, "text"),
+    ({"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": 5}}, "tool_choice"),
+    ({"tools": [{**TOOL, "allowed_callers": 5}]}, "tools"),
+])
+def test_a_field_of_the_wrong_shape_is_a_400_naming_it(srv, fields, param):
+    """Objects whose parts the request's model leaves open (text, tool_choice, tools) read
+    with the shapes OpenAI gives them: another shape is a 400 naming the field (it was a 500
+    from an AttributeError or a TypeError), and nothing is left running."""
+    r = _post(srv, **fields)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["type"], r.json()["error"]["param"]) == ("BadRequestError", param), r.text
+    srv.check_drained()
+
+
+def test_a_tool_whose_allowed_callers_is_null_is_called_directly(srv):
+    """null is the field left out (as the SDKs send unset fields): a function called
+    directly (it was a 500: `"direct" in None`)."""
+    r = _post(srv, tools=[{**TOOL, "allowed_callers": None}])
+    assert r.status_code == 200, r.text

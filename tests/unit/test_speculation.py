@@ -17,7 +17,7 @@ from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.core.speculation import GIVE_UP, Speculator, find_draft
-from hotprefix.core.suffix_table import SuffixTable
+from hotprefix.core.suffix_table import MAX_SCOPES, SuffixTable
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
 from tests.unit.builders import make_request
 
@@ -249,6 +249,21 @@ def test_the_suffix_table_keeps_a_scopes_last_requests_within_its_bounds():
     table.add(None, words(1, 2, 3))  # 16: b (read before a) drops its one request, and with it the scope
     assert table.words(None) == words(1, 2, 3, -1) and table.words("b") == b"" and table.num_tokens == 6
     assert table.words("c") == b""
+
+
+def test_the_suffix_table_holds_a_bounded_number_of_scopes():
+    """Each scope costs memory besides its words (~1 KB: its buffer, its deque, its key):
+    requests of ever new salts (one each) cannot grow the table past MAX_SCOPES scopes."""
+    small = SuffixTable(max_requests=4, max_scopes=3)
+    for i in range(5):
+        small.add(f"s{i}", array("i", [i]).tobytes())
+    assert [small.words(f"s{i}") for i in range(5)] == [b"", b""] + [array("i", [i, -1]).tobytes() for i in (2, 3, 4)]
+    assert small.num_tokens == 6
+    table = SuffixTable(max_requests=4)
+    for i in range(MAX_SCOPES + 1):  # (the least recently used scope goes first)
+        table.add(f"salt-{i}", array("i", [7, 8]).tobytes())
+    assert table.words("salt-0") == b"" and table.words("salt-1") == array("i", [7, 8, -1]).tobytes()
+    assert table.num_tokens == 3 * MAX_SCOPES
 
 
 def finished(spec: Speculator, rid: str, tokens: list[int], salt: str | None) -> None:
