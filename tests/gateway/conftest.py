@@ -106,7 +106,9 @@ def start_gateway(backends: list[str], store: Store, **kw) -> Live:
     return Live(url, server, thread, app)
 
 
-def wait_until(cond, timeout: float = 20.0, what: str = "condition") -> None:
+def wait_until(cond, timeout: float = 90.0, what: str = "condition") -> None:
+    """Poll `cond` until true; the timeout only ends a test that would hang (a loaded 2-core
+    machine has been seen to take over 20 s for a state the test then reaches)."""
     end = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"

@@ -103,12 +103,15 @@ def test_two_huge_schemas_are_stopped_and_another_tenant_is_served(world):
         attacks = [pool.submit(post, world.gw.url, world.keys["acme"], "/v1/chat/completions", attack)
                    for _ in range(2)]
         time.sleep(0.5)  # both are in: one compiling, one waiting for the attacker's share
-        t0 = time.monotonic()
         victim = post(world.gw.url, world.keys["beta"], "/v1/chat/completions", HI)
-        waited = time.monotonic() - t0
+        # the victim did not wait for the attack: the attacks' two compiles (1 CPU-second each, one
+        # after the other in the attacker's one worker) were not both over when it was answered.
+        # An ordering, not a time: it holds on a loaded machine (before: both workers held, the
+        # victim answered after both attacks, with a 400)
+        attack_over = all(a.done() for a in attacks)
         answers = [a.result() for a in attacks]
     assert victim.status_code == 200, victim.text
-    assert waited < 10, waited  # stated: 10 s (typically well under 1 s; the old failure took 20 s)
+    assert not attack_over
     for r in answers:
         assert r.status_code == 400, r.text
         assert "--max-grammar-compile-seconds" in r.json()["error"]["message"]
@@ -120,10 +123,10 @@ def test_two_huge_schemas_are_stopped_and_another_tenant_is_served(world):
 def test_nested_regex_repetition_is_refused_before_compiling(world):
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(a{1000}){1000}"}}}}}
-    t0 = time.monotonic()
     r = post(world.gw.url, world.keys["acme"], "/v1/chat/completions", {**HI, "response_format": schema})
+    # refused by the static check (before: compiled until the CPU budget ran out, 13 s)
     assert r.status_code == 400 and "--max-grammar-repeat" in r.json()["error"]["message"], r.text
-    assert time.monotonic() - t0 < 5  # (before: held 13 s)
+    assert "--max-grammar-compile-seconds" not in r.json()["error"]["message"]
 
 
 # -- 2. nothing a tenant supplies renders inside its forced turn -----------------------------------------
