@@ -68,3 +68,11 @@ wait_up() {
 
 # stop_server PID: end its process group and wait for it.
 stop_server() { kill -- -"$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+# tokenizer_dir: a Hugging Face tokenizer folder of the default model (hotprefix converts the
+# GGUF's tokenizer once and keeps it under $HOTPREFIX_CACHE), for clients that count tokens.
+tokenizer_dir() {
+  if [ "$PEERS_PLAN" = 1 ] && [ ! -x "$HOTPREFIX_PY" ]; then echo '<tokenizer folder>'; return; fi
+  "$HOTPREFIX_PY" -c 'from hotprefix.model.loader import default_model_path, gguf_tokenizer, _tokenizer_cache_dir
+p = default_model_path(); gguf_tokenizer(p); print(_tokenizer_cache_dir(p))'
+}

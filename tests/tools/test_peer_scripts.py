@@ -7,6 +7,7 @@ the exact commands a run would take."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -48,12 +49,12 @@ def test_scripts_shellcheck_clean() -> None:
     assert (res.returncode, res.stdout) == (0, "")
 
 
-@pytest.mark.parametrize("name", ["llamaserver.sh", "vllm-cpu.sh"])
+@pytest.mark.parametrize("name", ["llamaserver.sh", "vllm-cpu.sh", "aiperf.sh"])
 def test_help_and_unknown_command(name: str, tmp_path: Path) -> None:
     ok = run(["bash", f"benchmarks/peers/{name}", "--help"], tmp_path)
     assert ok.returncode == 0
-    assert f"{name} install" in ok.stdout and f"{name} serve [PORT] [ARGS]" in ok.stdout
-    assert f"{name} plan [install|serve ...]" in ok.stdout
+    assert f"{name} install" in ok.stdout and f"{name} installed" in ok.stdout
+    assert f"{name} plan [install|" in ok.stdout
     bad = run(["bash", f"benchmarks/peers/{name}", "frobnicate"], tmp_path)
     assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", ok.stdout)
 
@@ -146,3 +147,30 @@ def test_python_helpers_print_usage(name: str) -> None:
     res = subprocess.run([sys.executable, str(PEERS / name), "--help"], capture_output=True, text=True, timeout=300)
     assert (res.returncode, res.stderr) == (0, "")
     assert res.stdout.startswith("usage: ")
+
+
+def test_aiperf_profile_command(tmp_path: Path) -> None:
+    res = run(["bash", "benchmarks/peers/aiperf.sh", "plan", "profile", "http://127.0.0.1:8080", "gw", "8",
+               "--api-key", "k"], tmp_path, HOTPREFIX_PY="/nonexistent", OUT="out")
+    assert res.stdout == (
+        f"+ {tmp_path}/aiperf/bin/aiperf profile --model smollm2 --url http://127.0.0.1:8080 --endpoint-type chat "
+        "--streaming --tokenizer \\<tokenizer\\ folder\\> --shared-system-prompt-length 1000 "
+        "--prompt-input-tokens-mean 30 --prompt-input-tokens-stddev 0 --prompt-output-tokens-mean 32 "
+        "--prompt-output-tokens-stddev 0 --extra-inputs ignore_eos:true --extra-inputs temperature:0 "
+        "--concurrency 8 --request-count 32 --warmup-request-count 2 --random-seed 0 --ui-type none "
+        "--output-artifact-dir out/gw-c8 --api-key k\n")
+    short = run(["bash", "benchmarks/peers/aiperf.sh", "profile", "http://127.0.0.1:8080"], tmp_path)
+    assert short.returncode == 2 and short.stdout == ""
+
+
+def test_lm_eval_task_has_the_requests_asked_for(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/lm_eval/make_task.py"), "1000", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    docs = [json.loads(line) for line in (tmp_path / "mc.jsonl").read_text().splitlines()]
+    assert len(docs) == 250 and all(len(d["choices"]) == 4 for d in docs)  # 1,000 loglikelihood requests
+    assert all(d["question"].endswith("Answer:") and 0 <= d["answer"] < 4 for d in docs)
+    assert "test: mc.jsonl" in (tmp_path / "hotprefix_mc.yaml").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/lm_eval/make_task.py"), "10", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "multiple of 4" in bad.stderr
