@@ -42,14 +42,4 @@ profile() {
     --output-artifact-dir "${OUT:-docs/bench/aiperf}/$label-c$conc" "$@"
 }
 
-main() {
-  case "${1:-}" in
-    install) install ;;
-    profile) shift; profile "$@" ;;
-    installed) installed ;;
-    plan) shift; PEERS_PLAN=1 main "${@:-install}" ;;
-    -h|--help|help) usage 0 ;;
-    *) usage 2 ;;
-  esac
-}
-main "$@"
+dispatch "$@"

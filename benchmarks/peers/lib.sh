@@ -37,6 +37,21 @@ default_gguf() {
   return 1
 }
 
+# dispatch "$@": a peer script's command line. install, installed and the script's own
+# commands (serve, profile, bin: whichever it defines) run with the rest of the arguments;
+# plan CMD... runs CMD in plan mode (install when none is given); --help prints the usage.
+dispatch() {
+  local cmd=${1:-}
+  case "$cmd" in
+    plan) shift; PEERS_PLAN=1 dispatch "${@:-install}" ;;
+    -h|--help|help) usage 0 ;;
+    install|installed|serve|profile|bin)
+      declare -F "$cmd" >/dev/null || usage 2
+      shift; "$cmd" "$@" ;;
+    *) usage 2 ;;
+  esac
+}
+
 # usage [STATUS]: print the script's header comment (its usage) and exit with STATUS (0).
 usage() {
   if [ "${1:-0}" = 0 ]; then _usage_text; else _usage_text >&2; fi

@@ -26,6 +26,7 @@ BIN=$SRC/build/bin
 TARGETS=(llama-server llama-quantize)
 
 installed() { [ -x "$BIN/llama-server" ]; }
+bin() { echo "$BIN/llama-server"; }
 
 install() {
   local missing=() t
@@ -57,15 +58,4 @@ serve() {
     -t "$(nproc)" --host 127.0.0.1 --port "$port" ${extra[@]+"${extra[@]}"} "$@"
 }
 
-main() {
-  case "${1:-}" in
-    install) install ;;
-    serve) shift; serve "$@" ;;
-    installed) installed ;;
-    bin) echo "$BIN/llama-server" ;;
-    plan) shift; PEERS_PLAN=1 main "${@:-install}" ;;
-    -h|--help|help) usage 0 ;;
-    *) usage 2 ;;
-  esac
-}
-main "$@"
+dispatch "$@"

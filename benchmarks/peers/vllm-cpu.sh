@@ -68,14 +68,4 @@ serve() {
     --max-model-len 4096 --host 127.0.0.1 --port "$port" "$@"
 }
 
-main() {
-  case "${1:-}" in
-    install) install ;;
-    serve) shift; serve "$@" ;;
-    installed) installed ;;
-    plan) shift; PEERS_PLAN=1 main "${@:-install}" ;;
-    -h|--help|help) usage 0 ;;
-    *) usage 2 ;;
-  esac
-}
-main "$@"
+dispatch "$@"
