@@ -174,3 +174,17 @@ def test_lm_eval_task_has_the_requests_asked_for(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/lm_eval/make_task.py"), "10", str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "multiple of 4" in bad.stderr
+
+
+def test_aiperf_table_reads_aiperf_summaries(tmp_path: Path) -> None:
+    run_dir = tmp_path / "hotprefix-c8"
+    run_dir.mkdir()
+    summary = {"time_to_first_token": {"p50": 1661.9, "p90": 3919.2}, "inter_token_latency": {"avg": 234.31},
+               "request_latency": {"p50": 9623.4}, "output_token_throughput": {"avg": 26.54},
+               "request_throughput": {"avg": 0.829}, "overall_usage_prompt_cache_read_pct": {"avg": 98.12},
+               "request_count": {"avg": 16.0}}
+    (run_dir / "profile_export_aiperf.json").write_text(json.dumps(summary))
+    res = subprocess.run([sys.executable, str(PEERS / "aiperf_table.py"), str(run_dir)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[2] == (
+        "| hotprefix-c8 | 16 (0) | 1,662 ms | 3,919 ms | 234.3 ms | 9,623 ms | 26.5 | 0.83 | 98.1 % |")
