@@ -14,8 +14,8 @@
 # copy of build 11434), built with cmake for this CPU (GGML_NATIVE): about 8 minutes on 2 cores,
 # once; install skips what is already built. serve adds --no-repack when the CPU lists AMX
 # (amx_tile in /proc/cpuinfo): on these VMs the repacked AMX path dies of an illegal
-# instruction. LLAMASERVER_REPACK=1 leaves the flag out. PEERS_HOME defaults to
-# ~/.cache/hotprefix-peers.
+# instruction. LLAMASERVER_REPACK=1 leaves the flag out. Threads: LLAMASERVER_THREADS
+# (default: the cores). PEERS_HOME defaults to ~/.cache/hotprefix-peers.
 set -euo pipefail
 # shellcheck source=benchmarks/peers/lib.sh
 . "$(dirname "$0")/lib.sh"
@@ -55,7 +55,7 @@ serve() {
   gguf=$(default_gguf)
   if [ "${LLAMASERVER_REPACK:-0}" != 1 ] && grep -qw amx_tile /proc/cpuinfo; then extra+=(--no-repack); fi
   step exec "$BIN/llama-server" -m "$gguf" --alias smollm2 -c 32768 -np 8 -kvu \
-    -t "$(nproc)" --host 127.0.0.1 --port "$port" ${extra[@]+"${extra[@]}"} "$@"
+    -t "${LLAMASERVER_THREADS:-$(nproc)}" --host 127.0.0.1 --port "$port" ${extra[@]+"${extra[@]}"} "$@"
 }
 
 dispatch "$@"
