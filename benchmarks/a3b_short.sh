@@ -12,13 +12,14 @@ PY=.venv/bin/python
 FILE=$1
 OUT=${OUT:-docs/bench/a3b}
 PORT=${PORT:-8793}
-PEERS=${PEERS:-../shared/peers}
+PEERS=${PEERS:-benchmarks/peers}
 TAG=$(basename "$FILE" .gguf); TAG=${TAG#random-}
 mkdir -p "$OUT"
 $PY benchmarks/run_facts.py "benchmarks/a3b_short.sh $FILE" > "$OUT/meta.json"
 rss_group() { ps -o rss= -g "$1" | awk '{s += $1} END {printf "%.0f\n", s * 1024}'; }
 STARTED=()
-trap 'for p in "${STARTED[@]}"; do kill -- -"$p" 2>/dev/null || true; done' EXIT
+stop_all() { local p; for p in "${STARTED[@]}"; do kill -- -"$p" 2>/dev/null || true; done; }
+trap stop_all EXIT
 run() {  # SERVER COMMAND...
   local server=$1; shift
   [ -z "${ONLY:-}" ] || [ "$ONLY" = "$server" ] || return 0
@@ -41,4 +42,5 @@ run() {  # SERVER COMMAND...
 }
 run hotprefix .venv/bin/hotprefix serve --model "$FILE" --port "$PORT" --kv-cache-memory 2GiB
 # LLAMA_ARGS: more llama-server arguments (--no-repack where its AMX path crashes on the file)
+# shellcheck disable=SC2086  # LLAMA_ARGS: a list of flags
 run llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$FILE" -c 16384 ${LLAMA_ARGS:-}

@@ -9,7 +9,7 @@ one bucket for the rest of the vocabulary, KL(reference || candidate) over those
 K + 1 outcomes (the reference's mass summed into the same buckets). The full-vocabulary
 KL of int8 mode is printed too.
 
-    bash ../shared/peers/llamaserver.sh serve 8791 &   # then:
+    bash benchmarks/peers/llamaserver.sh serve 8791 &   # then:
     .venv/bin/python benchmarks/kl_vs_llamacpp.py http://127.0.0.1:8791 [--model FILE.gguf] [--json out.json]
 
 (--model: the GGUF llama-server serves; default the bundled model. --max-tokens N: the

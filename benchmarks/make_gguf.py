@@ -1,6 +1,6 @@
 """Random-weight GGUF files of the shapes users run, for side-by-side benchmarks on the
 same file: written in F16 with gguf-py, then quantized by llama.cpp's own
-`llama-quantize` (from the peer build, ../shared/peers/llamaserver.sh's tree).
+`llama-quantize` (from the peer build, benchmarks/peers/llamaserver.sh's tree).
 
     .venv/bin/python benchmarks/make_gguf.py 1b --out ~/.cache/hotprefix-bench [--types Q4_0,Q4_K_M]
 

@@ -3,12 +3,12 @@
 # Llama-3.2-1B's and Llama-3.1-8B's shapes in Q4_0 and Q4_K_M, and 24 of Qwen3-30B-A3B's 48
 # layers (a3b: a mixture of 128 experts, 8 a token) in Q4_K_M (benchmarks/make_gguf.py, which
 # quantizes with llama.cpp's own llama-quantize), served by hotprefix and by llama.cpp's
-# llama-server (../shared/peers/llamaserver.sh) one after the other.
+# llama-server (benchmarks/peers/llamaserver.sh) one after the other.
 #
 #   bash benchmarks/real_shapes.sh [TAG ...]    TAG: 1b-Q4_K_M, gemma3-270m-Q4_K_M, a3b-Q4_K_M (default: 1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
 #
-# $LLAMASERVER_ARGS: more llama-server flags (--no-repack where the CPU lists AMX but the VM
-# does not enable it: llama.cpp's AMX repacking then dies of an illegal instruction).
+# $LLAMASERVER_ARGS: more llama-server flags (llamaserver.sh already adds --no-repack where the
+# CPU lists AMX: on these VMs llama.cpp's AMX repacking dies of an illegal instruction).
 # Files are read from $BENCH_MODELS (default ~/.cache/hotprefix-bench) and made there first
 # when missing. For each file and server, into docs/bench/real/TAG-SERVER-*.json: start to
 # /health (hotprefix twice: its first start regroups the weights into its cache, the second
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=${OUT:-docs/bench/real}  # another folder keeps an earlier run's meta.json
 PORT=${PORT:-8790}
-PEERS=${PEERS:-../shared/peers}
+PEERS=${PEERS:-benchmarks/peers}
 BENCH_MODELS=${BENCH_MODELS:-$HOME/.cache/hotprefix-bench}
 LLAMASERVER_ARGS=${LLAMASERVER_ARGS:-}
 mkdir -p "$OUT"
@@ -31,20 +31,9 @@ mkdir -p "$OUT"
 TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(1b-Q4_K_M 1b-Q4_0 8b-Q4_K_M)
 $PY benchmarks/run_facts.py "benchmarks/real_shapes.sh ${TAGS[*]}" > "$OUT/meta.json"
 
-wait_up() {  # PID URL: until the server answers (or dies)
-  until curl -sf "$2" >/dev/null; do kill -0 "$1" 2>/dev/null || return 1; sleep 0.1; done
-}
-stop() { kill -- -"$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
-STARTED=()
-trap 'for p in "${STARTED[@]}"; do stop "$p"; done' EXIT  # no server outlives the script
-# start LOG COMMAND...: a server in its own process group, on a port nothing else answers on
-# (a server left running would otherwise be measured in its place); sets $pid
-start() {
-  local log=$1; shift
-  if curl -s "http://127.0.0.1:$PORT/" >/dev/null 2>&1; then echo "port $PORT is taken: stop what serves it" >&2; exit 1; fi
-  setsid "$@" > "$log" 2>&1 &
-  pid=$!; STARTED+=("$pid")
-}
+# shellcheck source=benchmarks/peers/lib.sh
+. benchmarks/peers/lib.sh  # start_server, wait_up, stop_server; no server outlives the script
+start() { start_server "$PORT" "$@"; }  # start LOG COMMAND...: sets $pid
 
 # run TAG SERVER START_COMMAND...: start, measure, run the workloads, stop
 run() {
@@ -57,7 +46,7 @@ run() {
   echo "{\"server_start_s\": $(echo "$t1 - $t0" | bc)}" > "$OUT/$tag-$server-start.json"
   rss_start $pid "$OUT/$tag-$server-rss"
   for w in "${WORKLOADS[@]}"; do
-    .venv/bin/hotprefix bench "$url" --workload $w --json "$OUT/$tag-$server-$w.json" > /dev/null
+    .venv/bin/hotprefix bench "$url" --workload "$w" --json "$OUT/$tag-$server-$w.json" > /dev/null
   done
   rss_stop $pid "$OUT/$tag-$server-rss"
   # int8 mode's next-token distributions against float32 mode's, beside llama.cpp's own (1B)
@@ -65,7 +54,7 @@ run() {
     $PY benchmarks/kl_vs_llamacpp.py "$url" --model "$file" --json "$OUT/$tag-kl.json" > "$OUT/$tag-kl.log" 2>&1 ||
       echo "kl_vs_llamacpp.py failed on $tag: see $OUT/$tag-kl.log" >&2
   fi
-  stop $pid
+  stop_server $pid
 }
 
 for tag in "${TAGS[@]}"; do
@@ -84,8 +73,9 @@ for tag in "${TAGS[@]}"; do
   start "$OUT/$tag-hotprefix-first.log" .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
   wait_up $pid "http://127.0.0.1:$PORT/health"
   echo "{\"first_start_s\": $(echo "$(date +%s.%N) - $t0" | bc)}" > "$OUT/$tag-hotprefix-first.json"
-  stop $pid
+  stop_server $pid
   run "$tag" hotprefix .venv/bin/hotprefix serve --model "$file" --port "$PORT" "${kv[@]}"
+  # shellcheck disable=SC2086  # LLAMASERVER_ARGS: a list of flags
   run "$tag" llamaserver bash "$PEERS/llamaserver.sh" serve "$PORT" -m "$file" "${ctx[@]}" $LLAMASERVER_ARGS
 done
 $PY benchmarks/real_shapes_table.py "$OUT"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Memory of a server, sourced by run_all.sh and real_shapes.sh: the resident set of its whole
 # process group (vLLM runs its engine in a child process), idle once it answers, and the most
 # seen while the workloads run (sampled every 0.5 s into $2.peak until the group is gone or
@@ -9,7 +10,7 @@ watch_rss() {
     v=$(rss_group "$1"); [ "$v" -gt "$max" ] && { max=$v; echo "$max" > "$2.peak"; }; sleep 0.5
   done
 }
-rss_start() { sleep 2; echo "$(rss_group "$1")" > "$2.idle"; rm -f "$2.stop" "$2.peak"; watch_rss "$1" "$2" & }
+rss_start() { sleep 2; rss_group "$1" > "$2.idle"; rm -f "$2.stop" "$2.peak"; watch_rss "$1" "$2" & }
 rss_stop() {
   touch "$2.stop"; sleep 1
   echo "{\"idle_rss_bytes\": $(cat "$2.idle"), \"peak_rss_bytes\": $(cat "$2.peak" 2>/dev/null || echo null)}" > "$2.json"
