@@ -60,6 +60,7 @@ from hotprefix.gateway.tenant_api import (
     TenantRequestError,
     TenantResponses,
     backend_body,
+    check_forced,
     join_prompt,
     num_sequences,
     parse_tenant_request,
@@ -89,9 +90,19 @@ def prompt_token_bound(body: dict[str, Any]) -> int:
     if "messages" in body:
         text = json.dumps([body["messages"], body.get("tools")], ensure_ascii=False)
         return len(text.encode()) + 16 * len(body["messages"]) + 64
+    if (ids := token_prompts(body)) is not None:
+        return sum(len(t) for t in ids)
     p = body.get("prompt")
     texts = p if isinstance(p, list) else [p or ""]
     return sum(len(str(t).encode()) + 16 for t in texts)
+
+
+def token_prompts(body: dict[str, Any]) -> list[list[int]] | None:
+    """A completions body's token-id prompts, one list a prompt (None: its prompts are text)."""
+    p = body.get("prompt")
+    if not isinstance(p, list) or not p or isinstance(p[0], str):
+        return None
+    return [p] if isinstance(p[0], int) else p
 
 
 def tokenize_bodies(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -205,6 +216,8 @@ class Proxy:
             view = {k: v for k, v in body.items() if k != LIMIT_FIELDS[endpoint]}  # (its limit is not set yet)
             endpoint, body = "chat", TenantResponses.model_validate(view).chat_view()
         backend = next((b for b in self.router.order(self.route_key(caller)) if b.supports_salt), None)
+        if endpoint == "completions" and token_prompts(body) is not None:  # counted already
+            return prompt_token_bound(body)
         if backend is not None:
             try:
                 return sum([int((await self._tokenize(backend, req))["count"])
@@ -264,7 +277,9 @@ class Proxy:
                 raw = parse_json_object(await request.body())  # whatever its content type says
             except BodyRejected as e:
                 raise TenantRequestError(str(e)) from None
-            return parse_tenant_request(endpoint, raw)
+            req = parse_tenant_request(endpoint, raw)
+            check_forced(req, caller.prompt.text if caller.prompt else None)
+            return req
         except TenantRequestError as e:
             await self.acct.record_refused(caller, row, UsageStatus.INVALID, 400, t0)
             raise GatewayError(400, str(e), "BadRequestError", e.param) from None

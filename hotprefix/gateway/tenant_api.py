@@ -10,7 +10,7 @@ unknown field is refused as unsupported; roles are OpenAI's, matched exactly.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,10 +20,11 @@ from hotprefix.server.responses_request import ResponsesRequest, to_chat
 
 # Fields a backend honours but only the operator may set: they change the prompt's
 # construction (templates, special tokens, the forced prompt), the cache (salts,
-# pins), the queue (priority), or reveal other requests (ids, echo of the prompt).
+# pins), the queue (priority), or reveal other requests (ids). `echo` is a tenant's own
+# (lm-eval's loglikelihood needs it) except where a tenant prompt is in force (check_forced).
 OPERATOR_FIELDS = frozenset({
     "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "add_special_tokens", "split_special_tokens", "echo", "suffix", "priority", "pin_prefix", "request_id",
+    "add_special_tokens", "split_special_tokens", "suffix", "priority", "pin_prefix", "request_id",
     "cache_salt", "cache_salt_offset", "documents", "mm_processor_kwargs", "return_tokens_as_token_ids",
     "truncate_prompt_tokens", "kv_transfer_params", "vllm_xargs", "operator_messages", "operator_instructions",
 })
@@ -122,10 +123,27 @@ class TenantChat(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+CompletionPrompt = (Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
+                    | TokenIds | Annotated[list[TokenIds], Field(min_length=1)])
+
+
 class TenantCompletion(_Sampling):
-    prompt: str | list[str] = Field(min_length=1)
+    prompt: CompletionPrompt
     logprobs: int | None = None
     best_of: int | None = Field(None, ge=1, le=128)
+    echo: bool | None = None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Its prompts, one entry a prompt (a text, or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if isinstance(p[0], int) else p  # type: ignore[list-item]
+
+    def token_ids(self) -> bool:
+        """Whether its prompts are token ids (lm-eval's tokenized requests)."""
+        return not isinstance(self.prompts()[0], str)
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
@@ -189,8 +207,8 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> TenantRequest:
         if err.get("type") == "extra_forbidden":
             raise TenantRequestError(f"unsupported parameter '{loc}'", loc.split(".")[0]) from None
         if err.get("type") == "prompt" or (loc.startswith("prompt") and endpoint == "completions"):
-            raise TenantRequestError("the gateway accepts 'prompt' as a string or a list of strings (token-id "
-                                     "prompts cannot be prefixed with the tenant's system prompt)", "prompt") from None
+            raise TenantRequestError("'prompt' must be a non-empty string, list of strings, list of token ids or "
+                                     "list of such lists", "prompt") from None
         raise TenantRequestError(f"{loc or 'body'}: {err.get('msg')}", loc.split(".")[0] if loc else None) from None
     try:
         if isinstance(req, TenantResponses):
@@ -200,6 +218,21 @@ def parse_tenant_request(endpoint: str, raw: dict[str, Any]) -> TenantRequest:
     except InvalidRequestError as e:
         raise TenantRequestError(str(e), e.param) from None
     return req
+
+
+def check_forced(req: TenantRequest, system: str | None) -> None:
+    """What a tenant with a prompt in force may not send on completions: `echo` (the answer
+    would show the operator's prompt) and token-id prompts (the prompt goes before the
+    client's as text, where special-token text stays text: ids would bypass that). Raises
+    TenantRequestError."""
+    if not system or not isinstance(req, TenantCompletion):
+        return
+    if req.echo:
+        raise TenantRequestError("'echo' is refused for this key: its tenant has a system prompt in force, which "
+                                 "the echo would show", "echo")
+    if req.token_ids():
+        raise TenantRequestError("token-id prompts are refused for this key: its tenant has a system prompt in "
+                                 "force, which goes before the prompt as text", "prompt")
 
 
 def check_sampling(req: _Sampling) -> None:
@@ -246,9 +279,11 @@ def backend_body(endpoint: str, req: TenantRequest, system: str | None, max_toke
             body["operator_messages"] = 1
     else:
         assert isinstance(req, TenantCompletion)
-        texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        texts = [join_prompt(system, t) if system else t for t in texts]
-        body["prompt"] = texts[0] if isinstance(req.prompt, str) else texts
+        if system:  # (check_forced: text prompts only)
+            texts = [join_prompt(system, t) for t in req.prompts()]  # type: ignore[arg-type]
+            body["prompt"] = texts[0] if isinstance(req.prompt, str) else texts
+        else:
+            body["prompt"] = req.prompt
     return body
 
 
@@ -266,5 +301,5 @@ def _forwarded(m: Message) -> dict[str, Any]:
 
 def num_sequences(req: TenantRequest) -> int:
     """Output sequences the request asks for (prompts x n): what max_tokens multiplies."""
-    prompts = len(req.prompt) if isinstance(req, TenantCompletion) and isinstance(req.prompt, list) else 1
+    prompts = len(req.prompts()) if isinstance(req, TenantCompletion) else 1
     return prompts * req.n

@@ -379,3 +379,39 @@ def test_a_backend_refusal_after_admission_charges_nothing(world):
     (row,) = settled(world.store, rec.id)
     assert (row.status, row.http_status, row.prompt_tokens, row.backend) == ("error", 400, None, world.server)
     assert row.reserved_tokens > context and spent(world.gw.url, f"key:{rec.id}") == 0
+
+
+# -- 5. lm-eval's loglikelihood requests: echo and token-id prompts ------------------------------------
+
+def test_echo_and_token_id_prompts_pass_for_a_tenant_without_a_prompt(world):
+    """lm-eval's `local-completions` sends token-id prompts (a list of lists) with `echo`,
+    `logprobs: 1`, `max_tokens: 1`: through the gateway a tenant without a prompt in force
+    gets the server's own answer, logprob for logprob, and is charged the ids it sent."""
+    world.store.create_tenant("gamma")
+    key, rec = world.store.create_key(SECRET, "gamma")
+    ids = tokenize(world, {"prompt": "The capital of France is Paris. The capital of Italy is Rome."})
+    counted = []
+    for prompt in ([ids], ids, "The capital of France is"):
+        body = {"prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+        via = post(world.gw.url, key, "/v1/completions", body)
+        direct = post(world.server, None, "/v1/completions", body)
+        assert via.status_code == 200 and direct.status_code == 200, (via.text, direct.text)
+        got, want = via.json()["choices"][0]["logprobs"], direct.json()["choices"][0]["logprobs"]
+        assert got["tokens"] == want["tokens"] and got["token_logprobs"] == want["token_logprobs"]
+        assert got["token_logprobs"][0] is None  # the first prompt token has no logprob
+        counted.append(direct.json()["usage"]["prompt_tokens"])
+        if not isinstance(prompt, str):
+            assert len(got["tokens"]) == len(ids) + 1  # every prompt token echoed, then the one generated
+    assert counted[:2] == [len(ids), len(ids)]
+    assert sorted(r.prompt_tokens for r in settled(world.store, rec.id)) == sorted(counted)
+
+
+def test_echo_and_token_ids_are_refused_where_a_tenant_prompt_is_in_force(world):
+    """acme's forced prompt goes before the client's as text: an echo would show it, and
+    token ids would skip the special-token guard. Each is a 400 naming the field, charged nothing."""
+    for body, param in (({"prompt": "hi", "echo": True, "max_tokens": 1}, "echo"),
+                        ({"prompt": [[1, 2, 3]], "max_tokens": 1}, "prompt"),
+                        ({"prompt": [1, 2], "max_tokens": 1}, "prompt")):
+        r = post(world.gw.url, world.keys["acme"], "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "system prompt in force" in r.json()["error"]["message"]
