@@ -3,7 +3,9 @@ round runs one process per checkout, alternating, so both see the same machine n
 Per process: the median of 3 cold prefills of a 1,030-token prompt (TTFT: one token),
 single-stream decode tokens/s (64 tokens after a 100-token prompt), and 8 concurrent
 requests on a warm 1,000-token shared prefix (32 tokens each). Prints each round and the
-medians; --json writes them.
+medians; --json writes them. --cpu-time: one thread (OMP_NUM_THREADS=1) and CPU seconds
+(process_time) in place of wall seconds, for a machine loaded by others, where a 2-thread
+step's barriers wait on descheduled threads.
 
     .venv/bin/python benchmarks/ab_checkouts.py BASE NEW --rounds 5 [--mode int8] [--kv auto] [--model FILE.gguf]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,9 +41,12 @@ print(json.dumps({"ttft_s": ttft, "decode_tok_s": dec, "conc8_tok_s": conc}))
 '''
 
 
-def run(checkout: str, python: str, mode: str, kv: str, model: str) -> dict:
-    out = subprocess.run([python, "-c", CHILD, mode, kv, model], cwd=checkout, capture_output=True, text=True,
-                         check=True)
+def run(checkout: str, python: str, mode: str, kv: str, model: str, cpu_time: bool = False) -> dict:
+    child, env = CHILD, None
+    if cpu_time:
+        child, env = CHILD.replace("time.perf_counter()", "time.process_time()"), {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([python, "-c", child, mode, kv, model], cwd=checkout, capture_output=True, text=True,
+                         check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -54,12 +60,13 @@ def main() -> None:
     ap.add_argument("--model", default="", help="a model path (default: the bundled model)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter (its hotprefix is each checkout's own: "
                                                                "the checkout is the working directory)")
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, CPU seconds (a loaded machine)")
     ap.add_argument("--json")
     a = ap.parse_args()
     got: dict[str, list[dict]] = {"base": [], "new": []}
     for r in range(a.rounds):
         for name, path in (("base", a.base), ("new", a.new)) if r % 2 == 0 else (("new", a.new), ("base", a.base)):
-            got[name].append(run(path, a.python, a.mode, a.kv, a.model))
+            got[name].append(run(path, a.python, a.mode, a.kv, a.model, a.cpu_time))
             print(r, name, got[name][-1], flush=True)
     med = {n: {k: statistics.median(x[k] for x in rows) for k in rows[0]} for n, rows in got.items()}
     for k in med["base"]:

@@ -13,6 +13,7 @@ from that state over its own keys: the same arithmetic as attending its whole co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -48,6 +49,18 @@ def slots_of(span: SeqSpan, block_size: int, start: int) -> np.ndarray:
     return np.asarray(span.block_ids, dtype=np.int64)[p // block_size] * block_size + p % block_size
 
 
+def decode_slots(spans: list[SeqSpan], block_size: int, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pool slots of positions [bases[i], ctx_len) of each sequence, laid end to end, and
+    where each sequence's slots start: slots_of for a whole step in a few array operations."""
+    b = len(spans)
+    n = np.fromiter((s.ctx_len for s in spans), np.int64, b) - bases
+    starts = np.cumsum(n) - n
+    lens = np.fromiter((len(s.block_ids) for s in spans), np.int64, b)
+    table = np.fromiter(chain.from_iterable(s.block_ids for s in spans), np.int64, int(lens.sum()))
+    pos = np.arange(int(n.sum())) + np.repeat(bases - starts, n)
+    return table[np.repeat(np.cumsum(lens) - lens, n) + pos // block_size] * block_size + pos % block_size, starts
+
+
 def cascades(batch: StepBatch, min_blocks: int = CASCADE_MIN_BLOCKS) -> list[Cascade]:
     """Groups of two or more decodes that share at least min_blocks leading blocks, all
     before each member's query (prefix caching makes those the same block ids)."""
@@ -60,8 +73,9 @@ def cascades(batch: StepBatch, min_blocks: int = CASCADE_MIN_BLOCKS) -> list[Cas
         spans = [batch.seqs[i] for i in members]
         limit = min(s.start_pos // batch.block_size for s in spans)
         n = 0
-        while len(members) > 1 and n < limit and all(s.block_ids[n] == spans[0].block_ids[n] for s in spans):
-            n += 1
+        if len(members) > 1 and limit > 0:  # the leading blocks all members hold
+            differ = (np.array([s.block_ids[:limit] for s in spans]) != spans[0].block_ids[:limit]).any(0)
+            n = int(np.argmax(differ)) if differ.any() else limit
         shared = n * batch.block_size // TILE * TILE
         if n >= min_blocks and shared > 0:
             out.append(Cascade(tuple(members), shared))
@@ -103,19 +117,39 @@ class _Builder:
                                     np.full_like(row0, flags)], -1).reshape(-1, 6))
         self.n_rows += kvh * span.q_len * g
 
+    def add_decodes(self, spans: list[SeqSpan], block_size: int, bases: np.ndarray, flags: np.ndarray) -> None:
+        """Sequences of one query each over positions [bases[i], their own + 1) (within the
+        window): what add_sequence adds for each, built for all at once."""
+        h, kvh, g = self.shape.heads, self.shape.kv_heads, self.shape.heads // self.shape.kv_heads
+        b = len(spans)
+        slots, starts = decode_slots(spans, block_size, bases)
+        slot0 = self.add_slots(slots)
+        pos = np.fromiter((s.start_pos for s in spans), np.int64, b)
+        lo = bases if not self.shape.window else np.maximum(bases, pos - self.shape.window + 1)
+        qs = np.fromiter((s.q_start for s in spans), np.int64, b)
+        self.rows.append(((qs * h)[:, None] + np.arange(h)[None, :]).reshape(-1))  # kv head j: its g query heads
+        self.lims.append(np.repeat(np.stack([lo, pos + 1], 1), h, axis=0))
+        self.tasks.append(np.stack([self.n_rows + np.arange(b * kvh) * g, np.full(b * kvh, g),
+                                    np.repeat(slot0 + starts, kvh), np.repeat(bases, kvh),
+                                    np.tile(np.arange(kvh), b), np.repeat(flags, kvh)], -1))
+        self.n_rows += b * h
+
     def add_shared(self, c: Cascade, batch: StepBatch) -> None:
         """A cascade's shared prefix, attended once for every member's query heads (state saved)."""
         h, kvh, g = self.shape.heads, self.shape.kv_heads, self.shape.heads // self.shape.kv_heads
         slot0 = self.add_slots(slots_of(batch.seqs[c.members[0]], batch.block_size, 0)[:c.shared])
         starts = np.array([batch.seqs[i].q_start for i in c.members])
-        for j in range(kvh):
-            rows = (starts[:, None] * h + j * g + np.arange(g)[None, :]).reshape(-1)
-            for r0 in range(0, len(rows), SHARED_ROWS_PER_TASK):
-                part = rows[r0:r0 + SHARED_ROWS_PER_TASK]
-                self.tasks.append(np.array([[self.n_rows, len(part), slot0, 0, j, 0]]))
-                self.rows.append(part)
-                self.lims.append(np.tile([0, c.shared], (len(part), 1)))
-                self.n_rows += len(part)
+        rows = (starts[None, :, None] * h + np.arange(kvh)[:, None, None] * g + np.arange(g)).reshape(kvh, -1)
+        per_head = rows.shape[1]  # each KV head's rows, in tasks of up to SHARED_ROWS_PER_TASK
+        r0 = np.arange(0, per_head, SHARED_ROWS_PER_TASK)
+        first = self.n_rows + np.arange(kvh)[:, None] * per_head + r0[None, :]  # [KVH, tasks a head]
+        head = np.broadcast_to(np.arange(kvh)[:, None], first.shape)
+        n = np.broadcast_to(np.minimum(SHARED_ROWS_PER_TASK, per_head - r0), first.shape)
+        zero = np.zeros_like(first)
+        self.tasks.append(np.stack([first, n, zero + slot0, zero, head, zero], -1).reshape(-1, 6))
+        self.rows.append(rows.reshape(-1))
+        self.lims.append(np.tile([0, c.shared], (rows.size, 1)))
+        self.n_rows += rows.size
 
     def plan(self) -> AttPlan:
         def cat(parts: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
@@ -144,9 +178,17 @@ def step_plans(batch: StepBatch, shape: Shape, with_cascades: bool) -> tuple[Att
     groups = cascades(batch) if with_cascades and not shape.window else []
     base = {i: c.shared for c in groups for i in c.members}
     own = _Builder(shape)
+    decodes = []
     for i, span in enumerate(batch.seqs):
         b = base.get(i, 0) or window_start(span, shape.window)
-        own.add_sequence(span, slots_of(span, batch.block_size, b), b, ATT_FINAL | (ATT_INIT if i in base else 0))
+        flags = ATT_FINAL | (ATT_INIT if i in base else 0)
+        if span.q_len == 1:
+            decodes.append((span, b, flags))
+        else:
+            own.add_sequence(span, slots_of(span, batch.block_size, b), b, flags)
+    if decodes:
+        spans, bases, flags = zip(*decodes)
+        own.add_decodes(list(spans), batch.block_size, np.array(bases, dtype=np.int64), np.array(flags, np.int64))
     if not groups:
         return own.plan(), None, []
     shared = _Builder(shape)

@@ -23,6 +23,7 @@
  * ------------------------------------------------------------------------ */
 #include "ops.h"
 #include "hp_api.h"
+#include "att_tile.h"
 
 #if defined(HP_F512)
 #define RB 8  /* query rows a pass over a tile's transposed keys takes at once (their scores in registers) */
@@ -70,8 +71,10 @@ int max_task_rows(const hp_plan *p) {
 }
 
 /* Scores of rows r0 .. r0 + n - 1 (n <= RB) against the tile kt [D, TILE]: s[r] = q_r . k_j
- * for every lane j, one fused multiply-add chain over d (lanes never mix). */
-static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const float *kt, int D, float *s) {
+ * for every lane j, one fused multiply-add chain over d (lanes never mix). Inlined for each
+ * constant n (tile_scores): the rows' accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_scores_n(const float *q, const int64_t *rw, int r0, const int n,
+                                                                const float *kt, int D, float *s) {
 #if defined(VF_W)
     vf acc[RB][HP_TILE / VF_W];
     for (int r = 0; r < n; r++)
@@ -97,6 +100,18 @@ static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const 
 #endif
 }
 
+static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const float *kt, int D, float *s) {
+    switch (n) {
+#define TS(k) case k: tile_scores_n(q, rw, r0, k, kt, D, s); break;
+        TS(1) TS(2) TS(3) TS(4)
+#if RB > 4
+        TS(5) TS(6) TS(7) TS(8)
+#endif
+#undef TS
+        default: tile_scores_n(q, rw, r0, n, kt, D, s);
+    }
+}
+
 /* The tile's weights of one row (lanes [jlo, jhi) are its keys): scales its scores, turns
  * them into exp_nonpos(s - m_new) in place (0 on other lanes), and rescales its state.
  * Every lane is computed alike (fixed trip counts: the loops vectorize); the max is exact
@@ -108,9 +123,8 @@ static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, flo
         sr[j] *= scale;
         t[j] = j >= jlo && j < jhi ? sr[j] : -INFINITY;
     }
-    for (int w = HP_TILE / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
-    const float m_new = t[0] > *m ? t[0] : *m;
+    const float tmax = tree16_max(t);
+    const float m_new = tmax > *m ? tmax : *m;
     const float corr = exp_nonpos(*m - m_new);  /* the first tile: acc and l are 0 */
     #pragma omp simd
     for (int j = 0; j < HP_TILE; j++) {
@@ -118,9 +132,7 @@ static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, flo
         sr[j] = j >= jlo && j < jhi ? e : 0.0f;
         t[j] = sr[j];
     }
-    for (int w = HP_TILE / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
-    *l = *l * corr + t[0];
+    *l = *l * corr + tree16_sum(t);
     *m = m_new;
     #pragma omp simd
     for (int d = 0; d < D; d++) acc[d] *= corr;
@@ -143,19 +155,31 @@ static void tile_value_rows(const void *vh, int kv_type, const float *lut, float
 }
 
 /* acc[d] += p_j v_j[d] for the keys j in [jlo, jhi), one fused multiply-add a value, j in
- * order; up to 4 vectors of acc stay in registers over the keys. */
+ * order; 4 vectors of acc (then 1 for what is left of D) stay in registers over the keys. */
 static void row_values(const float *const *rows, int jlo, int jhi, const float *p, float *acc, int D) {
 #if defined(VF_W)
     if (D % VF_W == 0) {
-        for (int d0 = 0; d0 < D; d0 += 4 * VF_W) {
-            const int nc = (D - d0) / VF_W < 4 ? (D - d0) / VF_W : 4;
-            vf a[4];
-            for (int c = 0; c < nc; c++) a[c] = vf_load(acc + d0 + c * VF_W);
+        int d0 = 0;
+        for (; d0 + 4 * VF_W <= D; d0 += 4 * VF_W) {
+            vf a0 = vf_load(acc + d0), a1 = vf_load(acc + d0 + VF_W), a2 = vf_load(acc + d0 + 2 * VF_W),
+               a3 = vf_load(acc + d0 + 3 * VF_W);
             for (int j = jlo; j < jhi; j++) {
                 const vf pj = vf_set1(p[j]);
-                for (int c = 0; c < nc; c++) a[c] = vf_fma(pj, vf_load(rows[j] + d0 + c * VF_W), a[c]);
+                const float *vj = rows[j] + d0;
+                a0 = vf_fma(pj, vf_load(vj), a0);
+                a1 = vf_fma(pj, vf_load(vj + VF_W), a1);
+                a2 = vf_fma(pj, vf_load(vj + 2 * VF_W), a2);
+                a3 = vf_fma(pj, vf_load(vj + 3 * VF_W), a3);
             }
-            for (int c = 0; c < nc; c++) vf_store(acc + d0 + c * VF_W, a[c]);
+            vf_store(acc + d0, a0);
+            vf_store(acc + d0 + VF_W, a1);
+            vf_store(acc + d0 + 2 * VF_W, a2);
+            vf_store(acc + d0 + 3 * VF_W, a3);
+        }
+        for (; d0 < D; d0 += VF_W) {
+            vf a = vf_load(acc + d0);
+            for (int j = jlo; j < jhi; j++) a = vf_fma(vf_set1(p[j]), vf_load(rows[j] + d0), a);
+            vf_store(acc + d0, a);
         }
         return;
     }
@@ -218,6 +242,17 @@ static void task_end(const hp_att *a, const int64_t *rw, int R, int flags, const
  * (lanes no row takes: 0); fp8 keys through lut (their values times the scale). */
 static void tile_keys(const void *kh, int kv_type, const float *lut, const int64_t *sl, int p0, int64_t lo,
                       int64_t hi, int D, float *kt) {
+#if defined(KT_W)
+    static const float zeros[HP_KT_MAX_D];
+    if (kv_type == KV_F32 && D % KT_W == 0 && D <= HP_KT_MAX_D) {
+        const float *src[HP_TILE];
+        for (int j = 0; j < HP_TILE; j++)
+            src[j] = p0 + j < lo || p0 + j >= hi ? zeros : (const float *)kh + sl[p0 + j] * D;
+        for (int j0 = 0; j0 < HP_TILE; j0 += KT_W)
+            for (int d0 = 0; d0 < D; d0 += KT_W) kt_block(src + j0, d0, kt + j0);
+        return;
+    }
+#endif
     for (int j = 0; j < HP_TILE; j++) {
         const int64_t p = p0 + j;
         if (p < lo || p >= hi) {
