@@ -82,7 +82,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
         llm = LLM(model=str(family_folder), tensor_parallel_size=tp, block_size=4, num_blocks_override=14,
                   max_num_batched_tokens=16, preemption_mode="swap", swap_space="1MiB", device="cpu")
         try:
-            assert llm.engine.runner.kv_cache.layers[0].k.shape[::2] == (2 // tp, llm.engine.arch.head_dim)  # its KV heads
+            assert llm.engine.runner.kv_cache.layers[0].k.shape[::2] == (2 // tp, llm.engine.arch.head_dim)
             results[tp] = run_scenario(llm)
             llm.engine.kv.check_integrity()
             logits[tp] = logits_of(llm)
