@@ -26,6 +26,7 @@ from hotprefix.config import ConfigError
 from hotprefix.errors import PeerLostError
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.families import FAMILIES, Sharding
+from hotprefix.sizing import split_refusal
 
 STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step: a peer that long silent is lost
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # waiting for rank 0's next step: as long as the server idles
@@ -63,17 +64,12 @@ def shard_arch(arch: ModelArch, size: int) -> ModelArch:
     columns. Raises ConfigError, naming the numbers, for a model that does not split."""
     if size == 1:
         return arch
-    flag = f"--tensor-parallel-size {size}"
     if FAMILIES[arch.family].sharding is None:
-        raise ConfigError(f"{flag}: the {arch.family} family runs on one device only (no sharding declared)")
-    h, kvh = arch.num_heads, arch.num_kv_heads
-    if kvh % size or h % size:
-        fits = [n for n in range(1, kvh + 1) if kvh % n == 0 and h % n == 0]
-        raise ConfigError(f"{flag}: the model's {kvh} KV heads and {h} query heads do not split over {size} ranks "
-                          f"(the size must divide both: {', '.join(map(str, fits))})")
-    if arch.intermediate_size % size:
-        raise ConfigError(f"{flag}: the model's MLP size {arch.intermediate_size} does not split over {size} ranks")
-    return replace(arch, num_heads=h // size, num_kv_heads=kvh // size,
+        raise ConfigError(f"--tensor-parallel-size {size}: the {arch.family} family runs on one device only "
+                          "(no sharding declared)")
+    if (why := split_refusal(size, arch.num_heads, arch.num_kv_heads, arch.intermediate_size)) is not None:
+        raise ConfigError(why)
+    return replace(arch, num_heads=arch.num_heads // size, num_kv_heads=arch.num_kv_heads // size,
                    intermediate_size=arch.intermediate_size // size)
 
 
