@@ -157,7 +157,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other ranks, finish the disk tier's queued writes, stop the grammar compiler's processes."""
-        self.runner.close(), self.ranks.close()
+        self.ranks.close(self.runner)
         if self.disk is not None:
             self.disk.close()
         if self.kv_events is not None:

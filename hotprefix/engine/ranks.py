@@ -98,17 +98,22 @@ class Ranks:
                 self.procs.append(p)
         try:
             self.parallel = _join(launch, config.model)
-        except PeerLostError:
+        except PeerLostError as e:
+            gone = [f"rank {r} exited with status {p.exitcode}" for r, p in enumerate(self.procs, 1)
+                    if p.exitcode is not None]
             self.close()
-            raise
+            raise PeerLostError("; ".join([str(e), *gone])) from None
 
     @property
     def pids(self) -> list[int]:
         """The spawned ranks' process ids, rank 1 first."""
         return [p.pid for p in self.procs]
 
-    def close(self) -> None:
-        """Wait for the spawned ranks to leave (after the runner's Stop), kill the ones that do not."""
+    def close(self, runner: ModelRunner | None = None) -> None:
+        """Stop the other ranks (`runner`'s Stop, when it was built), wait for the spawned ones
+        to leave, kill the ones that do not."""
+        if runner is not None:
+            runner.close()
         for p in self.procs:
             p.join(JOIN_SECONDS)
             if p.is_alive():

@@ -70,19 +70,21 @@ def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, k
     else:
         packed = loaded.packed if kernels else {}
         ws = WeightSet(loaded.model_weights(blocks_only=kernels, widen_deferred=not int8), dtype, device,
-                       _mode_blocks(loaded, packed, int8), {EMBED: packed[EMBED]} if EMBED in packed else {},
+                       _mode_blocks(loaded, packed, int8, parallel), {EMBED: packed[EMBED]} if EMBED in packed else {},
                        family=arch.family, f32=kernels, parallel=parallel, plan=plan)
     model = model_class(arch.family)(arch, ws, backend, KernelOps() if int8 else TorchOps())
     return model.eval(), ws.served_bytes
 
 
-def _mode_blocks(loaded: LoadedModel, packed: dict, int8: bool) -> dict:
+def _mode_blocks(loaded: LoadedModel, packed: dict, int8: bool, parallel: Parallel) -> dict:
     """The blocks products read: GGUF rows (float32 mode), or their regrouped forms (int8;
-    the embedding's only when it is the tied head: lookups read the rows as stored)."""
+    the embedding's only when it is the tied head: lookups read the rows as stored; a
+    rank's parts in a cache file of that rank's)."""
     if not int8:
         return packed
     names = [n for n in packed if n != EMBED or loaded.arch.tie_word_embeddings]
-    return regrouped_weights(Path(loaded.source), packed, names, library())
+    part = "" if parallel.size == 1 else f"rank {parallel.rank} of {parallel.size}"
+    return regrouped_weights(Path(loaded.source), packed, names, library(), part)
 
 
 @dataclass(frozen=True)

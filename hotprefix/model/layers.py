@@ -173,29 +173,28 @@ class Embedding(nn.Module):
 
 
 class VocabEmbedding(Embedding):
-    """A rank's rows [rank * R, (rank + 1) * R) of the token table: an id outside them looks
-    up zeros, and the ranks' lookups are summed (each id is one rank's: the sum is exact)."""
+    """A rank's rows [rank * R, (rank + 1) * R) of the token table (float, or GGUF rows): an
+    id outside them looks up zeros, and the ranks' lookups are summed (each id is one
+    rank's: the sum is exact)."""
 
-    def __init__(self, weight: torch.Tensor, parallel: Parallel) -> None:
-        super().__init__(weight, None)
+    def __init__(self, weight: torch.Tensor | None, rows: PackedWeight | None, parallel: Parallel) -> None:
+        super().__init__(weight, rows)
         self.parallel = parallel
-        self.start = parallel.rank * weight.shape[0]
+        self.count = weight.shape[0] if weight is not None else rows.n
+        self.start = parallel.rank * self.count
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.shape[0]
         local = ids - self.start
-        outside = (local < 0) | (local >= rows)
-        x = F.embedding(local.clamp(0, rows - 1), self.weight).masked_fill_(outside[..., None], 0.0)
+        outside = (local < 0) | (local >= self.count)
+        x = super().forward(local.clamp(0, self.count - 1)).masked_fill_(outside[..., None], 0.0)
         return self.parallel.all_reduce(x)
 
 
 def take_embedding(ws: WeightSet, name: str, table: torch.Tensor | None) -> Embedding:
-    """The embedding of `table` (the rank's rows over several ranks: VocabEmbedding), or of
-    its GGUF rows. Raises ModelLoadError when neither is there."""
+    """The embedding of `table` or of its GGUF rows (the rank's rows over several ranks:
+    VocabEmbedding). Raises ModelLoadError when neither is there."""
     if ws.parallel.size > 1:
-        if table is None:
-            raise ModelLoadError("tensor parallelism needs the embedding's float table")
-        return VocabEmbedding(table, ws.parallel)
+        return VocabEmbedding(table, ws.rows.get(name), ws.parallel)
     return Embedding(table, ws.rows.get(name))
 
 

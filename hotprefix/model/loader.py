@@ -21,7 +21,13 @@ from hotprefix.config import cache_root
 from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
 from hotprefix.model.default_model import default_model_path
 from hotprefix.model.gguf_file import GGUFFile
-from hotprefix.model.gguf_loader import DeferredRows, dequantize_rows, load_gguf_weights, read_gguf_arch
+from hotprefix.model.gguf_loader import (
+    DeferredRows,
+    dequantize_rows,
+    load_gguf_weights,
+    read_gguf_arch,
+    shard_gguf_weights,
+)
 from hotprefix.model.parallel import ALONE, Place, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -108,10 +114,9 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
             raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")
         t0 = time.monotonic()
         arch, reader = read_gguf_arch(path)
-        if ShardPlan.of(arch, place) is not None:
-            raise ModelLoadError(f"{path.name}: GGUF files are not split over tensor-parallel ranks yet "
-                                 "(a HF safetensors folder is)")
+        plan = ShardPlan.of(arch, place)
         w = load_gguf_weights(path, arch, reader, keep_blocks=True)
+        w = w if plan is None else shard_gguf_weights(w, plan, path)
         t1 = time.monotonic()
         log.info("mapped %s (%.2f GB): %d tensors, %d as blocks, in %.2fs", path.name, path.stat().st_size / 1e9,
                  len(reader.tensors), len(w.packed) + len(w.deferred), t1 - t0)

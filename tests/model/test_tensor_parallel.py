@@ -140,3 +140,42 @@ def test_a_model_whose_heads_do_not_split_is_refused_with_its_numbers(tmp_path):
                                           r"do not split over 2 ranks \(the size must divide both: 1, 3\)$"):
         shard_arch(arch, 2)
     assert shard_arch(arch, 3).num_kv_heads == 1
+
+
+def test_a_gguf_file_over_two_ranks_in_int8_mode_gives_one_ranks_tokens(tmp_path):
+    """Q8_0 blocks split on whole rows (q/k/v, gate/up, the vocabulary) and on block
+    boundaries (o and down over K), served by the C kernels as they are (int8 mode: each
+    rank's regrouped parts; decode steps layer by layer, the fused step refused)."""
+    from transformers import AutoTokenizer
+
+    from tests.gguf_util import write_gguf
+
+    model = build_tiny_model(tmp_path / "src", "llama")
+    path = write_gguf(tmp_path / "tiny-Q8_0.gguf", model, AutoTokenizer.from_pretrained(str(tmp_path / "src")), "Q8_0")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(path), tensor_parallel_size=tp, quantized_matmul="int8", block_size=4,
+                  num_blocks_override=64, max_num_batched_tokens=8, device="cpu")
+        try:
+            got[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts(2)[:3], params)]
+            assert llm.engine.runner.quantized_matmul.value == "int8"
+        finally:
+            llm.close()
+    assert got[2] == got[1]
+
+
+def test_gguf_blocks_split_on_rows_and_on_block_boundaries_only():
+    from hotprefix.model.gguf_loader import dequantize_rows
+    from hotprefix.model.kernels.weights import PackedWeight
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (4, 2 * 34), dtype=torch.uint8, generator=g)
+    raw.view(4, 2, 34)[:, :, :2] = torch.tensor([0, 0x20], dtype=torch.uint8)  # f16 scales of 2^-7: finite
+    w = PackedWeight.from_gguf("Q8_0", raw, 4, 64)  # 4 rows of two 32-value blocks
+    whole = dequantize_rows(w)
+    torch.testing.assert_close(dequantize_rows(w.part(1, 32, 64)), whole[:, 32:], rtol=0, atol=0)
+    rows = w.part(0, 2, 4, rows=3)  # the last rank's vocabulary rows, padded with a zero block row
+    torch.testing.assert_close(dequantize_rows(rows), torch.cat([whole[2:], torch.zeros(1, 64)]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Q8_0 blocks of 32 values do not split columns 16..48"):
+        w.part(1, 16, 48)
