@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks; docs/parallel.md): `-tp 2` in float32 mode
-gives `-tp 1`'s greedy tokens and its logits within LOGIT_TOL (the row-parallel all-reduces
+(tiny Llama, Qwen3 and Gemma 3) gives `-tp 1`'s greedy tokens and its logits within LOGIT_TOL (the row-parallel all-reduces
 sum partial products in another order, so the bits may differ), through chunked prefill,
 preemption with swaps, a prefix hit and an abort, with the scheduler's and pool's integrity
 checked after every step on rank 0; each rank holds half the weights; a model that does not
@@ -69,7 +69,7 @@ def logits_of(llm: LLM) -> torch.Tensor:
     return llm.engine.runner.all_logits(sched)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
 def family_folder(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"tp-{request.param}")
     build_tiny_model(d, request.param)
