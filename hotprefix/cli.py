@@ -109,8 +109,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return 0
     llm = LLM(config=config)
     prompts = a.prompt or [sys.stdin.read()]
-    outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if opts.chat
-            else llm.generate(prompts, params))
+    try:
+        outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if opts.chat
+                else llm.generate(prompts, params))
+    finally:
+        llm.close()  # (the other tensor-parallel ranks stop)
     for o in outs:
         for c in o.outputs:
             if opts.json:

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks; docs/parallel.md): `-tp 2` in float32 mode
-(tiny Llama, Qwen3 and Gemma 3) gives `-tp 1`'s greedy tokens and its logits within LOGIT_TOL (the row-parallel all-reduces
-sum partial products in another order, so the bits may differ), through chunked prefill,
+(tiny Llama, Qwen3 and Gemma 3) gives `-tp 1`'s greedy tokens and its logits within
+LOGIT_TOL (the row-parallel all-reduces sum partial products in another order, so the
+bits may differ), through chunked prefill,
 preemption with swaps, a prefix hit and an abort, with the scheduler's and pool's integrity
 checked after every step on rank 0; each rank holds half the weights; a model that does not
 split is refused with its numbers."""

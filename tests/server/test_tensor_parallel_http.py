@@ -5,6 +5,8 @@ SmolLM2-135M: 9 query heads, 3 KV heads) is refused in one line before anything 
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -66,3 +68,43 @@ def test_a_model_whose_heads_do_not_split_is_refused_in_one_line():
     assert done.stderr.strip().splitlines()[-1] == (
         "hotprefix: error: --tensor-parallel-size 2: the model's 3 KV heads and 9 query heads do not split over 2 "
         "ranks (the size must divide both: 1, 3)")
+
+
+def test_torchrun_ranks_generate_one_ranks_tokens(long_context_llama):
+    """Two `hotprefix generate -tp 2` processes with torchrun's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT): rank 0 prints -tp 1's tokens; rank 1 follows it and exits 0."""
+    from tests.server.conftest import free_port
+
+    args = [sys.executable, "-m", "hotprefix", "generate", "--model", str(long_context_llama), "--max-tokens", "8",
+            "--temperature", "0", "--ignore-eos", "--json", PROMPT]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    follower = subprocess.Popen([*args, "-tp", "2"], env={**env, "RANK": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        lead = subprocess.run([*args, "-tp", "2"], env={**env, "RANK": "0"}, capture_output=True, text=True,
+                              timeout=300)
+        assert follower.wait(timeout=120) == 0, follower.stdout.read()
+    finally:
+        follower.kill()
+    alone = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert lead.returncode == 0 and alone.returncode == 0, lead.stderr
+    assert json.loads(lead.stdout)["token_ids"] == json.loads(alone.stdout)["token_ids"]
+
+
+def test_a_start_that_cannot_reach_its_peers_says_so_in_one_line():
+    """Rank 0 of 2 whose peer never comes (a 2 s limit here; 120 s in serve)."""
+    from tests.server.conftest import free_port
+
+    code = ("import datetime, torch\n"
+            "from hotprefix.errors import PeerLostError\n"
+            "from hotprefix.model.parallel import Parallel, Place\n"
+            "try:\n"
+            f"    Parallel.join(Place(0, 2), '127.0.0.1', {free_port()}, torch.device('cpu'),"
+            " datetime.timedelta(seconds=2))\n"
+            "except PeerLostError as e:\n"
+            "    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("tensor parallel: rank 0 of 2 could not reach its peers at 127.0.0.1:") and \
+        line.endswith("within 2s (DistStoreError)")
