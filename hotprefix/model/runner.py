@@ -111,6 +111,9 @@ class ModelRunner:
                 out.append(FusedDecode(self.model, self.kv_cache, self.backend))
             else:
                 log.info("decode steps run layer by layer: %s", why)
+        if self.parallel.size > 1:  # (capturing NCCL's collectives in a graph is not tested)
+            log.info("decode steps run eagerly: no CUDA graphs over tensor-parallel ranks")
+            return out
         graphs = decode_graphs(self.backend_kind, self.model, self.kv_cache, model_cfg, sched_cfg, self.max_model_len)
         return out + ([graphs] if graphs is not None else [])
 

@@ -119,7 +119,7 @@ def test_each_rank_holds_half_the_weights(tiny_llama):
     def built(place: Place) -> torch.nn.Module:
         loaded = load_model(str(folder), place=place)
         arch = shard_arch(loaded.arch, place.size)
-        backend = create_backend(AttentionBackend.TORCH, BackendSpec(
+        backend = create_backend(AttentionBackend.CPU, BackendSpec(
             arch.num_layers, torch.device("cpu"), torch.float32, arch.num_heads, arch.num_kv_heads, arch.head_dim,
             arch.layer_windows, 4, torch.float32))
         model, _ = build_model(loaded, torch.device("cpu"), torch.float32, True, False, backend,
