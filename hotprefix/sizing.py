@@ -121,6 +121,11 @@ def activation_bytes_estimate(max_num_batched_tokens: int, hidden_size: int, int
     return max_num_batched_tokens * per_token + logits
 
 
+def vocab_rows(vocab: int, tp: int) -> int:
+    """The vocabulary rows each of tp ranks keeps (the last rank's padded with zeros)."""
+    return -(-vocab // tp)
+
+
 def split_refusal(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
     """Why a model of these heads and MLP size does not split over `tp` tensor-parallel
     ranks (each rank its heads, GQA groups whole, and its MLP columns), or None."""
@@ -170,7 +175,7 @@ class ModelShape:
         if why is not None:
             raise ValueError(why)
         return replace(self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp,
-                       intermediate_size=self.intermediate_size // tp, vocab_size=-(-self.vocab_size // tp))
+                       intermediate_size=self.intermediate_size // tp, vocab_size=vocab_rows(self.vocab_size, tp))
 
     @property
     def kv_groups(self) -> KVGroupLayout:

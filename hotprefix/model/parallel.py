@@ -26,7 +26,9 @@ from hotprefix.config import ConfigError
 from hotprefix.errors import PeerLostError
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.families import FAMILIES, Sharding
-from hotprefix.sizing import split_refusal
+from hotprefix.sizing import split_refusal, vocab_rows
+
+__all__ = ["ALONE", "SINGLE", "Parallel", "Place", "ShardKind", "ShardPlan", "shard_arch", "vocab_rows"]
 
 STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step: a peer that long silent is lost
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # waiting for rank 0's next step: as long as the server idles
@@ -52,11 +54,6 @@ class ShardKind(Enum):
     COLUMN = "column"  # a rank's output rows (dim 0)
     ROW = "row"  # a rank's input columns (dim 1); outputs summed over ranks
     VOCAB = "vocab"  # a rank's vocabulary rows (dim 0), padded to ceil(V / size)
-
-
-def vocab_rows(vocab: int, size: int) -> int:
-    """The vocabulary rows each rank keeps (the last rank's padded with zeros)."""
-    return -(-vocab // size)
 
 
 def shard_arch(arch: ModelArch, size: int) -> ModelArch:
