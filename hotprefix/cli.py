@@ -66,6 +66,20 @@ def server_config_from_args(a: argparse.Namespace) -> ServerConfig:
     return build(ServerConfig, {**given(a, ServerConfig), "log_level": "debug" if a.verbose else "info"})
 
 
+def other_rank(config: EngineConfig) -> bool:
+    """Under torchrun, a rank other than 0 (RANK): it follows rank 0 (engine/ranks.rank_main)
+    until rank 0 stops, and says so. Raises PeerLostError when rank 0 is gone or never comes."""
+    if config.model.tensor_parallel_size == 1:
+        return False
+    from hotprefix.engine.ranks import launch_of, rank_main
+
+    launch = launch_of(config.model.tensor_parallel_size)
+    if launch.place.rank == 0:
+        return False
+    rank_main(config, launch)
+    return True
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import time
 
@@ -73,6 +87,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for line in check_foreign(a):  # (raises ConfigError for a value that would change results)
         log.info(line)
     engine_config, server_config = engine_config_from_args(a), server_config_from_args(a)
+    if other_rank(engine_config):
+        return 0
     t0 = time.monotonic()
     log.info("starting: importing torch and the server")
     from hotprefix.server.launcher import runs_on_cpu, serve
@@ -80,8 +96,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     log.info("imported in %.1fs", time.monotonic() - t0)
     for line in inert_lines(a, engine_config, runs_on_cpu(engine_config)):
         log.info(line)
-    serve(engine_config, server_config)
-    return 0
+    return serve(engine_config, server_config)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -89,10 +104,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     opts = build(GenerateOptions, given(a, GenerateOptions))
     params = opts.sampling_params()
-    llm = LLM(config=engine_config_from_args(a))
+    config = engine_config_from_args(a)
+    if other_rank(config):
+        return 0
+    llm = LLM(config=config)
     prompts = a.prompt or [sys.stdin.read()]
-    outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if opts.chat
-            else llm.generate(prompts, params))
+    try:
+        outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if opts.chat
+                else llm.generate(prompts, params))
+    finally:
+        llm.close()  # (the other tensor-parallel ranks stop)
     for o in outs:
         for c in o.outputs:
             if opts.json:
@@ -168,12 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here
     logging.getLogger("alembic").setLevel(logging.WARNING)  # a dozen lines per migration check
-    from hotprefix.errors import InvalidRequestError
+    from hotprefix.errors import InvalidRequestError, PeerLostError
     from hotprefix.model.arch import ModelLoadError
 
     try:
         return args.func(args)
-    except (ModelLoadError, ConfigError, InvalidRequestError) as e:
+    except (ModelLoadError, ConfigError, InvalidRequestError, PeerLostError) as e:
         print(f"hotprefix: error: {e}", file=sys.stderr)
         return 2
 

@@ -172,8 +172,10 @@ class ModelConfig:
         "[1, 2, 4]", group=G.MODEL, nargs="+", metavar="N", unit=Unit(_graph_sizes),
         shown="1, 2, 4 and every multiple of 8 up to --max-num-seqs",
         names=("--cuda-graph-sizes", "--cudagraph-capture-sizes"), rule=Inert(NO_GRAPHS, on_cpu))
-    tensor_parallel_size: int = flag(1, "must be 1: one engine per device (run several behind `hotprefix gateway`)",
-                                     group=G.MODEL, names=("-tp", "--tensor-parallel-size"))
+    tensor_parallel_size: int = flag(
+        1, "ranks the model is split over (tensor parallelism: one process per rank, spawned here, or started by "
+        "torchrun; gloo on the CPU, NCCL on CUDA; the model's KV heads must divide by it: docs/parallel.md)",
+        group=G.MODEL, names=("-tp", "--tensor-parallel-size"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantized_matmul",
@@ -190,9 +192,8 @@ class ModelConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: hotprefix runs one engine per "
-                              "device; run one server per device behind `hotprefix gateway` instead")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
 
     def context_length(self, model_context: int) -> int:
         """The longest prompt + output served: --max-model-len, else the model's own context."""
@@ -386,3 +387,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.tensor_parallel_size > 1 and self.cache.kv_disk_dir:  # (each rank would write its part)
+            raise ConfigError("--kv-disk-dir is not served with --tensor-parallel-size > 1 yet")

@@ -8,6 +8,11 @@ class ModelLoadError(Exception):
     """The model cannot be loaded; the message is one line naming what was wrong."""
 
 
+class PeerLostError(RuntimeError):
+    """A tensor-parallel peer rank is gone (it died, hung past the step timeout, or never
+    came): the engine cannot step again. The message is one line."""
+
+
 class PinError(ValueError):
     """A pin cannot be taken: the prefix is not cached, or the pin limit would be exceeded."""
 

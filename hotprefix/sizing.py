@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Bytes per element of each KV dtype name ("auto" is resolved by the caller).
 DTYPE_BYTES = {
@@ -121,6 +121,24 @@ def activation_bytes_estimate(max_num_batched_tokens: int, hidden_size: int, int
     return max_num_batched_tokens * per_token + logits
 
 
+def vocab_rows(vocab: int, tp: int) -> int:
+    """The vocabulary rows each of tp ranks keeps (the last rank's padded with zeros)."""
+    return -(-vocab // tp)
+
+
+def split_refusal(tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> str | None:
+    """Why a model of these heads and MLP size does not split over `tp` tensor-parallel
+    ranks (each rank its heads, GQA groups whole, and its MLP columns), or None."""
+    flag = f"--tensor-parallel-size {tp}"
+    if num_kv_heads % tp or num_heads % tp:
+        fits = [n for n in range(1, num_kv_heads + 1) if num_kv_heads % n == 0 and num_heads % n == 0]
+        return (f"{flag}: the model's {num_kv_heads} KV heads and {num_heads} query heads do not split over {tp} "
+                f"ranks (the size must divide both: {', '.join(map(str, fits))})")
+    if intermediate_size % tp:
+        return f"{flag}: the model's MLP size {intermediate_size} does not split over {tp} ranks"
+    return None
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder's shape: enough for KV size and a weight-size estimate."""
@@ -144,6 +162,20 @@ class ModelShape:
     @property
     def kv(self) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def per_device(self, tp: int) -> ModelShape:
+        """What one of `tp` tensor-parallel ranks holds: its query and KV heads, its MLP
+        columns, its rows of the vocabulary (the norms whole). Raises ValueError (split_refusal's
+        line) for a shape that does not split, or a mixture of experts (not split)."""
+        if tp == 1:
+            return self
+        why = split_refusal(tp, self.num_heads, self.num_kv_heads, self.intermediate_size)
+        if why is None and self.num_experts:
+            why = f"--tensor-parallel-size {tp}: a mixture of experts runs on one device only"
+        if why is not None:
+            raise ValueError(why)
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp,
+                       intermediate_size=self.intermediate_size // tp, vocab_size=vocab_rows(self.vocab_size, tp))
 
     @property
     def kv_groups(self) -> KVGroupLayout:

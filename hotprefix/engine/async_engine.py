@@ -109,6 +109,11 @@ class AsyncEngine:
         """Started and not dead: requests are accepted (queued during the warm-up)."""
         return self._core.is_alive
 
+    def wait_dead(self, timeout: float | None = None) -> bool:
+        """Block until the engine thread dies (a lost tensor-parallel rank, a broken loop)
+        or `timeout` passes; whether it died. Any thread."""
+        return self._core.died.wait(timeout)
+
     @property
     def is_running(self) -> bool:
         """Alive and warmed up (what /health reports)."""

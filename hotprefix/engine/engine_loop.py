@@ -21,6 +21,7 @@ from hotprefix.engine.counters import EngineCounters, LiveStats
 from hotprefix.engine.outputs import RequestOutput
 from hotprefix.engine.prepare import PreparedRequest
 from hotprefix.engine.streams import StreamTable
+from hotprefix.errors import PeerLostError
 
 if TYPE_CHECKING:
     from hotprefix.engine.llm_engine import LLMEngine
@@ -70,6 +71,7 @@ class EngineLoop:
         self.counters = EngineCounters(spec_accepted_per_pos=[0] * spec.num_speculative_tokens if spec else None)
         self.live = LiveStats()  # replaced (never mutated) by the engine thread
         self.dead: BaseException | None = None
+        self.died = threading.Event()  # set with `dead` (the server exits: launcher.serve)
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = thread
         self._go = go or threading.Event()
@@ -199,6 +201,8 @@ class EngineLoop:
         what is in flight; the loop keeps serving."""
         try:
             outs = self.engine.step(self._publish)
+        except PeerLostError:
+            raise  # (_run: the engine is dead)
         except Exception as e:
             log.exception("engine step failed; failing the requests in flight")
             self.counters.step_errors += 1
@@ -219,8 +223,9 @@ class EngineLoop:
                     self._step()
                 else:
                     self.engine.publish_kv_events()  # (what the disk tier wrote while idle)
-        except BaseException as e:  # pragma: no cover - the loop itself broke
+        except BaseException as e:  # a lost tensor-parallel rank, or the loop itself broke
             self.dead = e
+            self.died.set()
             log.exception("the engine thread died")
             if self._loop is not None and self._streams is not None:
                 self._loop.call_soon_threadsafe(self._streams.fail_all, EngineDeadError(str(e)))

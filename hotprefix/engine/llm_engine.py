@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from hotprefix.config import DiskWritePolicy, EngineConfig, LoadFormat
+from hotprefix.config import DiskWritePolicy, EngineConfig
 from hotprefix.core.cache_events import Medium, Removed, Stored
 from hotprefix.core.hashing import UNSALTED, CacheScope
 from hotprefix.core.kv_cache_manager import KVCacheManager
@@ -26,12 +26,12 @@ from hotprefix.engine.kv_disk import DiskStore, model_identity, weights_fingerpr
 from hotprefix.engine.kv_events import KVEventStream
 from hotprefix.engine.outputs import RequestOutput  # (their home; imported from here too)
 from hotprefix.engine.prepare import Child, PreparedRequest, RequestPreparer, check_token_ids
+from hotprefix.engine.ranks import launch_of, load_rank, start_runner
 from hotprefix.engine.requests import DEFAULT_OPTIONS, RequestOptions
-from hotprefix.errors import InvalidRequestError
+from hotprefix.errors import InvalidRequestError, PeerLostError
 from hotprefix.grammar import compiler_for
 from hotprefix.model.build import return_freed_memory
-from hotprefix.model.loader import LoadedModel, generation_defaults, load_dummy, load_model
-from hotprefix.model.runner import ModelRunner
+from hotprefix.model.loader import LoadedModel, generation_defaults
 from hotprefix.sampling_params import SamplingParams
 from hotprefix.tokenizers.prompt_encoder import PromptEncoder
 
@@ -46,10 +46,8 @@ class LLMEngine:
         config = config or EngineConfig()
         mc = config.model
         t0 = time.monotonic()
-        if loaded is None:
-            dummy = mc.load_format is LoadFormat.DUMMY
-            loaded = load_dummy(mc.model, mc.tokenizer) if dummy else load_model(mc.model, mc.revision, mc.tokenizer,
-                                                                                  mc.download_dir)
+        launch = launch_of(mc.tensor_parallel_size)  # -tp N: rank 0 loads its part, then starts the others
+        loaded = load_rank(mc, launch.place) if loaded is None else loaded
         self.max_model_len = mc.context_length(loaded.arch.max_position_embeddings)
         self.config = replace(config, scheduler=config.scheduler.resolved(self.max_model_len))
         self.model_name = loaded.name
@@ -63,8 +61,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.grammars = compiler_for(self.tokenizer, loaded.arch.vocab_size, eos, self.config.structured)
-        self.runner = ModelRunner(loaded, mc, self.config.cache, self.config.scheduler, tuple(sorted(eos)),
-                                  self.grammars)
+        self.ranks, self.runner = start_runner(self.config, launch, loaded, tuple(sorted(eos)), self.grammars)
         self.arch = self.runner.arch
         plan = self.runner.plan
         cc = self.config.cache
@@ -94,8 +91,8 @@ class LLMEngine:
                  str(self.runner.dtype).removeprefix("torch."), seconds, plan.num_blocks, plan.block_size,
                  plan.num_tokens, plan.dtype_name, plan.num_blocks * plan.bytes_per_block / 2**20)
         if (spec := self.config.scheduler.speculative_config) is not None:
-            log.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d-%d), not for requests with "
-                     "an output constraint", spec.method.value, spec.num_speculative_tokens, spec.prompt_lookup_min,
+            log.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d-%d), not for requests with an "
+                     "output constraint", spec.method.value, spec.num_speculative_tokens, spec.prompt_lookup_min,
                      spec.prompt_lookup_max)
 
     def _disk_tier(self, loaded: LoadedModel) -> DiskStore | None:
@@ -159,7 +156,8 @@ class LLMEngine:
                        disk_bad_files=disk.stats.bad_files, disk_file_bytes=disk.file_bytes)
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes, stop the grammar compiler's processes."""
+        """Stop the other ranks, finish the disk tier's queued writes, stop the grammar compiler's processes."""
+        self.ranks.close(self.runner)
         if self.disk is not None:
             self.disk.close()
         if self.kv_events is not None:
@@ -317,6 +315,8 @@ class LLMEngine:
                 st.first_scheduled_time = now
         try:
             result = self.runner.execute(sched)
+        except PeerLostError:
+            raise  # the engine cannot step again: the engine loop dies, failing everything in flight
         except Exception as e:
             log.exception("the model step failed; failing the %d requests it held", len(sched.requests))
             self.runner.forget_step_state()

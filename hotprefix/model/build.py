@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 from hotprefix.config import CacheConfig, ConfigError, SchedulerConfig
+from hotprefix.model.arch import ModelArch
 from hotprefix.model.attention.base import AttentionBackend
 from hotprefix.model.families import model_class
 from hotprefix.model.kernels.build import library
 from hotprefix.model.kv_cache import kv_dtype_name
 from hotprefix.model.layers import KernelOps, TorchOps
 from hotprefix.model.loader import LoadedModel
+from hotprefix.model.parallel import SINGLE, Parallel, ShardPlan, shard_arch
 from hotprefix.model.weight_cache import regrouped_weights
 from hotprefix.model.weight_set import WeightSet
 from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
@@ -48,35 +50,41 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 
 
 def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, kernels: bool, int8: bool,
-                backend: AttentionBackend, seed: int = 0) -> tuple[torch.nn.Module, int]:
+                backend: AttentionBackend, seed: int = 0, parallel: Parallel = SINGLE) -> tuple[torch.nn.Module, int]:
     """The model of loaded.arch's family, built complete, and the float32 bytes of weights
     its blocks serve alone (never held). With `kernels` (the C library, a float32 CPU
     model) every product reads blocks: the GGUF file's (in int8 mode their regrouped
     forms, mapped from weight_cache, written at a file's first start) or F32 rows of the
     float weights; otherwise torch multiplies float weights. Random weights are made on
     the device for a dummy load. Raises ModelLoadError for weights int8 mode cannot serve
-    from blocks (LoadedModel.model_weights) or that do not match the architecture."""
-    arch = loaded.arch
+    from blocks (LoadedModel.model_weights) or that do not match the architecture.
+    Over several ranks (`parallel`), the rank's shape (shard_arch) from the rank's weights
+    (the loader read only those)."""
+    arch = shard_arch(loaded.arch, parallel.size)
+    plan = ShardPlan.of(loaded.arch, parallel.place)
     if loaded.dummy:
         from hotprefix.model.dummy import dummy_weights
 
-        ws = WeightSet(dummy_weights(arch, dtype, device, seed), dtype, device, family=arch.family, f32=kernels)
+        ws = WeightSet(dummy_weights(arch, dtype, device, seed, parallel), dtype, device, family=arch.family,
+                       f32=kernels, parallel=parallel, plan=plan)
     else:
         packed = loaded.packed if kernels else {}
         ws = WeightSet(loaded.model_weights(blocks_only=kernels, widen_deferred=not int8), dtype, device,
-                       _mode_blocks(loaded, packed, int8), {EMBED: packed[EMBED]} if EMBED in packed else {},
-                       family=arch.family, f32=kernels)
+                       _mode_blocks(loaded, packed, int8, parallel), {EMBED: packed[EMBED]} if EMBED in packed else {},
+                       family=arch.family, f32=kernels, parallel=parallel, plan=plan)
     model = model_class(arch.family)(arch, ws, backend, KernelOps() if int8 else TorchOps())
     return model.eval(), ws.served_bytes
 
 
-def _mode_blocks(loaded: LoadedModel, packed: dict, int8: bool) -> dict:
+def _mode_blocks(loaded: LoadedModel, packed: dict, int8: bool, parallel: Parallel) -> dict:
     """The blocks products read: GGUF rows (float32 mode), or their regrouped forms (int8;
-    the embedding's only when it is the tied head: lookups read the rows as stored)."""
+    the embedding's only when it is the tied head: lookups read the rows as stored; a
+    rank's parts in a cache file of that rank's)."""
     if not int8:
         return packed
     names = [n for n in packed if n != EMBED or loaded.arch.tie_word_embeddings]
-    return regrouped_weights(Path(loaded.source), packed, names, library())
+    part = "" if parallel.size == 1 else f"rank {parallel.rank} of {parallel.size}"
+    return regrouped_weights(Path(loaded.source), packed, names, library(), part)
 
 
 @dataclass(frozen=True)
@@ -93,11 +101,10 @@ class KVPlan:
         return self.num_blocks * self.block_size
 
 
-def plan_kv_pool(loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
+def plan_kv_pool(arch: ModelArch, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
                  dtype: torch.dtype, kv_dtype: torch.dtype, weight_bytes: int) -> KVPlan:
-    """Size the pool from --kv-cache-memory (CPU) or --gpu-memory-utilization (CUDA).
-    Raises ConfigError when not even one block fits."""
-    arch = loaded.arch
+    """Size the pool of `arch` (a rank's: its KV heads) from --kv-cache-memory (CPU) or
+    --gpu-memory-utilization (CUDA), per device. Raises ConfigError when not even one block fits."""
     name = kv_dtype_name(kv_dtype)
     bpb = arch.kv_shape.bytes_per_block(name, cache.block_size)
     if cache.num_blocks_override is not None:

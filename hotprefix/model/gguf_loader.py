@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from hotprefix.model.kernels.weights import ExpertBlocks, PackedWeight
+    from hotprefix.model.parallel import ShardPlan
 
 # Tensor types we dequantize (gguf.quants implements each of these in numpy); of these, the
 # C kernels multiply from their blocks the ones in kernels.weights.QTYPES.
@@ -263,6 +264,38 @@ def _keep_blocks(out: GGUFWeights, name: str, ttype: str, raw: np.ndarray, shape
     else:
         out.deferred[name] = DeferredRows(ttype, raw, shape, permute)
     out.tensors[name] = torch.empty(shape, device="meta")
+
+
+def shard_gguf_weights(w: GGUFWeights, plan: ShardPlan, path: Path) -> GGUFWeights:
+    """The rank's part of each weight (ShardPlan): float tensors cut; blocks split on whole
+    rows (column-parallel, vocabulary rows padded with zero blocks) or on block boundaries
+    (row-parallel), each part a copy, so a rank keeps only its bytes of the map. Raises
+    ModelLoadError for blocks that do not split (columns off block boundaries, a type the
+    kernels do not read)."""
+    import torch
+
+    from hotprefix.model.parallel import ShardKind, vocab_rows
+
+    out = GGUFWeights({}, {}, dict(w.deferred))
+    for name, t in w.tensors.items():
+        where = plan.part(name, tuple(t.shape)) if t.is_meta else None
+        if where is None:
+            out.tensors[name] = t if t.is_meta else plan.cut_tensor(name, t)
+            if name in w.packed:
+                out.packed[name] = w.packed[name]
+            continue
+        p = w.packed.get(name)
+        if p is None:
+            raise ModelLoadError(f"{path.name}: {name} is {w.deferred[name].type_name}, which is not split over "
+                                 f"{plan.place.size} ranks")
+        rows = vocab_rows(t.shape[0], plan.place.size) if plan.kind(name) is ShardKind.VOCAB else None
+        try:
+            part = p.part(*where, rows=rows)
+        except ValueError as e:
+            raise ModelLoadError(f"{path.name}: {name} does not split over {plan.place.size} ranks ({e})") from None
+        out.packed[name] = part
+        out.tensors[name] = torch.empty((part.n, part.k), device="meta")
+    return out
 
 
 def dequantize_rows(p: PackedWeight | ExpertBlocks) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.kernels import ops
 from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, PackedWeight
+from hotprefix.model.parallel import Parallel
 from hotprefix.model.weight_set import WeightSet
 
 
@@ -115,16 +116,33 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """A Linear over this rank's input columns: its partial outputs summed over the ranks
+    (one all-reduce), so every rank has the whole y."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, blocks: Blocks | None,
+                 parallel: Parallel) -> None:
+        super().__init__(weight, bias, blocks)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(super().forward(x))
+
+
 def take_linear(ws: WeightSet, prefix: str, n: int, k: int, bias: bool = False, blocks: bool = True,
                 served_by: Blocks | None = None) -> Linear:
-    """The Linear `prefix` ([n, k]) with its optional bias and (`blocks`) its blocks;
-    `served_by`: blocks that serve it from elsewhere (the logits' head). Raises
-    ModelLoadError for a weight that is neither loaded nor served by blocks."""
+    """The Linear `prefix` ([n, k]: the rank's part) with its optional bias and (`blocks`)
+    its blocks; `served_by`: blocks that serve it from elsewhere (the logits' head); a
+    row-parallel one (the family's Sharding, over several ranks) sums its outputs over the
+    ranks. Raises ModelLoadError for a weight that is neither loaded nor served by blocks."""
     name = f"{prefix}.weight"
     w = ws.take(name, (n, k))
     b = ws.blocks_for(name, w) if blocks else None
     check_served(name, w, served_by or b, ws, (n, k))
-    return Linear(w, ws.optional(f"{prefix}.bias", (n,), bias), b)
+    bias_w = ws.optional(f"{prefix}.bias", (n,), bias)
+    if ws.reduces(prefix):
+        return RowParallelLinear(w, bias_w, b, ws.parallel)
+    return Linear(w, bias_w, b)
 
 
 def check_served(name: str, w: torch.Tensor | None, blocks: Blocks | None, ws: WeightSet,
@@ -152,6 +170,32 @@ class Embedding(nn.Module):
             return F.embedding(ids, self.weight)
         p = self.rows
         return ops.dequantize(p.rows(ids.reshape(-1))).reshape(*ids.shape, p.k)
+
+
+class VocabEmbedding(Embedding):
+    """A rank's rows [rank * R, (rank + 1) * R) of the token table (float, or GGUF rows): an
+    id outside them looks up zeros, and the ranks' lookups are summed (each id is one
+    rank's: the sum is exact)."""
+
+    def __init__(self, weight: torch.Tensor | None, rows: PackedWeight | None, parallel: Parallel) -> None:
+        super().__init__(weight, rows)
+        self.parallel = parallel
+        self.count = weight.shape[0] if weight is not None else rows.n
+        self.start = parallel.rank * self.count
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.count)
+        x = super().forward(local.clamp(0, self.count - 1)).masked_fill_(outside[..., None], 0.0)
+        return self.parallel.all_reduce(x)
+
+
+def take_embedding(ws: WeightSet, name: str, table: torch.Tensor | None) -> Embedding:
+    """The embedding of `table` or of its GGUF rows (the rank's rows over several ranks:
+    VocabEmbedding). Raises ModelLoadError when neither is there."""
+    if ws.parallel.size > 1:
+        return VocabEmbedding(table, ws.rows.get(name), ws.parallel)
+    return Embedding(table, ws.rows.get(name))
 
 
 def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,7 +21,14 @@ from hotprefix.config import cache_root
 from hotprefix.model.arch import ModelArch, ModelLoadError, arch_from_hf_config
 from hotprefix.model.default_model import default_model_path
 from hotprefix.model.gguf_file import GGUFFile
-from hotprefix.model.gguf_loader import DeferredRows, dequantize_rows, load_gguf_weights, read_gguf_arch
+from hotprefix.model.gguf_loader import (
+    DeferredRows,
+    dequantize_rows,
+    load_gguf_weights,
+    read_gguf_arch,
+    shard_gguf_weights,
+)
+from hotprefix.model.parallel import ALONE, Place, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +104,19 @@ def download_from_hub(repo_id: str, revision: str | None = None, cache_dir: str 
 
 
 def load_model(model: str | None, revision: str | None = None, tokenizer: str | None = None,
-               download_dir: str | None = None) -> LoadedModel:
+               download_dir: str | None = None, place: Place = ALONE) -> LoadedModel:
     """Load shape, weights and tokenizer (a hub model downloaded into download_dir, or
-    huggingface_hub's cache). Raises ModelLoadError."""
+    huggingface_hub's cache); of `place`'s rank, only its part of each weight (ShardPlan).
+    Raises ModelLoadError, or ConfigError for a model that does not split over place.size."""
     path = resolve_model(model, revision, download_dir)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf (or give a HF model folder)")
         t0 = time.monotonic()
         arch, reader = read_gguf_arch(path)
+        plan = ShardPlan.of(arch, place)
         w = load_gguf_weights(path, arch, reader, keep_blocks=True)
+        w = w if plan is None else shard_gguf_weights(w, plan, path)
         t1 = time.monotonic()
         log.info("mapped %s (%.2f GB): %d tensors, %d as blocks, in %.2fs", path.name, path.stat().st_size / 1e9,
                  len(reader.tensors), len(w.packed) + len(w.deferred), t1 - t0)
@@ -115,7 +125,7 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
         return LoadedModel(arch, w.tensors, tok, str(path), path.stem, w.packed, w.deferred, reader)
     if path.is_dir():
         arch = arch_from_hf_config(_read_config(path))
-        weights = load_safetensors(path)
+        weights = load_safetensors(path, ShardPlan.of(arch, place))
         tok = load_tokenizer(tokenizer or str(path))
         return LoadedModel(arch, weights, tok, str(path), path.name)
     raise ModelLoadError(f"model path is neither a file nor a folder: {path}")
@@ -202,9 +212,9 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{cfg}: invalid JSON ({e})") from None
 
 
-def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Single-file or sharded (model.safetensors.index.json) weights. Raises ModelLoadError."""
-    from safetensors.torch import load_file
+def load_safetensors(folder: Path, plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+    """Single-file or sharded (model.safetensors.index.json) weights; with a plan, only the
+    rank's part of each (sliced as read: the rest is never copied). Raises ModelLoadError."""
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -219,9 +229,25 @@ def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         if not (folder / f).is_file():
             raise ModelLoadError(f"{folder}: shard {f} named in the index is missing")
         try:
-            out.update(load_file(str(folder / f)))
+            out.update(_read_safetensors(folder / f, plan))
+        except ModelLoadError:
+            raise
         except Exception as e:  # safetensors raises its own error type for corrupt files
             raise ModelLoadError(f"{folder / f}: cannot read safetensors ({e})") from None
+    return out
+
+
+def _read_safetensors(path: Path, plan: ShardPlan | None) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if plan is None:
+        return load_file(str(path))
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+            sl = f.get_slice(name)
+            out[name] = plan.cut(name, tuple(sl.get_shape()), lambda i, sl=sl: sl[:] if i is None else sl[i])
     return out
 
 

@@ -9,11 +9,13 @@ say whether one of them runs the whole step; otherwise the model runs layer by l
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from hotprefix.config import CacheConfig, ModelConfig, PreemptionMode, QuantizedMatmul, SchedulerConfig
 from hotprefix.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from hotprefix.errors import PeerLostError
 from hotprefix.grammar import GrammarCompiler
 from hotprefix.model import steps
 from hotprefix.model.attention import ALL_PATHS, AttentionPaths, BackendSpec, create_backend, resolve_backend
@@ -23,6 +25,8 @@ from hotprefix.model.kernels.build import cpu_vector_flags, packable, resolve_ma
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.loader import LoadedModel
+from hotprefix.model.lockstep import RunCopies, RunLogits, RunStep, Stop
+from hotprefix.model.parallel import SINGLE, Parallel, shard_arch
 from hotprefix.model.sampler import Sampler, SampleRow, score_rows
 from hotprefix.model.structured import GrammarMatchers, StepMasks
 
@@ -34,18 +38,21 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([25
 class ModelRunner:
     """Runs one step. `execute` mutates the KV tensors and the per-request
     generators; finished request ids in the SchedulerOutput drop their state.
-    eos_token_ids: suppressed before a request's min_tokens."""
+    eos_token_ids: suppressed before a request's min_tokens. Over several ranks
+    (`parallel`), rank 0's runner sends each step to the others (model/lockstep.py), whose
+    runners `follow()`; each holds its heads of the pool, with the same block ids."""
 
     def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  sched_cfg: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, parallel: Parallel = SINGLE) -> None:
         self.device = resolve_device(model_cfg.device)
         self.dtype = resolve_dtype(model_cfg.dtype, self.device, loaded.arch.torch_dtype)
         kernels = packable(self.device, self.dtype)  # every product on the C kernels
         blocks = kernels and bool(loaded.packed or loaded.deferred)
         self.quantized_matmul = resolve_matmul(model_cfg.quantized_matmul) if blocks else None
         int8 = self.quantized_matmul is QuantizedMatmul.INT8
-        self.arch = arch = loaded.arch
+        self.parallel = parallel
+        self.arch = arch = shard_arch(loaded.arch, parallel.size)  # (a rank's heads and MLP columns)
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         self.block_size = cache_cfg.block_size
         self.backend_kind = resolve_backend(model_cfg.attention_backend, self.device)
@@ -53,11 +60,12 @@ class ModelRunner:
             arch.num_layers, self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
             arch.layer_windows, self.block_size, kv_dtype))
         self.model, self.served_weight_bytes = build_model(loaded, self.device, self.dtype, kernels, int8,
-                                                           self.backend, model_cfg.seed)
+                                                           self.backend, model_cfg.seed, parallel)
         self.arch = self.model.arch
         self._log_weights(loaded, blocks, int8, self.served_weight_bytes)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.plan = plan_kv_pool(loaded, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
+        plan = plan_kv_pool(self.arch, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
+        self.plan = replace(plan, num_blocks=parallel.min_int(plan.num_blocks))  # (the same block ids everywhere)
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
                                 self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device)
         self.max_model_len = model_cfg.context_length(self.arch.max_position_embeddings)
@@ -103,6 +111,9 @@ class ModelRunner:
                 out.append(FusedDecode(self.model, self.kv_cache, self.backend))
             else:
                 log.info("decode steps run layer by layer: %s", why)
+        if self.parallel.size > 1:  # (capturing NCCL's collectives in a graph is not tested)
+            log.info("decode steps run eagerly: no CUDA graphs over tensor-parallel ranks")
+            return out
         graphs = decode_graphs(self.backend_kind, self.model, self.kv_cache, model_cfg, sched_cfg, self.max_model_len)
         return out + ([graphs] if graphs is not None else [])
 
@@ -163,7 +174,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput, paths: AttentionPaths = ALL_PATHS) -> torch.Tensor:
-        """Run the batch; return the final hidden states [T, E]."""
+        """Run the batch (on every rank); return the final hidden states [T, E]."""
+        self.parallel.send(RunStep(sched, paths))
+        return self._forward(sched, paths)
+
+    def _forward(self, sched: SchedulerOutput, paths: AttentionPaths) -> torch.Tensor:
         batch, meta = self.prepare(sched, paths)
         self.num_computed_tokens_total += batch.num_tokens
         runner = steps.choose(self.steps, batch, meta, paths)
@@ -174,7 +189,35 @@ class ModelRunner:
     @torch.inference_mode()
     def all_logits(self, sched: SchedulerOutput, paths: AttentionPaths = ALL_PATHS) -> torch.Tensor:
         """Logits of every token in the batch, [T, V] (tests compare them with a reference)."""
-        return self.model.compute_logits(self.forward(sched, paths))
+        return self._logits(self.forward(sched, paths), slice(None))
+
+    def _logits(self, hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
+        """Logits [n, V] of hidden's `rows` (over several ranks: each rank computes its
+        vocabulary rows of them, gathered on rank 0, which says which rows)."""
+        self.parallel.send(RunLogits(rows))
+        picked = hidden[rows] if isinstance(rows, slice) else hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(picked)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run what rank 0 sends (model/lockstep.py) until Stop.
+        Mutates the pool. Raises PeerLostError when rank 0 is gone."""
+        hidden = None
+        while not isinstance(msg := self.parallel.receive(), Stop):
+            if isinstance(msg, RunLogits):
+                self._logits(hidden, msg.rows)
+            elif isinstance(msg, RunCopies):
+                self._copy_blocks(msg.sched)
+            else:
+                hidden = self._forward(msg.sched, msg.paths)
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks' loops (a gone peer is not waited for); leave the group."""
+        try:
+            self.parallel.send(Stop())
+        except PeerLostError:
+            pass
+        self.parallel.close()
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         if r.sampling_params.seed is None or r.sampling_params.greedy:
@@ -226,7 +269,10 @@ class ModelRunner:
         return self.matchers.compute(constrained)
 
     def _copy_blocks(self, sched: SchedulerOutput) -> None:
-        """The step's block copies, in SchedulerOutput's order: tier offloads, swaps, tier loads."""
+        """The step's block copies, in SchedulerOutput's order: tier offloads, swaps, tier loads
+        (on every rank: each copies its heads of the blocks)."""
+        if sched.tier_offload or sched.swap_out or sched.swap_in or sched.tier_load:
+            self.parallel.send(RunCopies(sched))
         if self.host_tier is not None:
             self.host_tier.save(sched.tier_offload)
         if sched.swap_out or sched.swap_in:
@@ -253,11 +299,12 @@ class ModelRunner:
         ends, rids, rows = self._sample_rows(sched, out, self._masks(sched))
         if not rows:
             return out
-        last = hidden[torch.tensor(ends, device=self.device)]  # [B, E]
         try:
-            tokens, lps = self.sampler(self.model.compute_logits(last), rows)  # logits [B, V]
+            tokens, lps = self.sampler(self._logits(hidden, ends), rows)  # logits [B, V] of hidden [B, E]
+        except PeerLostError:
+            raise
         except Exception:  # one row's parameters broke the batch: sample each row alone to find it
-            tokens, lps = self._sample_alone(last, rids, rows, out)
+            tokens, lps = self._sample_alone(hidden, ends, rids, rows, out)
         for rid, tok, lp, row in zip(rids, tokens, lps, rows):
             if tok is None:
                 continue
@@ -285,8 +332,10 @@ class ModelRunner:
                 gen = self._generator(r)
                 rows = [SampleRow(p, r.prompt_token_ids, r.output_token_ids + draft[:j], tuple(stop_ids), gen)
                         for j in range(len(draft) + 1)]
-                logits = self.model.compute_logits(hidden[end - len(draft) - 1:end])  # [k + 1, V]
+                logits = self._logits(hidden, slice(end - len(draft) - 1, end))  # [k + 1, V]
                 tokens, lps = self.sampler.verify(logits, rows, draft)
+            except PeerLostError:
+                raise
             except Exception as e:
                 log.warning("request %s: sampling failed: %s", r.request_id, e)
                 out.failed[r.request_id] = f"sampling failed: {e}"
@@ -310,20 +359,22 @@ class ModelRunner:
             entries = []
             for a in range(0, rows, PROMPT_LOGPROB_ROWS):
                 b = min(rows, a + PROMPT_LOGPROB_ROWS)
-                logits = self.model.compute_logits(hidden[start + a:start + b]).float()  # [b-a, V]
+                logits = self._logits(hidden, slice(start + a, start + b)).float()  # [b-a, V]
                 entries += score_rows(logits, r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b], k)
             self.num_prompt_logprob_rows_total += rows
             out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
 
-    def _sample_alone(self, last: torch.Tensor, rids: list[str], rows: list[SampleRow], out: ModelRunnerOutput
-                      ) -> tuple[list[int | None], list]:
+    def _sample_alone(self, hidden: torch.Tensor, ends: list[int], rids: list[str], rows: list[SampleRow],
+                      out: ModelRunnerOutput) -> tuple[list[int | None], list]:
         """Sample row by row (fresh logits each: the batch call changed them in
         place); a row that raises gets no token and its request lands in out.failed."""
         tokens: list[int | None] = []
         lps: list = []
         for i, (rid, row) in enumerate(zip(rids, rows)):
             try:
-                (tok,), (lp,) = self.sampler(self.model.compute_logits(last[i:i + 1]), [row])
+                (tok,), (lp,) = self.sampler(self._logits(hidden, [ends[i]]), [row])
+            except PeerLostError:
+                raise
             except Exception as e:
                 log.warning("request %s: sampling failed: %s", rid, e)
                 out.failed[rid] = f"sampling failed: {e}"

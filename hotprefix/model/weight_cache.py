@@ -68,13 +68,14 @@ def _mapped(data: np.ndarray, entry: list[int]) -> PackedWeight | ExpertBlocks:
     return PackedWeight(qtype, raw, rows, k, int8=True)
 
 
-def cache_path(source: Path, spec: dict[str, list[int]]) -> Path:
-    """Where the regrouped weights of `source` with this index live."""
+def cache_path(source: Path, spec: dict[str, list[int]], part: str = "") -> Path:
+    """Where the regrouped weights of `source` with this index live (`part`: a
+    tensor-parallel rank's, whose index may equal another rank's)."""
     src = source.resolve()
     st = src.stat()
     who = hashlib.sha256(str(src).encode()).hexdigest()[:12]
     what = hashlib.sha256(f"{VERSION}|{st.st_size}|{st.st_mtime_ns}|{source_digest()}|"
-                          f"{json.dumps(spec, sort_keys=True)}".encode()).hexdigest()[:16]
+                          f"{json.dumps(spec, sort_keys=True)}{part and '|' + part}".encode()).hexdigest()[:16]
     return cache_root() / "regrouped" / f"{who}-{what}.bin"
 
 
@@ -143,7 +144,7 @@ def _alive(pid: int) -> bool:
 
 
 def regrouped_weights(source: Path, packed: dict[str, PackedWeight], names: list[str],
-                      lib: ctypes.CDLL) -> dict[str, PackedWeight]:
+                      lib: ctypes.CDLL, part: str = "") -> dict[str, PackedWeight]:
     """The int8 form of packed[name] for each name: mapped from the cache, built into it
     when missing or stale. Where the cache cannot be written (no space, read-only), they
     are regrouped in memory with a warning. Raises RuntimeError for a weight the kernel
@@ -151,7 +152,7 @@ def regrouped_weights(source: Path, packed: dict[str, PackedWeight], names: list
     if not names:
         return {}
     spec = _spec(packed, names, lib)
-    path = cache_path(source, spec)
+    path = cache_path(source, spec, part)
     t0 = time.perf_counter()
     got = _read(path, spec)
     if got is not None:

@@ -14,6 +14,7 @@ import torch
 
 from hotprefix.model.arch import ModelLoadError
 from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, PackedWeight, float_blocks
+from hotprefix.model.parallel import SINGLE, Parallel, ShardKind, ShardPlan, vocab_rows
 
 
 class WeightSet:
@@ -24,14 +25,18 @@ class WeightSet:
     (embedding lookups); f32: products of float weights read them as F32 blocks (the C
     kernels on the CPU: one arithmetic for every batch). With `record`, nothing is loaded:
     every weight asked for is a meta tensor of its shape and is listed in `shapes` (dummy
-    weights are made from it).
+    weights are made from it). parallel: the rank the model is built for, whose part of
+    each weight `tensors` holds already (the loader's ShardPlan `plan`): shapes asked for
+    are the rank's (shard_arch's, vocab_rows').
     Mutates itself: each weight is taken once."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  blocks: dict[str, PackedWeight | ExpertBlocks] | None = None,
                  rows: dict[str, PackedWeight] | None = None,
-                 family: str = "", record: bool = False, f32: bool = False) -> None:
+                 family: str = "", record: bool = False, f32: bool = False,
+                 parallel: Parallel = SINGLE, plan: ShardPlan | None = None) -> None:
         self._tensors = dict(tensors)
+        self.parallel, self.plan = parallel, plan
         self.dtype, self.device = dtype, device
         self.blocks = dict(blocks or {})
         self.rows = dict(rows or {})
@@ -40,6 +45,14 @@ class WeightSet:
         self.f32 = f32 and not record
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.served_bytes = 0  # float32 bytes of weights read as blocks alone, never held
+
+    def vocab_rows(self, vocab: int) -> int:
+        """The vocabulary rows of the embedding and the head this rank holds."""
+        return vocab_rows(vocab, self.parallel.size)
+
+    def reduces(self, prefix: str) -> bool:
+        """Whether module `prefix`'s outputs are partial sums, to be summed over the ranks."""
+        return self.plan is not None and self.plan.kind(f"{prefix}.weight") is ShardKind.ROW
 
     def has(self, name: str) -> bool:
         return name in self._tensors

@@ -57,10 +57,21 @@ def make_server(engine_cfg: EngineConfig, cfg: ServerConfig) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> None:
+def _exit_when_dead(engine: AsyncEngine, server: uvicorn.Server) -> None:
+    """Stop the server once the engine is dead (its requests have failed already)."""
+    engine.wait_dead()
+    log.error("the engine died (%s): the server stops", engine.dead)
+    server.should_exit = True
+
+
+def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> int:
     """Run until SIGINT/SIGTERM: then stop accepting, let running requests
-    finish for up to cfg.shutdown_timeout seconds, and exit."""
+    finish for up to cfg.shutdown_timeout seconds, and exit; or until the engine dies (a
+    lost tensor-parallel rank). Returns the exit status: 1 when the engine died, else 0."""
     server = make_server(engine_cfg, cfg)
+    engine = server.config.app.state.engine
     server.config.load()  # uvicorn's own imports (run() does not load it again), then the renderer's beside it
     threading.Thread(target=_preload_renderer, name="hotprefix-renderer-import", daemon=True).start()
+    threading.Thread(target=_exit_when_dead, args=(engine, server), name="hotprefix-engine-watch", daemon=True).start()
     server.run()
+    return 1 if engine.dead is not None else 0

@@ -163,7 +163,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", "--utilization", dest="utilization", type=float, default=0.9,
                    help="share of --kv-cache-memory the server may use (serve's --gpu-memory-utilization)")
     p.add_argument("--weights", default=None,
-                   help="weight bytes to subtract (default: parameters x --weight-dtype bytes)")
+                   help="weight bytes to subtract, all devices' (default: parameters x --weight-dtype bytes)")
     p.add_argument("--weight-dtype", type=kv_dtype, default="bfloat16", metavar="DTYPE",
                    help=f"bytes per weight: {', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--kv-offloading-size", type=float, default=0.0,
@@ -176,13 +176,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-log", metavar="LOG", default=None,
                    help="a `serve --request-log` file: the pool that reaches 95 %% of the hit rate an unbounded cache "
                         "would give its traffic (its hit-rate curve), beside the formula's answer")
+    p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="ranks the model is split over (serve's flag): weights, KV and memory per device")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=run)
 
 
+def per_device(name: str, shape: ModelShape, tp: int) -> tuple[str, ModelShape]:
+    """The name and shape of what one of tp ranks holds. Raises ConfigError for a shape that does not split."""
+    if tp < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    try:
+        return (name if tp == 1 else f"{name} (one device of {tp})"), shape.per_device(tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(a: argparse.Namespace) -> int:
-    name, shape = load_shape(a.model)
-    weights = parse_size(a.weights) if a.weights else shape.num_params() * DTYPE_BYTES[a.weight_dtype]
+    name, shape = per_device(*load_shape(a.model), a.tp)
+    weights = parse_size(a.weights) // a.tp if a.weights else shape.num_params() * DTYPE_BYTES[a.weight_dtype]
     budget = None if a.memory is None else int(parse_size(a.memory) * a.utilization) - weights
     reports = [size_report(shape, dt, a.block_size, a.prompt_tokens, a.num_prompts, a.concurrency,
                            a.max_model_len, budget, int(a.kv_offloading_size * 2**30), int(a.kv_disk_size * 2**30),

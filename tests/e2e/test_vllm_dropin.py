@@ -49,7 +49,7 @@ def test_a_vllm_launch_line_and_vllm_metric_names(tiny_llama):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["-tp", "2"], "one engine per device"),
+    (["-tp", "2"], "the model's 3 KV heads and 9 query heads do not split over 2 ranks"),  # the default model
     (["--model", "/no/such", "/other/path"], "two models given"),
     (["--allowed-origins", "[1, 2]"], "JSON list of strings"),
     (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be > 0, got 0.0"),

@@ -134,3 +134,25 @@ def test_gemma3_kv_groups_and_a_32k_sequence_by_hand():
     llama = arch_from_hf_config(CONFIGS["Llama-3.1-8B"]).shape
     assert llama.kv_groups.windows == (None,) and llama.kv_groups.page_layers == 32
     assert size_report(llama, "fp16", max_model_len=32768).sequence_bytes == 131_072 * 32768
+
+
+def test_tensor_parallel_sizes_are_per_device():
+    """-tp 2: each device holds half the KV heads (half the bytes per token), half the
+    query heads, MLP columns and vocabulary rows (about half the weights); a shape whose
+    heads do not split is refused with its numbers."""
+    from hotprefix.tools.size import per_device
+
+    name, shape = load_shape("llama-3.1-70b")
+    one = size_report(shape, "float16")
+    part_name, part = per_device(name, shape, 2)
+    two = size_report(part, "float16")
+    assert two.bytes_per_token == one.bytes_per_token // 2 == 2 * 80 * 4 * 128 * 2
+    assert (part.num_heads, part.num_kv_heads, part.intermediate_size, part.vocab_size) == (32, 4, 14336, 64128)
+    assert part_name == "llama-3.1-70b (one device of 2)"
+    # per device: everything but the 2 x 80 + 1 RMSNorms of 8192 is halved
+    assert part.num_params() == (shape.num_params() - 161 * 8192) // 2 + 161 * 8192
+    bad = subprocess.run([sys.executable, "-m", "hotprefix.cli", "size", "llama-3.1-70b", "-tp", "3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "hotprefix: error: --tensor-parallel-size 3: the model's 8 KV heads and 64 query heads do not split over 3 "
+        "ranks (the size must divide both: 1, 2, 4, 8)")

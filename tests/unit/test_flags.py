@@ -93,7 +93,7 @@ def test_other_units_and_spellings_convert_by_their_declaration(tmp_path):
     ({"swap_space": "lots"}, "cannot parse memory size 'lots'"),
     ({"swap_space": float("nan")}, "not a size in GiB"),
     ({"swap_space": -1}, "--swap-space must be >= 0"),
-    ({"tensor_parallel_size": 2}, "one engine per device"),
+    ({"tensor_parallel_size": 0}, "--tensor-parallel-size must be >= 1"),
 ])
 def test_bad_values_are_config_errors(keywords, error):
     with pytest.raises(ConfigError, match=re.escape(error)):

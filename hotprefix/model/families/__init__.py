@@ -13,6 +13,25 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How a family's weights split over tensor-parallel ranks (Megatron's scheme), by the
+    module a weight belongs to (the name's part before `.weight` / `.bias`): column-parallel
+    modules keep a rank's output rows (and bias), so each rank has its own heads or MLP
+    columns; row-parallel ones a rank's input columns, their outputs summed over the ranks
+    (one all-reduce each); vocabulary-parallel ones a rank's rows of the vocabulary (the
+    embedding, the output head). Every other weight is whole on every rank."""
+
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    vocab: tuple[str, ...]
+
+
+# q/k/v and gate/up by columns, o and down by rows, the embedding and head by vocabulary rows
+MEGATRON = Sharding(column=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), row=("o_proj", "down_proj"),
+                    vocab=("embed_tokens", "lm_head"))
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """name: ours; hf_architectures / model_types: config.json's `architectures` entries and
     `model_type`; gguf: GGUF's `general.architecture`; module: "module:Class" of its model;
@@ -23,7 +42,8 @@ class FamilySpec:
     window_pattern - 1 before a global one (0: none); norm_adds_one: HF checkpoints store
     RMSNorm weights as w for (1 + w); hf_defaults: config.json values its HF config class
     fills in when a file omits them; gguf_names: GGUF layer tensor names that map to other
-    HF names than the Llama family's (model/gguf_loader.py). A mixture-of-experts family
+    HF names than the Llama family's (model/gguf_loader.py); sharding: how its weights split
+    over tensor-parallel ranks (None: it runs on one device only). A mixture-of-experts family
     says so in its shape (ModelArch.num_experts > 0), not here: its module builds MoE layers
     (layers.SparseMoe) where the shape has experts."""
 
@@ -40,6 +60,7 @@ class FamilySpec:
     norm_adds_one: bool = False
     hf_defaults: tuple[tuple[str, Any], ...] = ()
     gguf_names: tuple[tuple[str, str], ...] = ()
+    sharding: Sharding | None = MEGATRON
 
 
 _LLAMA = "hotprefix.model.families.llama:LlamaForCausalLM"
@@ -63,7 +84,8 @@ FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (
                "hotprefix.model.families.gemma3:Gemma3ForCausalLM", qk_norm=True,
                activations=("gelu_pytorch_tanh",), window_pattern=6, norm_adds_one=True,
                hf_defaults=_GEMMA3_DEFAULTS, gguf_names=_GEMMA3_GGUF),
-    FamilySpec("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", _QWEN3_MOE, qk_norm=True),
+    FamilySpec("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", _QWEN3_MOE, qk_norm=True,
+               sharding=None),  # (its experts are not split yet)
 )}
 HF_ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.hf_architectures}
 MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in f.model_types}

@@ -27,7 +27,15 @@ from hotprefix.model.attention.base import AttentionBackend
 from hotprefix.model.families.llama import MLP, Attention
 from hotprefix.model.kernels import ops
 from hotprefix.model.kv_cache import KVCache
-from hotprefix.model.layers import Embedding, LayerOps, RMSNorm, Rotary, check_served, rope_inv_freq
+from hotprefix.model.layers import (
+    Embedding,
+    LayerOps,
+    RMSNorm,
+    Rotary,
+    check_served,
+    rope_inv_freq,
+    take_embedding,
+)
 from hotprefix.model.weight_set import WeightSet
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]
@@ -108,12 +116,13 @@ class Gemma3ForCausalLM(nn.Module):
         if arch.norm_adds_one:
             ws.add_to("norm.weight", 1.0)
         self.arch = arch
-        v, e = arch.vocab_size, arch.hidden_size
+        v, e = ws.vocab_rows(arch.vocab_size), arch.hidden_size  # (of the rank's vocabulary rows)
+        self.parallel = ws.parallel
         embed = "model.embed_tokens.weight"
         table = ws.take(embed, (v, e))  # None with GGUF rows on the CPU: lookups dequantize the rows they need
         self.logits_blocks = ws.blocks_for(embed, table)
         check_served(embed, table, self.logits_blocks, ws, (v, e))
-        self.model = _Inner(arch, ws, backend, ops_, Embedding(table, ws.rows.get(embed)))
+        self.model = _Inner(arch, ws, backend, ops_, take_embedding(ws, embed, table))
         self.normalizer = float(torch.tensor(e ** 0.5, dtype=torch.float32))  # HF's embed_scale, as float32
         local = dataclasses.replace(arch, rope_theta=arch.rope_local_theta or arch.rope_theta, rope_scaling={})
         self.rotary = Rotary(rope_inv_freq(arch).to(ws.device))
@@ -139,8 +148,11 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] float32 of hidden [N, E]: on the embedding's blocks where there are."""
+        """Logits [N, V] float32 of hidden [N, E]: on the embedding's blocks where there are
+        (over several ranks: gathered on rank 0, as LlamaForCausalLM's)."""
         p = self.logits_blocks
         if p is not None and hidden.dtype == torch.float32:
-            return ops.qmatmul(hidden, p)  # [N, V]
-        return (hidden @ self.model.embed_tokens.weight.t()).float()  # [N, V]
+            logits = ops.qmatmul(hidden, p)  # [N, V]
+        else:
+            logits = (hidden @ self.model.embed_tokens.weight.t()).float()  # [N, V]
+        return self.parallel.gather_vocab(logits, self.arch.vocab_size)

@@ -29,6 +29,7 @@ from hotprefix.model.layers import (
     Rotary,
     check_served,
     rope_inv_freq,
+    take_embedding,
     take_linear,
 )
 from hotprefix.model.weight_set import WeightSet
@@ -155,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
             ws.drop("lm_head.weight")  # some checkpoints store the tied copy
         ws.drop_suffix("rotary_emb.inv_freq")
         self.arch = arch
-        v, e = arch.vocab_size, arch.hidden_size
+        v, e = ws.vocab_rows(arch.vocab_size), arch.hidden_size  # (of the rank's vocabulary rows)
+        self.parallel = ws.parallel
         embed = "model.embed_tokens.weight"
         table = ws.take(embed, (v, e))  # None with GGUF rows on the CPU: lookups dequantize the rows they need
         if arch.tie_word_embeddings:
@@ -163,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
             check_served(embed, table, self.logits_blocks, ws, (v, e))
         elif table is None:
             ws.count_served((v, e))
-        self.model = _Inner(arch, ws, backend, ops_, Embedding(table, ws.rows.get(embed)), self.mlp_class)
+        self.model = _Inner(arch, ws, backend, ops_, take_embedding(ws, embed, table), self.mlp_class)
         if not arch.tie_word_embeddings:
             self.lm_head = take_linear(ws, "lm_head", v, e)
             self.logits_blocks = self.lm_head.blocks
@@ -193,9 +195,12 @@ class LlamaForCausalLM(nn.Module):
         return {w: rope for w in set(self.arch.layer_windows)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] float32 of hidden [N, E]: on the head's blocks where there are."""
+        """Logits [N, V] float32 of hidden [N, E]: on the head's blocks where there are (over
+        several ranks: each rank's vocabulary rows, gathered on rank 0; the others get theirs)."""
         p = self.logits_blocks
         if p is not None and hidden.dtype == torch.float32:
-            return ops.qmatmul(hidden, p)  # [N, V]
-        w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return (hidden @ w.t()).float()  # [N, V]
+            logits = ops.qmatmul(hidden, p)  # [N, V]
+        else:
+            w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+            logits = (hidden @ w.t()).float()  # [N, V]
+        return self.parallel.gather_vocab(logits, self.arch.vocab_size)

@@ -78,6 +78,23 @@ class PackedWeight:
         raw = raw.reshape(n, k // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype])
         return cls(qtype, raw if raw.is_contiguous() else raw.contiguous(), n, k)
 
+    def part(self, dim: int, start: int, stop: int, rows: int | None = None) -> PackedWeight:
+        """Rows [start, stop) (dim 0; padded with zero blocks, which are zeros, to `rows`) or
+        columns [start, stop) (dim 1, on block boundaries) of these GGUF rows, a copy owning
+        only those bytes. Raises ValueError for columns off block boundaries or regrouped rows."""
+        if self.int8:
+            raise ValueError("regrouped rows are not split")
+        if dim == 0:
+            raw = self.raw[start:stop].clone()
+            if rows is not None and rows > raw.shape[0]:
+                raw = torch.cat([raw, raw.new_zeros((rows - raw.shape[0], raw.shape[1]))])
+            return PackedWeight(self.qtype, raw, raw.shape[0], self.k)
+        bv, bb = BLOCK_VALUES[self.qtype], BLOCK_BYTES[self.qtype]
+        if start % bv or stop % bv:
+            raise ValueError(f"{TYPE_NAMES[self.qtype]} blocks of {bv} values do not split columns {start}..{stop}")
+        return PackedWeight(self.qtype, self.raw[:, start // bv * bb:stop // bv * bb].contiguous(), self.n,
+                            stop - start)
+
     def rows(self, ids: torch.Tensor) -> PackedWeight:
         """Rows `ids` ([T]) of these GGUF rows, as a weight of T rows (an embedding lookup)."""
         picked = self.raw.index_select(0, ids)

@@ -34,6 +34,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
         return "the attention backend is not the cpu one with the C kernels"
     if model.arch.num_experts:
         return "mixture-of-experts layers"
+    if model.parallel.size > 1:
+        return "tensor parallelism (the fused step has no all-reduce)"
     if ops.kv_type(pool) is None:
         return "not a float32 or fp8 CPU pool"
     if len(backend.spec.windows) > ops.KINDS:

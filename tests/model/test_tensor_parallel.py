@@ -1,0 +1,182 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks; docs/parallel.md): `-tp 2` in float32 mode
+(tiny Llama, Qwen3 and Gemma 3) gives `-tp 1`'s greedy tokens and its logits within
+LOGIT_TOL (the row-parallel all-reduces sum partial products in another order, so the
+bits may differ), through chunked prefill,
+preemption with swaps, a prefix hit and an abort, with the scheduler's and pool's integrity
+checked after every step on rank 0; each rank holds half the weights; a model that does not
+split is refused with its numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.config import AttentionBackend, ConfigError
+from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
+from hotprefix.model.arch import arch_from_hf_config
+from hotprefix.model.attention import BackendSpec, create_backend
+from hotprefix.model.build import build_model
+from hotprefix.model.loader import load_model
+from hotprefix.model.parallel import Parallel, Place, shard_arch
+from tests.conftest import build_tiny_model
+
+LOGIT_TOL = 1e-4  # float32 logits of the tiny models (|logit| < 10): tp 2 against tp 1
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 17, 9, 12)]
+
+
+def run_scenario(llm: LLM) -> dict[str, tuple]:
+    """Three requests that do not fit the pool together (preemption by swapping), in chunks
+    of 16 tokens; a fourth aborted after two steps; then a fifth sharing the third's prompt
+    and first tokens (a prefix hit). Integrity after every step. Request id -> (tokens,
+    [(sampled logprob, top-2 logprobs)], cached tokens)."""
+    e = llm.engine
+    final = {}
+
+    def step(times: int | None = None) -> None:
+        n = 0
+        while e.has_unfinished_requests() and (times is None or n < times):
+            for out in e.step():
+                if out.finished:
+                    final[out.request_id] = out
+            e.scheduler.check_integrity()
+            n += 1
+
+    p = prompts(0)
+    for i, prompt in enumerate(p[:3]):
+        e.add_request(f"r{i}", prompt, GREEDY)
+    e.add_request("aborted", p[3], GREEDY)
+    step(2)
+    e.abort_request("aborted")
+    step()
+    e.add_request("hit", p[2] + final["r2"].outputs[0].token_ids[:3], GREEDY)
+    step()
+    assert e.scheduler.num_preemptions > 0
+    return {rid: (o.outputs[0].token_ids, [(lp.sampled.logprob, [t.logprob for t in lp.top])
+                                          for lp in o.outputs[0].logprobs], o.num_cached_tokens)
+            for rid, o in final.items() if rid != "aborted"}
+
+
+def logits_of(llm: LLM) -> torch.Tensor:
+    """Every position's logits of one 14-token prefill into blocks 0..3 (after the scenario:
+    what it writes there is never read again)."""
+    ids = prompts(1)[0][:14]
+    sched = SchedulerOutput([ScheduledRequest("x", ids, 0, [0, 1, 2, 3], True, GREEDY, ids, [])])
+    return llm.engine.runner.all_logits(sched)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+def family_folder(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"tp-{request.param}")
+    build_tiny_model(d, request.param)
+    return d
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
+    results, logits = {}, {}
+    for tp in (1, 2):
+        llm = LLM(model=str(family_folder), tensor_parallel_size=tp, block_size=4, num_blocks_override=14,
+                  max_num_batched_tokens=16, preemption_mode="swap", swap_space="1MiB", device="cpu")
+        try:
+            assert llm.engine.runner.kv_cache.layers[0].k.shape[::2] == (2 // tp, llm.engine.arch.head_dim)
+            results[tp] = run_scenario(llm)
+            llm.engine.kv.check_integrity()
+            logits[tp] = logits_of(llm)
+        finally:
+            llm.close()
+    one, two = results[1], results[2]
+    assert sorted(one) == sorted(two) == ["hit", "r0", "r1", "r2"]
+    assert one["hit"][2] > 0  # the prefix hit happened (the same scheduling on rank 0)
+    for rid in one:
+        assert two[rid][0] == one[rid][0]  # greedy tokens identical
+        assert two[rid][2] == one[rid][2]
+        got = torch.tensor([[s, *top] for s, top in two[rid][1]])
+        want = torch.tensor([[s, *top] for s, top in one[rid][1]])
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL)
+    assert logits[2].shape == logits[1].shape == (14, 320)
+    torch.testing.assert_close(logits[2], logits[1], rtol=0, atol=LOGIT_TOL)
+
+
+def resident_bytes(module: torch.nn.Module) -> int:
+    """The bytes of the tensors a built model holds (each storage once)."""
+    seen = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def test_each_rank_holds_half_the_weights(tiny_llama):
+    """Each rank loads only its part (safetensors sliced) and builds a model of its heads,
+    MLP columns and vocabulary rows: within 5 % of half the whole model's bytes."""
+    folder = tiny_llama[0]
+
+    def built(place: Place) -> torch.nn.Module:
+        loaded = load_model(str(folder), place=place)
+        arch = shard_arch(loaded.arch, place.size)
+        backend = create_backend(AttentionBackend.CPU, BackendSpec(
+            arch.num_layers, torch.device("cpu"), torch.float32, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            arch.layer_windows, 4, torch.float32))
+        model, _ = build_model(loaded, torch.device("cpu"), torch.float32, True, False, backend,
+                               parallel=Parallel(place))
+        return model
+
+    whole = resident_bytes(built(Place(0, 1)))
+    for rank in (0, 1):
+        part = resident_bytes(built(Place(rank, 2)))
+        assert abs(part - whole / 2) <= 0.05 * whole / 2, (rank, part, whole)
+
+
+def test_a_model_whose_heads_do_not_split_is_refused_with_its_numbers(tmp_path):
+    """SmolLM2-135M's shape (9 query heads, 3 KV heads) over 2 ranks."""
+    arch = arch_from_hf_config(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320,
+                                    hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                    num_attention_heads=9, num_key_value_heads=3))
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2: the model's 3 KV heads and 9 query heads "
+                                          r"do not split over 2 ranks \(the size must divide both: 1, 3\)$"):
+        shard_arch(arch, 2)
+    assert shard_arch(arch, 3).num_kv_heads == 1
+
+
+def test_a_gguf_file_over_two_ranks_in_int8_mode_gives_one_ranks_tokens(tmp_path):
+    """Q8_0 blocks split on whole rows (q/k/v, gate/up, the vocabulary) and on block
+    boundaries (o and down over K), served by the C kernels as they are (int8 mode: each
+    rank's regrouped parts; decode steps layer by layer, the fused step refused)."""
+    from transformers import AutoTokenizer
+
+    from tests.gguf_util import write_gguf
+
+    model = build_tiny_model(tmp_path / "src", "llama")
+    path = write_gguf(tmp_path / "tiny-Q8_0.gguf", model, AutoTokenizer.from_pretrained(str(tmp_path / "src")), "Q8_0")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(path), tensor_parallel_size=tp, quantized_matmul="int8", block_size=4,
+                  num_blocks_override=64, max_num_batched_tokens=8, device="cpu")
+        try:
+            got[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts(2)[:3], params)]
+            assert llm.engine.runner.quantized_matmul.value == "int8"
+        finally:
+            llm.close()
+    assert got[2] == got[1]
+
+
+def test_gguf_blocks_split_on_rows_and_on_block_boundaries_only():
+    from hotprefix.model.gguf_loader import dequantize_rows
+    from hotprefix.model.kernels.weights import PackedWeight
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (4, 2 * 34), dtype=torch.uint8, generator=g)
+    raw.view(4, 2, 34)[:, :, :2] = torch.tensor([0, 0x20], dtype=torch.uint8)  # f16 scales of 2^-7: finite
+    w = PackedWeight.from_gguf("Q8_0", raw, 4, 64)  # 4 rows of two 32-value blocks
+    whole = dequantize_rows(w)
+    torch.testing.assert_close(dequantize_rows(w.part(1, 32, 64)), whole[:, 32:], rtol=0, atol=0)
+    rows = w.part(0, 2, 4, rows=3)  # the last rank's vocabulary rows, padded with a zero block row
+    torch.testing.assert_close(dequantize_rows(rows), torch.cat([whole[2:], torch.zeros(1, 64)]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Q8_0 blocks of 32 values do not split columns 16..48"):
+        w.part(1, 16, 48)
