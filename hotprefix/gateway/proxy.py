@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import math
 import time
@@ -64,6 +63,8 @@ from hotprefix.gateway.tenant_api import (
     join_prompt,
     num_sequences,
     parse_tenant_request,
+    prompt_token_bound,
+    token_prompts,
 )
 from hotprefix.gateway.usage import Accounting, Caller, InFlight, UsageStoreUnavailable
 from hotprefix.server.body_guard import BodyRejected, parse_json_object
@@ -79,30 +80,6 @@ REFUSALS = {Refusal.TOO_LARGE: "this request needs at least {least} tokens, more
             Refusal.TOKENS: "rate limit of {tpm} tokens per minute reached",
             Refusal.CONCURRENCY: "limit of {max_concurrent} concurrent requests reached",
             Refusal.BUDGET: "the budget of {detail} is spent for this period"}
-
-
-def prompt_token_bound(body: dict[str, Any]) -> int:
-    """A prompt token count no byte-level or character vocabulary exceeds: a token per
-    UTF-8 byte of everything that renders into the prompt (messages with their names and
-    tool calls, tool definitions), plus 16 a message for the template's own tokens and 64
-    more. Admission reserves it when no backend can count the tokens (Proxy._prompt_tokens);
-    the reservation is settled with the backend's real count when the request ends."""
-    if "messages" in body:
-        text = json.dumps([body["messages"], body.get("tools")], ensure_ascii=False)
-        return len(text.encode()) + 16 * len(body["messages"]) + 64
-    if (ids := token_prompts(body)) is not None:
-        return sum(len(t) for t in ids)
-    p = body.get("prompt")
-    texts = p if isinstance(p, list) else [p or ""]
-    return sum(len(str(t).encode()) + 16 for t in texts)
-
-
-def token_prompts(body: dict[str, Any]) -> list[list[int]] | None:
-    """A completions body's token-id prompts, one list a prompt (None: its prompts are text)."""
-    p = body.get("prompt")
-    if not isinstance(p, list) or not p or isinstance(p[0], str):
-        return None
-    return [p] if isinstance(p[0], int) else p
 
 
 def tokenize_bodies(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]:

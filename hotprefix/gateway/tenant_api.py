@@ -10,6 +10,7 @@ unknown field is refused as unsupported; roles are OpenAI's, matched exactly.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -297,6 +298,31 @@ def _forwarded(m: Message) -> dict[str, Any]:
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out
+
+
+def prompt_token_bound(body: dict[str, Any]) -> int:
+    """A prompt token count no byte-level or character vocabulary exceeds: a token per
+    UTF-8 byte of everything that renders into the prompt (messages with their names and
+    tool calls, tool definitions), plus 16 a message for the template's own tokens and 64
+    more. Admission reserves it when no backend can count the tokens (Proxy._prompt_tokens);
+    the reservation is settled with the backend's real count when the request ends."""
+    if "messages" in body:
+        text = json.dumps([body["messages"], body.get("tools")], ensure_ascii=False)
+        return len(text.encode()) + 16 * len(body["messages"]) + 64
+    if (ids := token_prompts(body)) is not None:
+        return sum(len(t) for t in ids)
+    p = body.get("prompt")
+    texts = p if isinstance(p, list) else [p or ""]
+    return sum(len(str(t).encode()) + 16 for t in texts)
+
+
+
+def token_prompts(body: dict[str, Any]) -> list[list[int]] | None:
+    """A completions body's token-id prompts, one list a prompt (None: its prompts are text)."""
+    p = body.get("prompt")
+    if not isinstance(p, list) or not p or isinstance(p[0], str):
+        return None
+    return [p] if isinstance(p[0], int) else p
 
 
 def num_sequences(req: TenantRequest) -> int:
