@@ -12,6 +12,12 @@ removes it from the middle of the queue in O(1).
 
 Pinned blocks hold an extra reference from their pin, so they never enter the
 free queue and are never evicted.
+
+A grouped pool (core/kv_groups.py) puts a sliding-window group's out-of-window blocks
+that no retention boundary keeps at the head of the queue instead (`free(..., front=True)`):
+they are the first reused. Blocks of every group share the queue and the map; a window
+group's blocks are cached under their group's key (kv_groups.group_key), and only the
+full group's (group 0) hashes are reported to the tiers and the KV events.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ class IntegrityError(AssertionError):
 @dataclass(eq=False)
 class Block:
     """One KV block: its id (row in the KV tensors), how many holders it has
-    (requests and pins), its hash while it is cached (None otherwise), how many
-    pins hold it, and its links in the free queue (None while not queued)."""
+    (requests and pins), its hash while it is cached (None otherwise) and the KV-cache
+    group whose key that is, how many pins hold it, and its links in the free queue
+    (None while not queued)."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     pin_cnt: int = 0
+    group: int = 0
     prev_free: Block | None = None
     next_free: Block | None = None
 
@@ -84,6 +92,19 @@ class FreeBlockQueue:
         block.prev_free = last
         block.next_free = self._tail
         self._tail.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: Block) -> None:
+        """Put a block at the head (the next to be reused)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise IntegrityError(f"{block} is already in the free queue")
+        first = self._head.next_free
+        if first is None:
+            raise IntegrityError("the free queue lost its head")
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
         self.num_free += 1
 
     def __iter__(self) -> Iterator[Block]:
@@ -142,15 +163,16 @@ class BlockPool:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
-                if self.evictions is not None:
+                if self.evictions is not None and b.group == 0:
                     self.evictions.append((b.block_id, b.block_hash))
-                self._left(b.block_hash)
+                self._left(b)
             b.block_hash = None
+            b.group = 0
             self.num_evicted += 1
 
-    def _left(self, block_hash: BlockHash) -> None:
-        if self.events is not None:
-            self.events.append(Removed(block_hash, Medium.DEVICE))
+    def _left(self, b: Block) -> None:
+        if self.events is not None and b.group == 0 and b.block_hash is not None:
+            self.events.append(Removed(b.block_hash, Medium.DEVICE))
 
     def take_evictions(self) -> list[tuple[int, BlockHash]]:
         """The evictions recorded since the last call (the slots are about to be
@@ -171,14 +193,15 @@ class BlockPool:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Record that a held block holds the KV of block_hash; True if it is now
-        the cached block for it. If another block already caches that hash (two
-        requests computed the same block at once), the first stays the cached one
-        and this block stays uncached (False)."""
+    def cache_block(self, block: Block, block_hash: BlockHash, group: int = 0) -> bool:
+        """Record that a held block holds the KV of block_hash (a key of KV-cache group
+        `group`); True if it is now the cached block for it. If another block already
+        caches that hash (two requests computed the same block at once), the first stays
+        the cached one and this block stays uncached (False)."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
+        block.group = group
         self.cached[block_hash] = block
         return True
 
@@ -187,8 +210,9 @@ class BlockPool:
         A block that is not cached is left as it is."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self._left(block.block_hash)
+            self._left(block)
         block.block_hash = None
+        block.group = 0
 
     def reset_cache(self) -> int:
         """Forget every unreferenced cached block (referenced ones stay cached).
@@ -197,8 +221,9 @@ class BlockPool:
         for b in self.free_queue:
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
-                self._left(b.block_hash)
+                self._left(b)
                 b.block_hash = None
+                b.group = 0
                 n += 1
         return n
 
@@ -206,15 +231,16 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    def free(self, blocks: Iterable[Block]) -> None:
+    def free(self, blocks: Iterable[Block], front: bool = False) -> None:
         """Drop one reference from each block, in the order given; a block whose
-        count reaches zero goes to the tail of the free queue."""
+        count reaches zero goes to the tail of the free queue (front: to its head,
+        the first to be reused)."""
         for b in blocks:
             if b.ref_cnt <= 0:
                 raise IntegrityError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                (self.free_queue.appendleft if front else self.free_queue.append)(b)
 
     def check_integrity(self, held: dict[int, int] | None = None) -> None:
         """Raise IntegrityError unless the pool is consistent.
