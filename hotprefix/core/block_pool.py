@@ -14,10 +14,12 @@ Pinned blocks hold an extra reference from their pin, so they never enter the
 free queue and are never evicted.
 
 A grouped pool (core/kv_groups.py) puts a sliding-window group's out-of-window blocks
-that no retention boundary keeps at the head of the queue instead (`free(..., front=True)`):
-they are the first reused. Blocks of every group share the queue and the map; a window
-group's blocks are cached under their group's key (kv_groups.group_key), and only the
-full group's (group 0) hashes are reported to the tiers and the KV events.
+that no retention boundary keeps in a second queue instead (`free(..., front=True)`):
+allocation takes a block that holds nothing from the head of the free queue first, then
+those, oldest first, and only then evicts the free queue's least recently released block.
+Blocks of every group share the queues and the map; a window group's blocks are cached
+under their group's key (kv_groups.group_key), and only the full group's (group 0)
+hashes are reported to the tiers and the KV events.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Block:
     block_hash: BlockHash | None = None
     pin_cnt: int = 0
     group: int = 0
+    first_out: bool = False  # queued in BlockPool.first_out, not the free queue
     prev_free: Block | None = None
     next_free: Block | None = None
 
@@ -72,6 +75,11 @@ class FreeBlockQueue:
         self.remove(first)
         return first
 
+    def peek(self) -> Block | None:
+        """The first block, or None when empty."""
+        first = self._head.next_free
+        return None if first is self._tail else first
+
     def remove(self, block: Block) -> None:
         """Unlink a queued block. Raises IntegrityError if it is not queued."""
         if block.prev_free is None or block.next_free is None:
@@ -92,19 +100,6 @@ class FreeBlockQueue:
         block.prev_free = last
         block.next_free = self._tail
         self._tail.prev_free = block
-        self.num_free += 1
-
-    def appendleft(self, block: Block) -> None:
-        """Put a block at the head (the next to be reused)."""
-        if block.prev_free is not None or block.next_free is not None:
-            raise IntegrityError(f"{block} is already in the free queue")
-        first = self._head.next_free
-        if first is None:
-            raise IntegrityError("the free queue lost its head")
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
         self.num_free += 1
 
     def __iter__(self) -> Iterator[Block]:
@@ -130,6 +125,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.first_out = FreeBlockQueue(())  # released window blocks no retention boundary keeps
         self.cached: dict[BlockHash, Block] = {}
         self.num_evicted = 0  # cached blocks whose slot was reused (monotonic)
         # (block id, hash) of each eviction since the last `take_evictions`, when a
@@ -141,7 +137,24 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.first_out.num_free
+
+    def _pop(self) -> Block:
+        """The next block to reuse: one holding nothing at the free queue's head, else the
+        oldest of first_out, else the free queue's head (least recently released)."""
+        head = self.free_queue.peek()
+        if self.first_out.num_free and (head is None or head.block_hash is not None):
+            b = self.first_out.popleft()
+            b.first_out = False
+            return b
+        return self.free_queue.popleft()
+
+    def _unqueue(self, b: Block) -> None:
+        if b.first_out:
+            self.first_out.remove(b)
+            b.first_out = False
+        else:
+            self.free_queue.remove(b)
 
     def usage(self) -> float:
         """Share of blocks held by at least one request (0.0 to 1.0)."""
@@ -151,9 +164,9 @@ class BlockPool:
         """Take n free blocks (ref_cnt becomes 1), or return None and change nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > self.free_queue.num_free:
+        if n > self.num_free_blocks:
             return None
-        out = [self.free_queue.popleft() for _ in range(n)]
+        out = [self._pop() for _ in range(n)]
         for b in out:
             self._evict(b)
             b.ref_cnt = 1
@@ -190,7 +203,7 @@ class BlockPool:
         """Take one more reference on cached blocks (a hit); a queued one leaves the free queue."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                self._unqueue(b)
             b.ref_cnt += 1
 
     def cache_block(self, block: Block, block_hash: BlockHash, group: int = 0) -> bool:
@@ -218,7 +231,7 @@ class BlockPool:
         """Forget every unreferenced cached block (referenced ones stay cached).
         Returns how many were dropped."""
         n = 0
-        for b in self.free_queue:
+        for b in [*self.free_queue, *self.first_out]:
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
                 self._left(b)
@@ -233,14 +246,18 @@ class BlockPool:
 
     def free(self, blocks: Iterable[Block], front: bool = False) -> None:
         """Drop one reference from each block, in the order given; a block whose
-        count reaches zero goes to the tail of the free queue (front: to its head,
-        the first to be reused)."""
+        count reaches zero goes to the tail of the free queue (front: of first_out,
+        reused before the free queue's cached blocks)."""
         for b in blocks:
             if b.ref_cnt <= 0:
                 raise IntegrityError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                (self.free_queue.appendleft if front else self.free_queue.append)(b)
+                if front:
+                    b.first_out = True
+                    self.first_out.append(b)
+                else:
+                    self.free_queue.append(b)
 
     def check_integrity(self, held: dict[int, int] | None = None) -> None:
         """Raise IntegrityError unless the pool is consistent.
@@ -248,9 +265,11 @@ class BlockPool:
         held: block_id -> number of references that owners (requests) hold;
         when given, every block's ref_cnt must equal it exactly.
         """
-        queued = self.free_queue.block_ids()
-        if len(queued) != self.free_queue.num_free:
-            raise IntegrityError(f"free count {self.free_queue.num_free} != queue length {len(queued)}")
+        queued = self.free_queue.block_ids() + self.first_out.block_ids()
+        if len(queued) != self.num_free_blocks:
+            raise IntegrityError(f"free count {self.num_free_blocks} != queue length {len(queued)}")
+        if any(not b.first_out for b in self.first_out) or any(b.first_out for b in self.free_queue):
+            raise IntegrityError("a block's first_out mark does not match its queue")
         if len(set(queued)) != len(queued):
             raise IntegrityError("a block is queued twice")
         queued_set = set(queued)

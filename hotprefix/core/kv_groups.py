@@ -27,7 +27,7 @@ another request could hit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
@@ -46,13 +46,14 @@ def window_start(position: int, window: int | None, block_size: int) -> int:
     return 0 if window is None else max(0, position - window + 1) // block_size
 
 
-def longest_tail(cached: Sequence[bool], window: int, block_size: int) -> int:
-    """The most leading blocks p <= len(cached) whose window tail is cached: every block of
-    [window_start(p * block_size), p) is. cached[i]: block i is in the cache."""
-    p = len(cached)
+def longest_tail(n: int, cached: Callable[[int], bool], window: int, block_size: int) -> int:
+    """The most leading blocks p <= n whose window tail is cached: every block of
+    [window_start(p * block_size), p) is (cached(i): block i is in the cache; asked only
+    for the blocks the scan reaches)."""
+    p = n
     while p > 0:
         lo = window_start(p * block_size, window, block_size)
-        miss = next((i for i in range(p - 1, lo - 1, -1) if not cached[i]), None)
+        miss = next((i for i in range(p - 1, lo - 1, -1) if not cached(i)), None)
         if miss is None:
             return p
         p = miss  # a longer p' > miss would need block `miss` too (window starts never fall as p grows)
@@ -62,16 +63,16 @@ def longest_tail(cached: Sequence[bool], window: int, block_size: int) -> int:
 @dataclass(frozen=True)
 class Retention:
     """Which released window blocks keep their place in the free queue (see the module's
-    docstring). every: a boundary every this many tokens (a multiple of the block size;
-    0: none)."""
+    docstring). every: a boundary every this many tokens (rounded down to a block when
+    made; 0: none)."""
 
     block_size: int
     every: int = 0
 
     def __post_init__(self) -> None:
-        if self.every < 0 or self.every % self.block_size:
-            raise ValueError(f"the window retention interval must be a multiple of the block size "
-                             f"({self.block_size}), got {self.every}")
+        if self.every < 0:
+            raise ValueError(f"the window retention interval must be >= 0, got {self.every}")
+        object.__setattr__(self, "every", self.every // self.block_size * self.block_size)
 
     def keeps(self, block: int, window: int, boundaries: Sequence[int]) -> bool:
         """Whether block `block` of a window group is in the window tail of a boundary:
@@ -124,7 +125,7 @@ class WindowGroups:
         for g, w in enumerate(self.windows, 1):
             if n == 0:
                 break
-            n = min(n, longest_tail([self.pool.lookup(group_key(h, g)) is not None for h in hashes[:n]], w,
+            n = min(n, longest_tail(n, lambda i, g=g: self.pool.lookup(group_key(hashes[i], g)) is not None, w,
                                     self.block_size))
         return n
 

@@ -37,9 +37,12 @@ def test_window_rule_helpers():
     assert window_start(3000, W, BS) == (3000 - 511) // 16 == 155
     assert window_start(100, W, BS) == 0 and window_start(3000, None, BS) == 0
     # a hit of p blocks needs [window_start(p * 16), p): block 3 missing allows at most p = 3
-    assert longest_tail([True] * 3 + [False] + [True] * 20, W, BS) == 3
+    def tail(cached: list[bool]) -> int:
+        return longest_tail(len(cached), cached.__getitem__, W, BS)
+
+    assert tail([True] * 3 + [False] + [True] * 20) == 3
     # ... unless the run after the miss covers a whole window tail: p = 37 reads blocks 5..36
-    assert longest_tail([True] * 3 + [False] + [True] * 33, W, BS) == 37
+    assert tail([True] * 3 + [False] + [True] * 33) == 37
     r = Retention(BS, EVERY)
     assert r.keeps(32, W, ()) and r.keeps(63, W, ()) and not r.keeps(31, W, ()) and not r.keeps(64, W, ())
 
@@ -54,13 +57,17 @@ def test_exact_accounting_after_a_3000_token_prompt():
     assert kv.pool.num_free_blocks == 400 - 188 - 33
     # released window blocks, by their index in the sequence
     index = {kv.pool.lookup(group_key(h, 1)).block_id: i for i, h in enumerate(req.block_hashes[:155])}
+    # reused first (after the blocks that hold nothing): the 91 released blocks outside every retained tail
+    first_out = [b.block_id for b in kv.pool.first_out]
+    assert sorted(index[i] for i in first_out) == [*range(32), *range(64, 96), *range(128, 155)]
+    # in the free queue: the 24 never used, then the retained window tails of the 1,024 and 2,048
+    # boundaries (every 1,024 tokens; the prompt's end at block 187 is still held), 32 blocks each
     order = [b.block_id for b in kv.pool.free_queue]
-    # first in line: the 91 released blocks outside every retained tail; then the 24 never used; last the
-    # retained window tails of the 1,024 and 2,048 boundaries (every 1,024 tokens; the prompt's end at
-    # block 187 is still held), 32 blocks each
-    assert sorted(index[i] for i in order[:91]) == [*range(32), *range(64, 96), *range(128, 155)]
-    assert all(kv.pool.blocks[i].block_hash is None for i in order[91:115])
-    assert sorted(index[i] for i in order[115:]) == [*range(32, 64), *range(96, 128)]
+    assert all(kv.pool.blocks[i].block_hash is None for i in order[:24])
+    assert sorted(index[i] for i in order[24:]) == [*range(32, 64), *range(96, 128)]
+    taken = kv.pool.allocate(25)
+    assert [b.block_id for b in taken] == order[:24] + first_out[:1]
+    kv.pool.free(taken)
     kv.free(req)
     kv.check_integrity()
     assert kv.pool.num_free_blocks == 400
@@ -70,8 +77,8 @@ def test_a_hit_at_each_retained_boundary_after_the_released_blocks_are_reused():
     kv = _manager()
     a, _ = _run_prompt(kv, "a", PROMPT)
     kv.free(a)
-    # others take the head of the queue, the 91 window blocks no boundary keeps and the 24 never used,
-    # and give them back uncached, first in line again
+    # others take the 24 blocks never used and the 91 window blocks no boundary keeps, and give them
+    # back uncached, first in line again
     taken = kv.pool.allocate(91 + 24)
     # of the window group's 155 released blocks, only the retained tails (2 x 32) are still cached
     assert sum(kv.pool.lookup(group_key(h, 1)) is not None for h in a.block_hashes[:155]) == 64
@@ -91,7 +98,7 @@ def test_a_shared_prefix_end_is_a_boundary_for_the_requests_that_hit_it():
     a, hits = _run_prompt(kv, "a", system + [5] * 600)
     assert hits == 0
     b, hits = _run_prompt(kv, "b", system + [6] * 600)
-    # the window blocks at 2,000 were released by "a" to the head (no boundary of its own there), but
+    # the window blocks at 2,000 were released by "a" first in line (no boundary of its own there), but
     # nothing was allocated since: b hits the whole system prompt (125 blocks)
     assert hits == 125
     kv.free(a)
