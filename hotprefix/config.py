@@ -226,6 +226,14 @@ class CacheConfig:
     prefix_caching_hash_algo: str = flag("sha256", "block hash: sha256 (same on every server) or xxhash (faster, "
                                          "seeded per process)", group=G.MODEL, choices=("sha256", "xxhash"))
     max_pinned_fraction: float = flag(0.2, "the most of the KV pool that pinned prefixes may hold", group=G.MODEL)
+    kv_cache_groups: bool = flag(
+        True, "sliding-window models: split the KV pool into groups by attention kind, the window layers keeping "
+        "only their window's blocks (docs/engine.md); --no-kv-cache-groups keeps every block in every layer (the "
+        "fused decode step, swap and the KV tiers then apply)", group=G.MODEL, negatable=True)
+    kv_window_retain_interval: int = flag(
+        4096, "sliding-window models: keep the window layers' blocks a prefix hit needs every this many tokens "
+        "(rounded down to a block; 0: none) besides the end of every prompt and every shared prefix; other "
+        "blocks out of the window are reused first (docs/engine.md)", group=G.MODEL)
     swap_space: int = flag(4 << 30, "GiB of host memory for --preemption-mode swap (allocated only in that mode)",
                            group=G.MODEL, unit=GIB,
                            rule=Inert("host memory for --preemption-mode swap only: the default, recompute, "
@@ -256,6 +264,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0, got {self.swap_space}")
+        if self.kv_window_retain_interval < 0:
+            raise ConfigError(f"--kv-window-retain-interval must be >= 0, got {self.kv_window_retain_interval}")
         object.__setattr__(self, "kv_disk_write", as_mode(DiskWritePolicy, "--kv-disk-write", self.kv_disk_write))
         if self.kv_offloading_size < 0 or self.kv_disk_size < 0:
             raise ConfigError("--kv-offloading-size and --kv-disk-size must be >= 0")

@@ -59,6 +59,24 @@ class KVGroupLayout:
                   for j in range(0, len(ls), per)]
         return cls(tuple(w for w, _ in groups), tuple(ls for _, ls in groups), per)
 
+    @classmethod
+    def pooled(cls, layer_windows: Sequence[int | None]) -> KVGroupLayout | None:
+        """The layout the pool is grouped by (core/kv_groups.py), or None where one block table
+        serves every layer: one kind of attention, or windows without a full-attention layer."""
+        layout = cls.of(layer_windows)
+        return layout if len(layout.windows) > 1 and layout.windows[0] is None else None
+
+    def page_bytes(self, kv: KVShape, dtype: str, block_size: int) -> int:
+        """Bytes of one block of any group: K and V of page_layers layers."""
+        return 2 * self.page_layers * kv.num_kv_heads * kv.head_dim * dtype_bytes(dtype) * block_size
+
+    def window_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+        """The most blocks the window groups hold at once for one sequence of num_tokens computing
+        at most chunk_tokens a step: each, the blocks of its window before a chunk and of the chunk."""
+        total = blocks_for_tokens(num_tokens, block_size)
+        return sum(min(total, blocks_for_tokens(w - 1 + min(chunk_tokens, num_tokens), block_size) + 1)
+                   for w in self.windows if w is not None)
+
     def blocks_held(self, group: int, num_tokens: int, block_size: int, retained_tails: int = 0) -> int:
         """Blocks group `group` holds for a sequence of num_tokens: all of them (full), or
         the blocks meeting its last `window` tokens plus `retained_tails` window tails
@@ -74,7 +92,7 @@ class KVGroupLayout:
                            retained_tails: int = 0) -> int:
         """KV bytes a sequence of num_tokens holds over every group (pages of page_layers
         layers; a padded group's page counts whole)."""
-        page = 2 * self.page_layers * kv.num_kv_heads * kv.head_dim * dtype_bytes(dtype) * block_size
+        page = self.page_bytes(kv, dtype, block_size)
         return page * sum(self.blocks_held(g, num_tokens, block_size, retained_tails) for g in range(len(self.windows)))
 
 

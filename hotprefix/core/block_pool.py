@@ -12,6 +12,14 @@ removes it from the middle of the queue in O(1).
 
 Pinned blocks hold an extra reference from their pin, so they never enter the
 free queue and are never evicted.
+
+A grouped pool (core/kv_groups.py) puts a sliding-window group's out-of-window blocks
+that no retention boundary keeps in a second queue instead (`free(..., front=True)`):
+allocation takes a block that holds nothing from the head of the free queue first, then
+those, oldest first, and only then evicts the free queue's least recently released block.
+Blocks of every group share the queues and the map; a window group's blocks are cached
+under their group's key (kv_groups.group_key), and only the full group's (group 0)
+hashes are reported to the tiers and the KV events.
 """
 
 from __future__ import annotations
@@ -30,13 +38,16 @@ class IntegrityError(AssertionError):
 @dataclass(eq=False)
 class Block:
     """One KV block: its id (row in the KV tensors), how many holders it has
-    (requests and pins), its hash while it is cached (None otherwise), how many
-    pins hold it, and its links in the free queue (None while not queued)."""
+    (requests and pins), its hash while it is cached (None otherwise) and the KV-cache
+    group whose key that is, how many pins hold it, and its links in the free queue
+    (None while not queued)."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     pin_cnt: int = 0
+    group: int = 0
+    first_out: bool = False  # queued in BlockPool.first_out, not the free queue
     prev_free: Block | None = None
     next_free: Block | None = None
 
@@ -63,6 +74,11 @@ class FreeBlockQueue:
             raise IndexError("no free blocks")
         self.remove(first)
         return first
+
+    def peek(self) -> Block | None:
+        """The first block, or None when empty."""
+        first = self._head.next_free
+        return None if first is self._tail else first
 
     def remove(self, block: Block) -> None:
         """Unlink a queued block. Raises IntegrityError if it is not queued."""
@@ -109,6 +125,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.first_out = FreeBlockQueue(())  # released window blocks no retention boundary keeps
         self.cached: dict[BlockHash, Block] = {}
         self.num_evicted = 0  # cached blocks whose slot was reused (monotonic)
         # (block id, hash) of each eviction since the last `take_evictions`, when a
@@ -120,7 +137,24 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.first_out.num_free
+
+    def _pop(self) -> Block:
+        """The next block to reuse: one holding nothing at the free queue's head, else the
+        oldest of first_out, else the free queue's head (least recently released)."""
+        head = self.free_queue.peek()
+        if self.first_out.num_free and (head is None or head.block_hash is not None):
+            b = self.first_out.popleft()
+            b.first_out = False
+            return b
+        return self.free_queue.popleft()
+
+    def _unqueue(self, b: Block) -> None:
+        if b.first_out:
+            self.first_out.remove(b)
+            b.first_out = False
+        else:
+            self.free_queue.remove(b)
 
     def usage(self) -> float:
         """Share of blocks held by at least one request (0.0 to 1.0)."""
@@ -130,9 +164,9 @@ class BlockPool:
         """Take n free blocks (ref_cnt becomes 1), or return None and change nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > self.free_queue.num_free:
+        if n > self.num_free_blocks:
             return None
-        out = [self.free_queue.popleft() for _ in range(n)]
+        out = [self._pop() for _ in range(n)]
         for b in out:
             self._evict(b)
             b.ref_cnt = 1
@@ -142,15 +176,16 @@ class BlockPool:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
-                if self.evictions is not None:
+                if self.evictions is not None and b.group == 0:
                     self.evictions.append((b.block_id, b.block_hash))
-                self._left(b.block_hash)
+                self._left(b)
             b.block_hash = None
+            b.group = 0
             self.num_evicted += 1
 
-    def _left(self, block_hash: BlockHash) -> None:
-        if self.events is not None:
-            self.events.append(Removed(block_hash, Medium.DEVICE))
+    def _left(self, b: Block) -> None:
+        if self.events is not None and b.group == 0 and b.block_hash is not None:
+            self.events.append(Removed(b.block_hash, Medium.DEVICE))
 
     def take_evictions(self) -> list[tuple[int, BlockHash]]:
         """The evictions recorded since the last call (the slots are about to be
@@ -168,17 +203,18 @@ class BlockPool:
         """Take one more reference on cached blocks (a hit); a queued one leaves the free queue."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                self._unqueue(b)
             b.ref_cnt += 1
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Record that a held block holds the KV of block_hash; True if it is now
-        the cached block for it. If another block already caches that hash (two
-        requests computed the same block at once), the first stays the cached one
-        and this block stays uncached (False)."""
+    def cache_block(self, block: Block, block_hash: BlockHash, group: int = 0) -> bool:
+        """Record that a held block holds the KV of block_hash (a key of KV-cache group
+        `group`); True if it is now the cached block for it. If another block already
+        caches that hash (two requests computed the same block at once), the first stays
+        the cached one and this block stays uncached (False)."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
+        block.group = group
         self.cached[block_hash] = block
         return True
 
@@ -187,18 +223,20 @@ class BlockPool:
         A block that is not cached is left as it is."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self._left(block.block_hash)
+            self._left(block)
         block.block_hash = None
+        block.group = 0
 
     def reset_cache(self) -> int:
         """Forget every unreferenced cached block (referenced ones stay cached).
         Returns how many were dropped."""
         n = 0
-        for b in self.free_queue:
+        for b in [*self.free_queue, *self.first_out]:
             if b.block_hash is not None:
                 del self.cached[b.block_hash]
-                self._left(b.block_hash)
+                self._left(b)
                 b.block_hash = None
+                b.group = 0
                 n += 1
         return n
 
@@ -206,15 +244,20 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    def free(self, blocks: Iterable[Block]) -> None:
+    def free(self, blocks: Iterable[Block], front: bool = False) -> None:
         """Drop one reference from each block, in the order given; a block whose
-        count reaches zero goes to the tail of the free queue."""
+        count reaches zero goes to the tail of the free queue (front: of first_out,
+        reused before the free queue's cached blocks)."""
         for b in blocks:
             if b.ref_cnt <= 0:
                 raise IntegrityError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                if front:
+                    b.first_out = True
+                    self.first_out.append(b)
+                else:
+                    self.free_queue.append(b)
 
     def check_integrity(self, held: dict[int, int] | None = None) -> None:
         """Raise IntegrityError unless the pool is consistent.
@@ -222,9 +265,11 @@ class BlockPool:
         held: block_id -> number of references that owners (requests) hold;
         when given, every block's ref_cnt must equal it exactly.
         """
-        queued = self.free_queue.block_ids()
-        if len(queued) != self.free_queue.num_free:
-            raise IntegrityError(f"free count {self.free_queue.num_free} != queue length {len(queued)}")
+        queued = self.free_queue.block_ids() + self.first_out.block_ids()
+        if len(queued) != self.num_free_blocks:
+            raise IntegrityError(f"free count {self.num_free_blocks} != queue length {len(queued)}")
+        if any(not b.first_out for b in self.first_out) or any(b.first_out for b in self.free_queue):
+            raise IntegrityError("a block's first_out mark does not match its queue")
         if len(set(queued)) != len(queued):
             raise IntegrityError("a block is queued twice")
         queued_set = set(queued)

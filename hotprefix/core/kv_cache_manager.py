@@ -10,6 +10,11 @@ attends. Until that step has run, the entry is provisional: `commit()` (the step
 succeeded) keeps it, `rollback()` (the step failed, its KV may not be written)
 forgets it, so a later request never hits a block whose KV was never computed.
 Only requests of the same step can hold a provisional block.
+
+A model with sliding-window layers has a grouped pool (`group_windows`, core/kv_groups.py):
+`req_to_blocks` is the full group's table (every block), the window groups' tables keep
+only the blocks their windows meet, a hit is the longest prefix every group has cached,
+and released window blocks follow the retention rule.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
 from hotprefix.core.cache_events import CacheEvent, Medium, Stored
 from hotprefix.core.hashing import BlockHash, BlockHasher
+from hotprefix.core.kv_groups import Retention, WindowGroups
 from hotprefix.core.kv_tiers import HostEntry, KVTiers
 from hotprefix.core.logprob_cache import PromptLogprobCache
 from hotprefix.core.request import Request
@@ -50,13 +56,23 @@ class KVCacheManager:
 
     Mutates the pool: `allocate_slots` takes blocks (shared hits and new ones),
     `free` returns them, `pin`/`unpin` hold and release extra references.
+
+    group_windows: the window of each KV-cache group (sizing.KVGroupLayout.windows; the
+    first None, the full group); (None,) for one group. retain_every: the retention
+    rule's interval in tokens (core/kv_groups.Retention; 0: none). A grouped pool has no
+    tiers (ValueError).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_algo: str = "sha256",
                  max_pinned_fraction: float = 0.2, tiers: KVTiers | None = None,
-                 persist_reused_only: bool = False) -> None:
+                 persist_reused_only: bool = False, group_windows: Sequence[int | None] = (None,),
+                 retain_every: int = 0) -> None:
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"--max-pinned-fraction must be in [0, 1], got {max_pinned_fraction}")
+        if group_windows[0] is not None or any(w is None for w in group_windows[1:]):
+            raise ValueError(f"a grouped pool is one full group, then window groups; got {tuple(group_windows)}")
+        if len(group_windows) > 1 and tiers is not None:
+            raise ValueError("the KV tiers do not follow a grouped pool's window groups yet")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
@@ -76,6 +92,10 @@ class KVCacheManager:
         if self.tiers is not None:
             self.pool.evictions = []
         self.events: list[CacheEvent] | None = None  # see record_events
+        windows = [w for w in group_windows[1:] if w is not None]
+        # the window groups' tables (None: one group); the null block id is one past the pool's last
+        self.windows = WindowGroups(self.pool, windows, Retention(block_size, retain_every)) if windows else None
+        self.null_block_id = num_blocks
 
     def record_events(self) -> None:
         """From now on record every block that enters or leaves the pool or the host tier,
@@ -118,7 +138,19 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.windows is not None and hits:
+            del hits[self.windows.hit(request.block_hashes, len(hits)):]
         return hits
+
+    def _full_run(self, request: Request) -> int:
+        """The longest run of the request's leading blocks the full group has cached (the end of
+        a prompt it shares: a retention boundary of a grouped pool)."""
+        n = 0
+        for h in request.block_hashes[:self.max_hit_blocks(request)]:
+            if self.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
 
     def tier_run(self, request: Request, num_device_hits: int) -> tuple[list[HostEntry], bool]:
         """The blocks below the pool that continue the request's device hits (see
@@ -174,8 +206,11 @@ class KVCacheManager:
         num_loaded blocks (a tier run, which the runner loads into the first
         num_loaded new blocks): the caller then sets num_computed_tokens to
         (len(computed_blocks) + num_loaded) * block_size. Returns the newly
-        allocated blocks, or None when the pool is too small, in which case
-        nothing changed. Newly full blocks are entered in the cache.
+        allocated blocks (a grouped pool's full group's first, then its window
+        groups'), or None when the pool is too small, in which case nothing
+        changed. Newly full blocks are entered in the cache. A grouped pool's
+        window groups first release the blocks before the window of the request's
+        first token to compute, and take their hits' window tails.
         """
         rid = request.request_id
         held = self.req_to_blocks.get(rid, [])
@@ -186,15 +221,24 @@ class KVCacheManager:
         total = computed + num_new_tokens
         need = max(0, blocks_for_tokens(total, self.block_size) - len(held) - len(computed_blocks))
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # hits that leave the free queue
-        if need + reclaimed > self.pool.num_free_blocks:
+        plan = None
+        if self.windows is not None:
+            self.update_hashes(request)
+            plan = self.windows.plan(rid, computed, total, request.block_hashes, len(computed_blocks))
+        if need + reclaimed + (plan.num_new + plan.reclaimed - plan.freed if plan else 0) > self.pool.num_free_blocks:
             return None
+        if plan is not None:
+            fresh = rid not in self.windows.tables
+            self.windows.apply(rid, plan, computed, self._boundaries(request) if fresh else None)
         self.pool.touch(computed_blocks)
-        new = self.pool.allocate(need)
+        new = self.pool.allocate(need + (plan.num_new if plan else 0))
         if new is None:
             raise IntegrityError(f"{need} blocks were counted free but could not be allocated")
+        if plan is not None:
+            self.windows.extend(rid, plan, new[need:])
         blocks = self.req_to_blocks.setdefault(rid, held)
         blocks.extend(computed_blocks)
-        blocks.extend(new)
+        blocks.extend(new[:need])
         if self.tiers is not None:  # hits, from the pool or loaded from a tier: reused blocks
             self._reused.extend(computed_blocks)
             self._reused.extend(new[:num_loaded])
@@ -202,6 +246,17 @@ class KVCacheManager:
             self._num_cached[rid] = len(computed_blocks)
         self._cache_full_blocks(request, blocks, total)
         return new
+
+    def _boundaries(self, request: Request) -> tuple[int, ...]:
+        """A fresh request's retention boundaries, in blocks (core/kv_groups.py): the end of its
+        prompt and of its longest full-group hit."""
+        return (request.num_prompt_tokens // self.block_size, self._full_run(request) if self.enable_caching else 0)
+
+    def advance(self, request: Request) -> None:
+        """After a step: release the window blocks the request's next position no longer reads
+        (a grouped pool; nothing otherwise)."""
+        if self.windows is not None:
+            self.windows.advance(request.request_id, request.num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         if not self.enable_caching:
@@ -216,6 +271,8 @@ class KVCacheManager:
             if self.pool.cache_block(blocks[i], request.block_hashes[i]):
                 self._provisional.append(blocks[i])
                 self._stored(request, i)
+        if self.windows is not None:
+            self._provisional.extend(self.windows.cache_full(rid, request.block_hashes, start, full))
         self._num_cached[rid] = max(full, start)
 
     def _refill_chain(self, request: Request, blocks: list[Block], start: int) -> None:
@@ -258,7 +315,12 @@ class KVCacheManager:
         eviction order). A request without blocks is a no-op."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        if self.windows is None:
+            self.pool.free(reversed(blocks))
+            return
+        tables = self.windows.pop(request.request_id)
+        for i in range(len(blocks) - 1, -1, -1):  # position by position, every group's block at once
+            self.pool.free([b for b in [blocks[i]] + [t[i] for t in tables if i < len(t)] if b is not None])
 
     def trim(self, request: Request) -> None:
         """Return the blocks past those the request's computed tokens need: a speculative
@@ -269,13 +331,23 @@ class KVCacheManager:
         if blocks is None or len(blocks) <= keep:
             return
         tail = blocks[keep:]
+        if self.windows is not None:
+            tail += self.windows.trim(request.request_id, keep)
         if any(b.block_hash is not None or b.ref_cnt != 1 for b in tail):
             raise IntegrityError(f"{request.request_id}: a draft's block is cached or shared: {tail}")
         del blocks[keep:]
         self.pool.free(reversed(tail))
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's full-group block table (every group's table in a one-group pool)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Every group's block table, the full group's first, null_block_id where a window
+        group released a block; () for a one-group pool (block_ids is the table of every layer)."""
+        if self.windows is None:
+            return ()
+        return (self.block_ids(request_id), *self.windows.block_ids(request_id, self.null_block_id))
 
     # -- pins ------------------------------------------------------------------
     def pin(self, hashes: Sequence[BlockHash]) -> int:
@@ -294,6 +366,12 @@ class KVCacheManager:
             if b is None:
                 raise PinError(f"block {i} of the prefix is not in the cache; run the prefix first")
             blocks.append(b)
+        if self.windows is not None:  # and the window tail at its end, so that a hit there stays whole
+            tails = self.windows.tails(hashes)
+            if any(b is None for b in tails):
+                raise PinError("the window layers' blocks at the end of the prefix are not in the cache; "
+                               "run the prefix first")
+            blocks.extend(b for b in tails if b is not None)
         new = sum(1 for b in blocks if b.pin_cnt == 0)
         if self.num_pinned_blocks + new > self.max_pinned_blocks:
             raise PinError(f"pinning {new} more blocks would exceed the limit of {self.max_pinned_blocks} "
@@ -344,8 +422,12 @@ class KVCacheManager:
         """Raise IntegrityError if ref counts differ from what requests and pins
         hold, or the hash map, pins and free queue disagree."""
         held: Counter[int] = Counter()
+        if self.windows is not None and set(self.windows.tables) != set(self.req_to_blocks):
+            raise IntegrityError("the window groups' tables and the full group's belong to different requests")
         for rid, blocks in self.req_to_blocks.items():
             ids = [b.block_id for b in blocks]
+            if self.windows is not None:
+                ids += self.windows.check(rid, len(blocks))
             if len(set(ids)) != len(ids):
                 raise IntegrityError(f"request {rid} holds a block twice")
             held.update(ids)

@@ -28,6 +28,9 @@ class ScheduledRequest:
     # speculative decoding (core/speculation.py): the last len(draft_token_ids) of token_ids are a
     # draft to verify; the runner samples the last len(draft_token_ids) + 1 positions in order
     draft_token_ids: list[int] = field(default_factory=list)
+    # a grouped pool (core/kv_groups.py): every KV-cache group's block table, the full group's
+    # (block_ids) first; a window group's released blocks are the pool's null block id. () for one group.
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass

@@ -326,7 +326,8 @@ class Scheduler:
         req.num_computed_tokens += len(draft)
         return ScheduledRequest(
             request_id=req.request_id, token_ids=tokens, start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id), sample=sample,
+            block_ids=self.kv.block_ids(req.request_id), group_block_ids=self.kv.group_block_ids(req.request_id),
+            sample=sample,
             sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids, draft_token_ids=draft)
 
@@ -347,7 +348,9 @@ class Scheduler:
         self.num_preemptions += 1
         self._step_preemptions += 1
         device = self.kv.block_ids(req.request_id)
-        host = self.swap.allocate(len(device)) if self.config.preemption_mode is PreemptionMode.SWAP else None
+        # (a grouped pool's window tables are not swapped yet: its requests are recomputed)
+        swap = self.config.preemption_mode is PreemptionMode.SWAP and self.kv.windows is None
+        host = self.swap.allocate(len(device)) if swap else None
         self.kv.free(req)
         if host is not None:
             out.swap_out.extend(zip(device, host))
@@ -384,6 +387,9 @@ class Scheduler:
             outputs.append(out := self._append(req, sr, result))
             if out.finished_status is not None:
                 self.finish_requests([req.request_id], out.finished_status)
+        for sr in sched.requests:  # a grouped pool's window blocks its requests have left behind
+            if (req := self.requests.get(sr.request_id)) is not None and req.status is RequestStatus.RUNNING:
+                self.kv.advance(req)
         return outputs
 
     def _append(self, req: Request, sr: ScheduledRequest, result: ModelRunnerOutput) -> EngineCoreOutput:

@@ -68,12 +68,12 @@ class LLMEngine:
         self.disk = self._disk_tier(loaded)  # engine/kv_disk.py; None without --kv-disk-dir
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
-                                 cc.kv_disk_write is DiskWritePolicy.REUSED)
+                                 cc.kv_disk_write is DiskWritePolicy.REUSED, plan.windows, cc.kv_window_retain_interval)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
         self.kv_events = self._kv_events()  # --kv-events-config; None when off
         self.publish_kv_events()  # (the first batch: AllBlocksCleared)
         self.preparer = RequestPreparer(self.encoder, self.grammars, self.arch.vocab_size, self.max_model_len,
-                                        frozenset(eos), plan.block_size, plan.num_blocks)
+                                        frozenset(eos), plan, self.config.scheduler.token_budget)
         self.warmed = False
         if warmup:
             self.warmup()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from hotprefix.core.request import Request
 from hotprefix.engine.outputs import CompletionOutput
@@ -17,9 +18,11 @@ from hotprefix.engine.requests import RequestOptions
 from hotprefix.errors import InvalidRequestError, PromptTooLongError
 from hotprefix.grammar import GrammarCompiler
 from hotprefix.sampling_params import SamplingParams, TokenLogprobs
-from hotprefix.sizing import blocks_for_tokens
 from hotprefix.tokenizers.detokenizer import IncrementalDetokenizer
 from hotprefix.tokenizers.prompt_encoder import PromptEncoder
+
+if TYPE_CHECKING:
+    from hotprefix.model.build import KVPlan
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -69,8 +72,8 @@ class RequestPreparer:
     vocab_size: int
     max_model_len: int
     eos_token_ids: frozenset[int]
-    block_size: int
-    num_blocks: int
+    plan: KVPlan  # the pool
+    chunk_tokens: int  # the most tokens a sequence computes in a step (a grouped pool's window groups need them)
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 options: RequestOptions) -> PreparedRequest:
@@ -142,7 +145,8 @@ class RequestPreparer:
                 raise InvalidRequestError(f"logit_bias token id {t} is out of range for vocabulary size {vocab}",
                                           "logit_bias")
         longest = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
-        if blocks_for_tokens(min(longest, self.max_model_len), self.block_size) > self.num_blocks:
+        longest = min(longest, self.max_model_len)
+        if self.plan.sequence_blocks(longest, self.chunk_tokens) > self.plan.num_blocks:
             raise InvalidRequestError(
-                f"the request may need {min(longest, self.max_model_len)} tokens of KV cache, but the pool holds "
-                f"{self.num_blocks * self.block_size}; lower max_tokens or enlarge the KV cache")
+                f"the request may need {longest} tokens of KV cache, but the pool holds "
+                f"{self.plan.num_tokens}; lower max_tokens or enlarge the KV cache")

@@ -22,7 +22,7 @@ from hotprefix.model.loader import LoadedModel
 from hotprefix.model.parallel import SINGLE, Parallel, ShardPlan, shard_arch
 from hotprefix.model.weight_cache import regrouped_weights
 from hotprefix.model.weight_set import WeightSet
-from hotprefix.sizing import activation_bytes_estimate, gpu_kv_budget, num_blocks_in_budget
+from hotprefix.sizing import KVGroupLayout, activation_bytes_estimate, blocks_for_tokens, gpu_kv_budget
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -89,16 +89,35 @@ def _mode_blocks(loaded: LoadedModel, packed: dict, int8: bool, parallel: Parall
 
 @dataclass(frozen=True)
 class KVPlan:
-    """What start-up decided about the pool."""
+    """What start-up decided about the pool: its blocks (a grouped pool's: pages of its
+    KV-cache groups, sizing.KVGroupLayout), their size and dtype."""
 
     num_blocks: int
     block_size: int
     dtype_name: str
     bytes_per_block: int
+    groups: KVGroupLayout | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV-cache group's window (KVCacheManager's group_windows): (None,) for one group."""
+        return self.groups.windows if self.groups is not None else (None,)
+
+    def sequence_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks one sequence of num_tokens holds at once, computing at most
+        chunk_tokens a step (a grouped pool's window groups hold theirs beside the full group's)."""
+        window = self.groups.window_blocks(num_tokens, self.block_size, chunk_tokens) if self.groups else 0
+        return blocks_for_tokens(num_tokens, self.block_size) + window
+
+
+def kv_groups_of(loaded: LoadedModel, cache: CacheConfig) -> KVGroupLayout | None:
+    """The KV-cache groups the pool is split into (core/kv_groups.py), or None: one block
+    table for every layer (one kind of attention, or --no-kv-cache-groups)."""
+    return KVGroupLayout.pooled(loaded.arch.layer_windows) if cache.kv_cache_groups else None
 
 
 def plan_kv_pool(arch: ModelArch, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
@@ -106,22 +125,23 @@ def plan_kv_pool(arch: ModelArch, cache: CacheConfig, sched: SchedulerConfig, de
     """Size the pool of `arch` (a rank's: its KV heads) from --kv-cache-memory (CPU) or
     --gpu-memory-utilization (CUDA), per device. Raises ConfigError when not even one block fits."""
     name = kv_dtype_name(kv_dtype)
-    bpb = arch.kv_shape.bytes_per_block(name, cache.block_size)
+    groups = kv_groups_of(loaded, cache)  # a grouped pool: blocks of one page (and a null block)
+    bpb = groups.page_bytes(arch.kv_shape, name, cache.block_size) if groups else \
+        arch.kv_shape.bytes_per_block(name, cache.block_size)
     if cache.num_blocks_override is not None:
         n = cache.num_blocks_override
     elif device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
         act = activation_bytes_estimate(sched.token_budget, arch.hidden_size, arch.intermediate_size,
                                         arch.vocab_size, sched.max_num_seqs, torch.finfo(dtype).bits // 8)
-        n = num_blocks_in_budget(gpu_kv_budget(total, cache.gpu_memory_utilization, weight_bytes, act),
-                                 arch.kv_shape, name, cache.block_size)
+        n = max(0, gpu_kv_budget(total, cache.gpu_memory_utilization, weight_bytes, act)) // bpb - bool(groups)
     else:
         budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_BYTES
-        n = num_blocks_in_budget(budget, arch.kv_shape, name, cache.block_size)
+        n = budget // bpb - bool(groups)
     if n < 1:
         raise ConfigError(f"the KV cache budget holds no block of {bpb} bytes; "
                           "raise --kv-cache-memory or --gpu-memory-utilization")
-    return KVPlan(n, cache.block_size, name, bpb)
+    return KVPlan(n, cache.block_size, name, bpb, groups)
 
 
 def return_freed_memory() -> None:

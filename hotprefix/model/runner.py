@@ -20,7 +20,7 @@ from hotprefix.grammar import GrammarCompiler
 from hotprefix.model import steps
 from hotprefix.model.attention import ALL_PATHS, AttentionPaths, BackendSpec, create_backend, resolve_backend
 from hotprefix.model.attention.base import SeqSpan, StepBatch
-from hotprefix.model.build import build_model, plan_kv_pool, resolve_device, resolve_dtype
+from hotprefix.model.build import build_model, kv_groups_of, plan_kv_pool, resolve_device, resolve_dtype
 from hotprefix.model.kernels.build import cpu_vector_flags, packable, resolve_matmul
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
@@ -56,9 +56,10 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         self.block_size = cache_cfg.block_size
         self.backend_kind = resolve_backend(model_cfg.attention_backend, self.device)
+        self.kv_groups = kv_groups_of(loaded, cache_cfg)  # None: one block table for every layer
         self.backend = create_backend(self.backend_kind, BackendSpec(
             arch.num_layers, self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-            arch.layer_windows, self.block_size, kv_dtype))
+            arch.layer_windows, self.block_size, kv_dtype, self.kv_groups))
         self.model, self.served_weight_bytes = build_model(loaded, self.device, self.dtype, kernels, int8,
                                                            self.backend, model_cfg.seed, parallel)
         self.arch = self.model.arch
@@ -67,17 +68,23 @@ class ModelRunner:
         plan = plan_kv_pool(self.arch, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
         self.plan = replace(plan, num_blocks=parallel.min_int(plan.num_blocks))  # (the same block ids everywhere)
         self.kv_cache = KVCache(self.arch.num_layers, self.plan.num_blocks, self.block_size,
-                                self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device)
+                                self.arch.num_kv_heads, self.arch.head_dim, kv_dtype, self.device,
+                                groups=self.kv_groups)
         self.max_model_len = model_cfg.context_length(self.arch.max_position_embeddings)
         self.steps = self._step_runners(model_cfg, sched_cfg, int8)
         self.num_host_blocks = 0
         self.host_kv: list = []
-        if sched_cfg.preemption_mode is PreemptionMode.SWAP:
+        # a grouped pool's window tables follow neither swap nor the tiers yet (core/kv_groups.py): recompute, no tiers
+        grouped = self.kv_groups is not None
+        if sched_cfg.preemption_mode is PreemptionMode.SWAP and not grouped:
             self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block
             self.host_kv = self.kv_cache.make_host_copy(self.num_host_blocks)
         # the host tier's arena (core/kv_tiers.py decides what moves; engine/kv_disk.py may sit behind it)
         self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // self.plan.bytes_per_block) \
-            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching else None
+            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching and not grouped else None
+        if grouped and (cache_cfg.host_tier_bytes or sched_cfg.preemption_mode is PreemptionMode.SWAP):
+            log.warning("a grouped KV pool (sliding-window layers) has no host or disk tier and preempts by "
+                        "recompute: --kv-offloading-size and --preemption-mode swap are not followed")
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.matchers = GrammarMatchers(grammars, loaded.arch.vocab_size) if grammars is not None else None
@@ -128,10 +135,14 @@ class ModelRunner:
         if n < 1:
             return
         ids = [0] * n
-        blocks = list(range(-(-(n + 1) // self.block_size)))
+        per = -(-(n + 1) // self.block_size)
+        groups = len(self.kv_groups.windows) if self.kv_groups is not None else 0
+        if per * max(1, groups) > self.plan.num_blocks:
+            return
+        tables = tuple(list(range(g * per, (g + 1) * per)) for g in range(groups))  # a grouped pool: each its own
         for start, chunk in ((0, ids), (n, [0])):
-            self.forward(SchedulerOutput([ScheduledRequest("warmup", chunk, start, blocks, False, SamplingParams(),
-                                                           ids, [])]))
+            self.forward(SchedulerOutput([ScheduledRequest("warmup", chunk, start, list(range(per)), False,
+                                                           SamplingParams(), ids, [], group_block_ids=tables)]))
         self.num_computed_tokens_total = 0
 
     def strategy(self, cls: type) -> object | None:
@@ -141,31 +152,38 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------
     def _batch(self, sched: SchedulerOutput) -> StepBatch:
         """The step's tokens, positions, KV slots and sequence spans (a draft's positions one
-        span each). Raises ValueError
+        span each; in a grouped pool, every group's tables and slots). Raises ValueError
         for an empty chunk (the scheduler never makes one; native kernels crash on it)."""
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         seqs: list[SeqSpan] = []
+        num_groups = len(self.kv_groups.windows) if self.kv_groups is not None else 0
+        slots: list[list[int]] = [[] for _ in range(max(1, num_groups))]
         bs = self.block_size
         for r in sched.requests:
             n = len(r.token_ids)
             if n == 0:
                 raise ValueError(f"request {r.request_id}: a scheduled chunk must hold at least one token")
+            tables = r.group_block_ids if num_groups else (r.block_ids,)
+            if len(tables) != max(1, num_groups):
+                raise ValueError(f"request {r.request_id}: {len(tables)} block tables for {num_groups} KV-cache groups")
             # a draft to verify: its positions as decode rows of one sequence (each sees the KV the others
             # write in the same layer: every layer writes the step's KV before it attends), so a step of
             # decodes and drafts stays a decode step (the fused one); the same logits as one chunk
             rows = [(j, 1) for j in range(n)] if r.draft_token_ids else [(0, n)]
-            seqs.extend(SeqSpan(len(ids) + j, m, r.start_pos + j, r.block_ids) for j, m in rows)
+            seqs.extend(SeqSpan(len(ids) + j, m, r.start_pos + j, r.block_ids, tables if num_groups else ())
+                        for j, m in rows)
             ids.extend(r.token_ids)
             rng = range(r.start_pos, r.start_pos + n)
             pos.extend(rng)
-            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in rng)
+            for out, table in zip(slots, tables):
+                out.extend(table[p // bs] * bs + p % bs for p in rng)
         dev = self.device
         def t(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.long, device=dev)
 
-        return StepBatch(t(ids), t(pos), t(slots), seqs, bs)
+        group_slots = tuple(map(t, slots)) if num_groups else ()
+        return StepBatch(t(ids), t(pos), group_slots[0] if num_groups else t(slots[0]), seqs, bs, group_slots)
 
     def prepare(self, sched: SchedulerOutput, paths: AttentionPaths = ALL_PATHS) -> tuple[StepBatch, object]:
         """The step as the model takes it, and its attention metadata (the backend's)."""

@@ -115,7 +115,7 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
         ("max concurrency, nothing shared", lambda r: "-" if r.max_concurrency_unshared is None
          else str(r.max_concurrency_unshared)),
         (f"one {reports[0].max_model_len}-token sequence in KV groups, {reports[0].retained_tails} tails kept "
-         "(planned; the pool holds all-full)",
+         "(as the grouped pool holds it; tails kept in line, not held)",
          lambda r: f"{_human(r.sequence_bytes)} ({r.sequence_bytes / max(r.sequence_bytes_full, 1):.0%} of all-full)"),
         ("host tier (--kv-offloading-size)", lambda r: _tier(r.host_tier_blocks, r.host_tier_prompts, r.block_size)),
         ("disk tier (--kv-disk-size)", lambda r: _tier(r.disk_tier_blocks, r.disk_tier_prompts, r.block_size)),

@@ -155,14 +155,16 @@ def test_sliding_window_answers_are_the_answer_alone(gemma_loaded, mode, tmp_pat
     """The same promise with layers of two windows: each layer's plans (a window's start
     per query; cascades on the global layers only) give the answer alone's bits."""
     assert len(set(gemma_loaded.arch.layer_windows)) == 2
-    check_workloads(gemma_loaded, mode, tmp_path, 6)
+    # one block table for every layer (--no-kv-cache-groups): the tiers and swap these workloads reach do not
+    # follow a grouped pool yet (docs/engine.md)
+    check_workloads(gemma_loaded, mode, tmp_path, 6, kv_cache_groups=False)
 
 
-def check_workloads(loaded, mode: str, tmp_path, max_examples: int) -> None:
+def check_workloads(loaded, mode: str, tmp_path, max_examples: int, **fixed) -> None:
     """Random workloads (and the tiered examples) on `loaded` with caching on: every answer
     equals the request's answer alone with caching off, and the workloads did hit the
-    cache, cascade, preempt and load from both tiers."""
-    reference = make_engine(loaded, mode, caching=False)
+    cache, cascade, preempt and load from both tiers. fixed: config every engine takes."""
+    reference = make_engine(loaded, mode, caching=False, **fixed)
     alone: dict[tuple, tuple] = {}
     seen: Counter = Counter()
     runs = iter(range(10**6))
@@ -188,14 +190,14 @@ def check_workloads(loaded, mode: str, tmp_path, max_examples: int) -> None:
         requests, config, disk, before = w
         tmp = str(tmp_path / f"d{next(runs)}") if disk else None
         if before:  # the disk tier's blocks from a previous start
-            engine = make_engine(loaded, mode, caching=True, tmp=tmp, **config)
+            engine = make_engine(loaded, mode, caching=True, tmp=tmp, **config, **fixed)
             try:
                 finals = run_interleaved(engine, before)
             finally:
                 engine.close()
             for i, (prompt, params, _) in enumerate(before):
                 assert answer(finals[i]) == reference_answer(prompt, params)
-        engine = make_engine(loaded, mode, caching=True, tmp=tmp, **config)
+        engine = make_engine(loaded, mode, caching=True, tmp=tmp, **config, **fixed)
         try:
             finals = run_interleaved(engine, requests)
             stats = engine.scheduler.make_stats()

@@ -235,8 +235,9 @@ def fake_model(window: int | None = None) -> SimpleNamespace:
 
 
 def fake_pool(device: str) -> SimpleNamespace:
-    """A KV cache as decode_graphs reads it (its device, its block size)."""
-    return SimpleNamespace(layers=[SimpleNamespace(k=SimpleNamespace(device=torch.device(device)))], block_size=16)
+    """A KV cache as decode_graphs reads it (its device, its block size, one block table for every layer)."""
+    return SimpleNamespace(layers=[SimpleNamespace(k=SimpleNamespace(device=torch.device(device)))], block_size=16,
+                           grouped=False)
 
 
 @pytest.fixture

@@ -21,9 +21,10 @@ LAYERED = AttentionPaths(fused_decode=False)
 
 
 def runner_for(path, block_size: int = 8, blocks: int = 64, kv: str = "auto") -> ModelRunner:
+    # (one block table for every layer: the fused step does not take a grouped pool's tables yet)
     r = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
-                    CacheConfig(block_size=block_size, num_blocks_override=blocks, kv_cache_dtype=kv),
-                    SchedulerConfig())
+                    CacheConfig(block_size=block_size, num_blocks_override=blocks, kv_cache_dtype=kv,
+                                kv_cache_groups=False), SchedulerConfig())
     assert r.strategy(FusedDecode) is not None, "int8 mode with a C compiler always builds the fused path"
     return r
 

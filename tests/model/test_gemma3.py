@@ -70,8 +70,8 @@ def test_chunked_batches_across_windows_and_blocks_match_transformers(tiny):
              {"long": 1}, {"long": 5}]
     for mode in ("float32", "int8"):
         runner = ModelRunner(loaded, ModelConfig(device="cpu", quantized_matmul=mode),
-                             CacheConfig(block_size=BLOCK, num_blocks_override=64), SchedulerConfig())
-        ours = run_chunks(runner, seqs, steps, blocks)
+                             CacheConfig(block_size=BLOCK, num_blocks_override=128), SchedulerConfig())
+        ours = run_chunks(runner, seqs, steps, blocks)  # (17 blocks in each of the 7 KV-cache groups)
         for name, ids in seqs.items():
             err = rel_err(ours[name], hf_logits(hf, ids))
             assert err <= 1e-4, f"{mode}/{name}: relative error {err:.2e}"
@@ -88,7 +88,7 @@ def test_greedy_tokens_and_prefix_hits_inside_and_outside_the_window(tiny):
     window (4 tokens cached) and past it (24 cached: the local layers read only the last
     window of them)."""
     folder, hf = tiny
-    llm = LLM(model=str(folder), block_size=BLOCK, num_blocks_override=64)
+    llm = LLM(model=str(folder), block_size=BLOCK, num_blocks_override=7 * 64)  # (blocks of one layer: 7 groups)
     g = torch.Generator().manual_seed(11)
     base = torch.randint(3, 320, (30,), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -119,7 +119,7 @@ def test_gguf_is_read_as_llama_cpp_writes_it(tmp_path):
             ("gemma3", KINDS, WINDOW, 1e4, False)
         assert a.rope_scaling == {"rope_type": "linear", "factor": 8.0}
         runner = ModelRunner(loaded, ModelConfig(device="cpu", quantized_matmul=mode),
-                             CacheConfig(block_size=BLOCK, num_blocks_override=16), SchedulerConfig())
+                             CacheConfig(block_size=BLOCK, num_blocks_override=48), SchedulerConfig())
         got = run_chunks(runner, {"a": ids}, [{"a": 13}, {"a": 8}], {"a": list(range(6))})["a"]
         assert rel_err(got, ref) <= bound, qtype
 
@@ -182,6 +182,6 @@ def test_backends_give_each_layer_its_window(tiny, backend):
     out = {}
     for b in ("cpu", backend):
         runner = ModelRunner(loaded, ModelConfig(device="cpu", attention_backend=b),
-                             CacheConfig(block_size=BLOCK, num_blocks_override=16), SchedulerConfig())
+                             CacheConfig(block_size=BLOCK, num_blocks_override=48), SchedulerConfig())
         out[b] = run_chunks(runner, {"a": ids}, steps, {"a": [3, 1, 4, 0]})["a"]
     assert rel_err(out[backend], out["cpu"]) <= 1e-5

@@ -42,15 +42,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_chunks(runner: ModelRunner, seqs: dict[str, list[int]], steps: list[dict[str, int]],
                blocks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """Feed each sequence through the runner in the given chunk sizes (one dict
-    per step: name -> tokens this step) and collect its logits per position."""
+    per step: name -> tokens this step) and collect its logits per position. A grouped
+    pool's window groups get tables of their own, from the blocks no sequence names."""
     done = {k: 0 for k in seqs}
+    tables = group_tables(runner, blocks)
     got: dict[str, list[torch.Tensor]] = {k: [] for k in seqs}
     for step in steps:
         reqs = []
         for name, n in step.items():
             start = done[name]
             reqs.append(ScheduledRequest(name, seqs[name][start:start + n], start, blocks[name], True,
-                                         SamplingParams(), seqs[name], []))
+                                         SamplingParams(), seqs[name], [], group_block_ids=tables[name]))
             done[name] += n
         logits = runner.all_logits(SchedulerOutput(reqs))
         off = 0
@@ -59,6 +61,16 @@ def run_chunks(runner: ModelRunner, seqs: dict[str, list[int]], steps: list[dict
             off += len(r.token_ids)
     assert all(done[k] == len(v) for k, v in seqs.items()), "the steps must cover every token"
     return {k: torch.cat(v) for k, v in got.items()}
+
+
+def group_tables(runner: ModelRunner, blocks: dict[str, list[int]]) -> dict[str, tuple[list[int], ...]]:
+    """Each sequence's table in every KV-cache group of a grouped pool (the full group's: `blocks`; each
+    window group's: as many blocks that no sequence names); () for a one-group pool."""
+    if runner.kv_groups is None:
+        return {k: () for k in blocks}
+    used = {b for v in blocks.values() for b in v}
+    free = iter(b for b in range(runner.plan.num_blocks) if b not in used)
+    return {k: (v, *[[next(free) for _ in v] for _ in runner.kv_groups.windows[1:]]) for k, v in blocks.items()}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -272,3 +272,29 @@ def test_fp8_e4m3_read_is_torchs_value(e4m3_path, max_query_len):
     assert torch.equal(got[~nan], want[~nan])
     if e4m3_path == "integers" or not triton_attention.INTERPRETED:
         assert got[nan].isnan().all()
+
+
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_a_window_never_reads_a_released_block(name):
+    """A grouped pool's window group names the pool's null block where it released one,
+    before the window of the step's first query (core/kv_groups.py): here that block is
+    NaN, and the answer is the reference's (the keys before the window are never loaded)."""
+    case = PREFILL["window"] if name == "prefill" else DECODE["window"]
+    q, k_new, v_new, layer, slots, meta, stored = build(case)
+    null = layer.k.shape[1] // case.block_size  # one block past the pool
+    nan = torch.full((case.kvh, case.block_size, case.d), float("nan"))
+    dev = torch.device(DEVICE)
+    layer = LayerKV(0, torch.cat([layer.k, nan], 1).to(dev), torch.cat([layer.v, nan], 1).to(dev))
+    tables = meta.block_tables.clone()
+    released = 0
+    for i, (c, n) in enumerate(zip(case.ctx, case.q_len)):
+        first = max(0, c - n - case.window + 1) // case.block_size
+        tables[i, :first] = null
+        released += first
+    assert released > 0
+    meta = triton_attention.TritonMeta(tables.to(dev), meta.seq_lens.to(dev), meta.query_start_loc.to(dev),
+                                       meta.max_query_len, meta.block_size, meta.num_splits, meta.sliding_window)
+    scale = case.d ** -0.5
+    out = triton_attention.paged_attention(q.to(dev), k_new.to(dev), v_new.to(dev), layer, slots.to(dev), meta,
+                                           scale).cpu()
+    assert (out.double() - reference(case, q, stored, scale)).abs().max().item() <= F32

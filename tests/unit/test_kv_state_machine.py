@@ -2,7 +2,10 @@
 append, free, abort, preempt, pin, unpin, reset, and steps that fail (their cache
 entries rolled back, their requests freed); integrity after every step, and a
 model-based check that a shared block always holds exactly the tokens the
-sharing request expects (a block whose KV was never written is never a hit)."""
+sharing request expects (a block whose KV was never written is never a hit).
+GroupedKVMachine runs the same rules over a grouped pool (a full group and a window
+group, core/kv_groups.py): every group's blocks are checked, and the window group's
+table after every change."""
 
 from __future__ import annotations
 
@@ -21,23 +24,39 @@ prompts = st.lists(st.integers(0, 2), min_size=1, max_size=9)
 
 
 class KVMachine(RuleBasedStateMachine):
+    GROUPS: tuple[int | None, ...] = (None,)
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, max_pinned_fraction=0.5)
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, max_pinned_fraction=0.5, group_windows=self.GROUPS, retain_every=4)
         self.running: dict[str, object] = {}
         self.n = 0
         # Ground truth: (salt, tokens) whose KV each block holds, by block id.
         self.contents: dict[int, tuple[int, ...]] = {}
         self.pinned_prefixes: list[list] = []
 
+    def _tables(self, req) -> list[list]:
+        """The request's block table in every group (None where a window group released one)."""
+        windows = self.kv.windows.tables.get(req.request_id, []) if self.kv.windows is not None else []
+        return [self.kv.req_to_blocks.get(req.request_id, [])] + windows
+
     def _record(self, req) -> None:
-        blocks = self.kv.req_to_blocks.get(req.request_id, [])
         toks = req.all_token_ids
-        for i, b in enumerate(blocks):
-            lo = i * BS
-            hi = min(lo + BS, req.num_computed_tokens)
-            if hi > lo:
-                self.contents[b.block_id] = (req.cache_scope.salt, tuple(toks[lo:hi]))
+        for blocks in self._tables(req):
+            for i, b in enumerate(blocks):
+                lo = i * BS
+                hi = min(lo + BS, req.num_computed_tokens)
+                if hi > lo and b is not None:
+                    self.contents[b.block_id] = (req.cache_scope.salt, tuple(toks[lo:hi]))
+        self.kv.advance(req)  # then, as the scheduler does after a step, the window's release
+
+    def _check_hits(self, req, num_hits: int) -> None:
+        """Every group's blocks that a fresh allocation took from the cache hold the request's tokens."""
+        for blocks in self._tables(req):
+            for i, b in enumerate(blocks[:num_hits]):
+                if b is not None:
+                    expect = (req.cache_scope.salt, tuple(req.all_token_ids[i * BS:(i + 1) * BS]))
+                    assert self.contents[b.block_id] == expect
 
     @rule(prompt=prompts, salt=st.sampled_from([None, "x"]))
     def allocate(self, prompt, salt):
@@ -49,6 +68,7 @@ class KVMachine(RuleBasedStateMachine):
         n = req.num_tokens - len(hits) * BS
         if self.kv.allocate_slots(req, n, hits) is None:
             return
+        self._check_hits(req, len(hits))
         self.kv.commit()
         req.num_computed_tokens = req.num_tokens
         self.running[req.request_id] = req
@@ -109,6 +129,7 @@ class KVMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits) is None:
             del self.running[req.request_id]
             return
+        self._check_hits(req, len(hits))
         self.kv.commit()
         req.num_computed_tokens = req.num_tokens
         self._record(req)
@@ -152,3 +173,13 @@ class KVMachine(RuleBasedStateMachine):
 
 KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVMachine = KVMachine.TestCase
+
+
+class GroupedKVMachine(KVMachine):
+    """A full group and a window group of 3 tokens (window tails kept every 4 tokens)."""
+
+    GROUPS = (None, 3)
+
+
+GroupedKVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestGroupedKVMachine = GroupedKVMachine.TestCase

@@ -5,16 +5,24 @@ A step is T tokens from B sequences laid end to end. Sequence b owns queries
 [q_start, q_start + q_len) of the flat batch; they sit at positions start_pos ..
 start_pos + q_len - 1 of its context, whose KV lives in its blocks (block_ids) once
 this step's keys and values are written.
+
+A grouped pool (core/kv_groups.py, sizing.KVGroupLayout) gives every KV-cache group its
+own block table and slots: a sequence's `group_block_ids` and the batch's `group_slots`,
+the full group's first (`block_ids`, `slot_mapping`); `StepBatch.for_group` is the step
+as one group's layers see it. A window group's table holds the pool's null block id where
+it released a block: no backend reads a key before the window of a sequence's first query.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from hotprefix.model.kv_cache import LayerKV
+from hotprefix.sizing import KVGroupLayout
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class SeqSpan:
     q_len: int
     start_pos: int
     block_ids: list[int]
+    group_block_ids: tuple[list[int], ...] = ()  # a grouped pool's: every group's table
 
     @property
     def ctx_len(self) -> int:
@@ -43,6 +52,13 @@ class StepBatch:
     slot_mapping: torch.Tensor
     seqs: list[SeqSpan]
     block_size: int
+    group_slots: tuple[torch.Tensor, ...] = ()  # a grouped pool's: every group's slots [T]
+
+    def for_group(self, group: int) -> StepBatch:
+        """The step as the layers of KV-cache group `group` see it: that group's slots and tables."""
+        return dataclasses.replace(self, slot_mapping=self.group_slots[group], group_slots=(),
+                                   seqs=[dataclasses.replace(s, block_ids=s.group_block_ids[group], group_block_ids=())
+                                         for s in self.seqs])
 
     @property
     def num_tokens(self) -> int:
@@ -90,10 +106,13 @@ class AttentionBackend(Protocol):
 class BackendSpec:
     """What a backend is built from: the device, the compute dtype, the model's attention
     shape and each layer's sliding window (None: every earlier key; a query at p sees
-    [p - window + 1, p]), and the pool's block size and storage dtype.
+    [p - window + 1, p]), the pool's block size and storage dtype, and its KV-cache groups
+    (None: one block table for every layer).
 
-    A step's metadata holds what each window needs once (`windows`), and each layer
-    attends with its own window's, found by its LayerKV's index (`window_of`)."""
+    A step's metadata holds what each plan key needs once (`plan_keys`: each window, or
+    in a grouped pool each group, whose tables differ), and each layer attends with its
+    own key's, found by its LayerKV's index (`key_of`); `views` gives each key's window
+    and the step as its layers see it."""
 
     num_layers: int
     device: torch.device
@@ -104,10 +123,29 @@ class BackendSpec:
     layer_windows: tuple[int | None, ...]
     block_size: int
     kv_dtype: torch.dtype
+    kv_groups: KVGroupLayout | None = None
 
     def __post_init__(self) -> None:
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} windows for {self.num_layers} layers")
+        group_of = {i: g for g, ls in enumerate(self.kv_groups.layers) for i in ls} if self.kv_groups else {}
+        object.__setattr__(self, "_group_of", group_of)
+
+    @property
+    def plan_keys(self) -> tuple[int | None, ...]:
+        """The keys of a step's plans: the windows, or a grouped pool's groups."""
+        return tuple(range(len(self.kv_groups.windows))) if self.kv_groups else self.windows
+
+    def key_of(self, kv: LayerKV) -> int | None:
+        """The plan key of a layer (its group in a grouped pool, else its window)."""
+        return self._group_of[kv.index] if self.kv_groups else self.window_of(kv)
+
+    def views(self, batch: StepBatch) -> list[tuple[int | None, int | None, StepBatch]]:
+        """(key, window, the step as that key's layers see it), for every plan key; the
+        global plan first."""
+        if self.kv_groups is None:
+            return [(w, w, batch) for w in sorted(self.windows, key=lambda w: w is not None)]
+        return [(g, w, batch.for_group(g)) for g, w in enumerate(self.kv_groups.windows)]
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -8,7 +8,9 @@ its step or its cascade. Keys and values are written in C first.
 
 Each layer attends within its own window (BackendSpec.layer_windows): a step holds one
 set of plans per window (a window's plans skip cascades; a query's range starts at its
-window), and a window no query of the step reaches past shares the global plans.
+window), and a window no query of the step reaches past shares the global plans. In a
+grouped pool, one set per KV-cache group (BackendSpec.plan_keys), each over its group's
+tables and writing its group's slots.
 
 The pool may be float32 or fp8 (e4m3, e5m2: read in place, value * scale; written in C,
 rounded as torch's cast rounds). Without the C library, or for a pool of another dtype
@@ -36,9 +38,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CpuPlans:
-    """One window's share of a step: with the kernels, its plans (own, and the cascades'
-    shared prefixes); without, each sequence's slots and mask."""
+    """One plan key's share of a step (a window's, or a KV-cache group's): the slots its
+    layers write [T]; with the kernels, its plans (own, and the cascades' shared
+    prefixes); without, each sequence's slots and mask."""
 
+    slot_mapping: torch.Tensor
     own: AttPlan | None = None
     shared: AttPlan | None = None
     cascades: list[Cascade] = field(default_factory=list)
@@ -47,9 +51,10 @@ class CpuPlans:
 
 @dataclass
 class CpuMeta:
-    """A step for the cpu backend: where each token's K/V goes [T], each window's plans
-    (BackendSpec.windows; every layer of a window reads the same), and the rows' state
-    between a cascade's two passes (one buffer: layers run one at a time)."""
+    """A step for the cpu backend: where each token's K/V goes [T] (the full group's, in a
+    grouped pool), each plan key's plans (BackendSpec.plan_keys; every layer of a key
+    reads the same), and the rows' state between a cascade's two passes (one buffer:
+    layers run one at a time)."""
 
     slot_mapping: torch.Tensor
     windows: dict[int | None, CpuPlans] = field(default_factory=dict)
@@ -72,35 +77,37 @@ class CpuAttention:
                ) -> CpuPlans:
         s = self.spec
         if not self.kernels:
-            return CpuPlans(seqs=[build_seq_attn(span, batch.block_size, window, s.device) for span in batch.seqs])
+            return CpuPlans(batch.slot_mapping,
+                            seqs=[build_seq_attn(span, batch.block_size, window, s.device) for span in batch.seqs])
         if full is not None and not full.cascades and all(span.ctx_len <= window for span in batch.seqs):
             return full  # no query reaches past the window: the same rows, ranges and slots
         own, shared, groups = step_plans(batch, Shape(s.num_heads, s.num_kv_heads, window), paths.cascade)
-        return CpuPlans(own, shared, groups)
+        return CpuPlans(batch.slot_mapping, own, shared, groups)
 
     def prepare(self, batch: StepBatch, paths: AttentionPaths) -> CpuMeta:
         meta = CpuMeta(batch.slot_mapping)
         full = None
-        for w in sorted(self.spec.windows, key=lambda w: w is not None):  # the global plan first
-            meta.windows[w] = self._plans(batch, w, paths, full)
-            full = meta.windows[w] if w is None else full
+        grouped = self.spec.kv_groups is not None  # (each group's tables are its own: no plans shared)
+        for key, w, view in self.spec.views(batch):  # the global plan first
+            meta.windows[key] = self._plans(view, w, paths, None if grouped else full)
+            full = meta.windows[key] if w is None else full
         if any(p.shared is not None for p in meta.windows.values()):
             meta.state = AttState.empty(batch.num_tokens * self.spec.num_heads, self.spec.head_dim)
         return meta
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: CpuMeta,
                scale: float) -> torch.Tensor:
-        plans = meta.windows[self.spec.window_of(kv)]
+        plans = meta.windows[self.spec.key_of(kv)]
         if not self.kernels:
-            kv.write(meta.slot_mapping, k, v)
+            kv.write(plans.slot_mapping, k, v)
             out = torch.empty_like(q)
             attend_seqs(q, k, v, kv, plans.seqs, scale, out, set())
             return out
         scales = (kv.k_scale, kv.v_scale)
         if ops.rows_dense(k, v):
-            ops.kv_write(kv.k, kv.v, meta.slot_mapping, k, v, scales=scales)
+            ops.kv_write(kv.k, kv.v, plans.slot_mapping, k, v, scales=scales)
         else:
-            kv.write(meta.slot_mapping, k, v)
+            kv.write(plans.slot_mapping, k, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         if plans.shared is not None:

@@ -33,12 +33,17 @@ class SeqAttn:
 
 
 def build_seq_attn(span: SeqSpan, block_size: int, sliding_window: int | None, device: torch.device) -> SeqAttn:
-    """Slots and mask for one sequence. Its block ids must cover its context."""
+    """Slots and mask for one sequence. Its block ids must cover its context from the first
+    key its first query sees (with a window, the slots before are never read: a window
+    group's released blocks are the pool's null block)."""
     ctx_len, q_len = span.ctx_len, span.q_len
+    lo = max(0, span.start_pos - sliding_window + 1) if sliding_window else 0
     n_blocks = -(-ctx_len // block_size)
-    blocks = torch.tensor(span.block_ids[:n_blocks], dtype=torch.long, device=device)
+    blocks = torch.tensor(span.block_ids[lo // block_size:n_blocks], dtype=torch.long, device=device)
     offs = torch.arange(block_size, device=device)
-    slots = (blocks[:, None] * block_size + offs[None, :]).reshape(-1)[:ctx_len]
+    first = lo // block_size * block_size  # the first slot gathered holds this position
+    slots = (blocks[:, None] * block_size + offs[None, :]).reshape(-1)[lo - first:ctx_len - first]
+    ctx_len -= lo  # the keys read: positions lo .. ctx_len - 1
     mask = None
     is_causal = False
     windowed = sliding_window is not None and ctx_len > sliding_window

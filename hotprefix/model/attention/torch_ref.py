@@ -15,10 +15,11 @@ from hotprefix.model.kv_cache import LayerKV
 
 @dataclass
 class TorchMeta:
-    """A step for the torch backend: where each token's K/V goes [T], and, for each window
-    (BackendSpec.windows), each sequence's slots and mask."""
+    """A step for the torch backend: for each plan key (BackendSpec.plan_keys: a window,
+    or a grouped pool's group), where each token's K/V goes [T] and each sequence's slots
+    and mask."""
 
-    slot_mapping: torch.Tensor
+    slots: dict[int | None, torch.Tensor]
     windows: dict[int | None, list[SeqAttn]]
 
 
@@ -30,14 +31,17 @@ class TorchAttention:
 
     def prepare(self, batch: StepBatch, paths: AttentionPaths) -> TorchMeta:
         s = self.spec
-        return TorchMeta(batch.slot_mapping, {w: [build_seq_attn(span, batch.block_size, w, s.device)
-                                                  for span in batch.seqs] for w in s.windows})
+        views = s.views(batch)
+        return TorchMeta({key: view.slot_mapping for key, _, view in views},
+                         {key: [build_seq_attn(span, batch.block_size, w, s.device) for span in view.seqs]
+                          for key, w, view in views})
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: TorchMeta,
                scale: float) -> torch.Tensor:
-        kv.write(meta.slot_mapping, k, v)
+        key = self.spec.key_of(kv)
+        kv.write(meta.slots[key], k, v)
         out = torch.empty_like(q)
-        attend_seqs(q, k, v, kv, meta.windows[self.spec.window_of(kv)], scale, out, set())
+        attend_seqs(q, k, v, kv, meta.windows[key], scale, out, set())
         return out
 
     def forget_step_state(self) -> None:

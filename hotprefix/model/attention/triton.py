@@ -20,15 +20,26 @@ from hotprefix.sizing import blocks_for_tokens
 class TritonStep:
     """A step for the triton backend: where each token's K/V goes [T] (-1: nowhere, graph
     padding), the kernels' block tables, lengths and query rows (`triton`), and the same
-    for each window of BackendSpec.windows (its sliding_window set; the tensors shared)."""
+    for each window of BackendSpec.windows (its sliding_window set; the tensors shared).
+    A grouped pool's step (`grouped`) has each group's own slots and TritonMeta instead,
+    by group."""
 
     slot_mapping: torch.Tensor
     triton: TritonMeta
     windows: dict[int | None, TritonMeta]
+    group_slots: dict[int | None, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, slot_mapping: torch.Tensor, meta: TritonMeta, windows: tuple[int | None, ...]) -> TritonStep:
         return cls(slot_mapping, meta, {w: dataclasses.replace(meta, sliding_window=w or 0) for w in windows})
+
+    @classmethod
+    def grouped(cls, spec: BackendSpec, batch: StepBatch) -> TritonStep:
+        metas, slots = {}, {}
+        for g, w, view in spec.views(batch):
+            metas[g] = dataclasses.replace(triton_meta(view, spec.device), sliding_window=w or 0)
+            slots[g] = view.slot_mapping
+        return cls(batch.slot_mapping, metas[0], metas, slots)
 
 
 def triton_meta(batch: StepBatch, device: torch.device) -> TritonMeta:
@@ -53,12 +64,15 @@ class TritonAttention:
         self.spec = spec
 
     def prepare(self, batch: StepBatch, paths: AttentionPaths) -> TritonStep:
+        if self.spec.kv_groups is not None:
+            return TritonStep.grouped(self.spec, batch)
         return TritonStep.of(batch.slot_mapping, triton_meta(batch, self.spec.device), self.spec.windows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: TritonStep,
                scale: float) -> torch.Tensor:
-        return triton_attention.paged_attention(q, k, v, kv, meta.slot_mapping, meta.windows[self.spec.window_of(kv)],
-                                                scale)
+        key = self.spec.key_of(kv)
+        return triton_attention.paged_attention(q, k, v, kv, meta.group_slots.get(key, meta.slot_mapping),
+                                                meta.windows[key], scale)
 
     def forget_step_state(self) -> None:
         """Nothing is kept between steps."""

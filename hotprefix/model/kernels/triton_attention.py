@@ -151,12 +151,14 @@ def _load_kv(c_ptr, base, slot, d, D, mask, scale, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_keys(kc_ptr, vc_ptr, bt_ptr, n0, end, base, d, D, dmask, k_scale, v_scale, BLOCK_SIZE,
+def _load_keys(kc_ptr, vc_ptr, bt_ptr, n0, start, end, base, d, D, dmask, k_scale, v_scale, BLOCK_SIZE,
                BLOCK_N: tl.constexpr, FP8: tl.constexpr):
-    """Keys n0 .. n0 + BLOCK_N - 1 of a sequence (bt_ptr: its block table row), those
-    before `end`: their positions [N], which are valid [N], and K, V [N, D_P2] as float32."""
+    """Keys n0 .. n0 + BLOCK_N - 1 of a sequence (bt_ptr: its block table row), those in
+    [start, end): their positions [N], which are valid [N], and K, V [N, D_P2] as float32.
+    Nothing before `start` is read, not even its block id (a window group's released
+    blocks are the pool's null block)."""
     kpos = n0 + tl.arange(0, BLOCK_N)
-    kvalid = kpos < end
+    kvalid = (kpos >= start) & (kpos < end)
     blk = tl.load(bt_ptr + kpos // BLOCK_SIZE, mask=kvalid, other=0)
     slot = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
     kvmask = kvalid[:, None] & dmask[None, :]
@@ -216,10 +218,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
     base = (h // G).to(tl.int64) * stride_ch
     hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)  # keys past the tile's last query: never seen
-    first = tl.maximum(0, ctx - q_len + mb * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N  # the window's start
-    lo = tl.where(window > 0, first, 0)
+    start = tl.where(window > 0, tl.maximum(0, ctx - q_len + mb * BLOCK_M - window + 1), 0)  # the window's start
+    lo = start // BLOCK_N * BLOCK_N
     for n0 in range(lo, hi, BLOCK_N):
-        kpos, kvalid, k, v = _load_keys(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, ctx, base, d, D, dmask,
+        kpos, kvalid, k, v = _load_keys(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, start, ctx, base, d, D, dmask,
                                         k_scale, v_scale, BLOCK_SIZE, BLOCK_N, FP8)
         m_i, l_i, acc = _prefill_tile(q, k.to(q.dtype), v.to(q.dtype), kpos, kvalid, q_pos, window, scale, m_i, l_i,
                                       acc, IEEE)
@@ -256,7 +258,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, po_ptr, plse_ptr, bt_ptr, seq_lens_ptr
     acc = tl.zeros([G_P2, D_P2], tl.float32)
     base = kvh.to(tl.int64) * stride_ch
     for n0 in range(lo, hi, BLOCK_N):
-        kpos, kvalid, k, v = _load_keys(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, hi, base, d, D, dmask,
+        kpos, kvalid, k, v = _load_keys(kc_ptr, vc_ptr, bt_ptr + b * stride_bt, n0, lo, hi, base, d, D, dmask,
                                         k_scale, v_scale, BLOCK_SIZE, BLOCK_N, FP8)  # k, v: [N, D_P2]
         sc = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # [G_P2, N]
         sc = tl.where(kvalid[None, :], sc, float("-inf"))

@@ -135,6 +135,9 @@ def decode_graphs(backend: AttentionBackendKind, model: torch.nn.Module, kv_cach
     if model_cfg.enforce_eager:
         log.info("--enforce-eager: decode steps run eagerly (no CUDA graphs)")
         return None
+    if kv_cache.grouped:
+        log.info("a grouped KV pool: decode steps run eagerly (the graphs hold one block table per sequence)")
+        return None
     sizes = model_cfg.cuda_graph_sizes or default_sizes(sched_cfg.max_num_seqs)
     windows = tuple(dict.fromkeys(model.arch.layer_windows))  # as BackendSpec.windows
     return DecodeGraphs(model, kv_cache, sizes, blocks_for_tokens(max_model_len, kv_cache.block_size),

@@ -38,6 +38,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
         return "tensor parallelism (the fused step has no all-reduce)"
     if ops.kv_type(pool) is None:
         return "not a float32 or fp8 CPU pool"
+    if kv.grouped:
+        return "a grouped KV pool (each group reads its own block tables; hp_decode_layers takes one)"
     if len(backend.spec.windows) > ops.KINDS:
         return f"layers of more than {ops.KINDS} attention windows"
     for layer in model.model.layers:

@@ -1,0 +1,53 @@
+"""Gemma 3 on a grouped KV pool (core/kv_groups.py): the tiny model of test_gemma3.py
+(seven layers: six local ones of a window of 8, one global; blocks of 4, so seven
+KV-cache groups of one layer each). The pool's null block, which window groups' tables
+name where they released a block, is filled with NaN: greedy tokens still equal
+transformers', on each backend, for prompts far past the window and prefix hits inside
+and past it, so no kernel reads a released block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from tests.model.test_gemma3 import BLOCK, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.conftest import build_tiny_model
+
+    d = tmp_path_factory.mktemp("gemma3g")
+    return d, build_tiny_model(d, "gemma3", seed=3)
+
+
+def _poison_null_block(llm: LLM) -> None:
+    kv = llm.engine.runner.kv_cache
+    null = slice(kv.null_block * kv.block_size, (kv.null_block + 1) * kv.block_size)
+    for page in kv.pages:
+        page.k[:, null] = float("nan")
+        page.v[:, null] = float("nan")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_no_kernel_reads_a_released_block(tiny, backend):
+    folder, hf = tiny
+    llm = LLM(model=str(folder), block_size=BLOCK, num_blocks_override=7 * 64, attention_backend=backend,
+              max_num_batched_tokens=16)  # chunks of 16: prefills cross the window and blocks in several steps
+    kv = llm.engine.kv
+    assert kv.windows is not None and len(kv.windows.windows) == 6 and kv.null_block_id == 7 * 64
+    _poison_null_block(llm)
+    g = torch.Generator().manual_seed(13)
+    base = torch.randint(3, 320, (37,), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = llm.generate([base], params)[0]
+    assert first.outputs[0].token_ids == hf_greedy(hf, base, 10)
+    for keep, cached in ((6, 4), (33, 32), (37 + 10, 44)):  # inside the window, past it, the whole last turn
+        prompt = (base + first.outputs[0].token_ids)[:keep] + torch.randint(3, 320, (5,), generator=g).tolist()
+        out = llm.generate([prompt], params)[0]
+        assert out.num_cached_tokens == cached, keep
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10), keep
+        kv.check_integrity()
+    nulls = [p.k[:, kv.null_block_id * BLOCK:(kv.null_block_id + 1) * BLOCK] for p in llm.engine.runner.kv_cache.pages]
+    assert all(bool(t.isnan().all()) for t in nulls)  # and nothing wrote there
