@@ -146,7 +146,8 @@ class RequestPreparer:
                                           "logit_bias")
         longest = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
         longest = min(longest, self.max_model_len)
-        if self.plan.sequence_blocks(longest, self.chunk_tokens) > self.plan.num_blocks:
+        if (need := self.plan.sequence_blocks(longest, self.chunk_tokens)) > self.plan.num_blocks:
             raise InvalidRequestError(
-                f"the request may need {longest} tokens of KV cache, but the pool holds "
-                f"{self.plan.num_tokens}; lower max_tokens or enlarge the KV cache")
+                f"the request may need {longest} tokens of KV cache ({need} blocks, window groups' included), but "
+                f"the pool holds {self.plan.num_tokens} tokens in {self.plan.num_blocks} blocks; lower max_tokens "
+                "or enlarge the KV cache")

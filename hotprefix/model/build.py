@@ -15,7 +15,7 @@ from hotprefix.config import CacheConfig, ConfigError, SchedulerConfig
 from hotprefix.model.arch import ModelArch
 from hotprefix.model.attention.base import AttentionBackend
 from hotprefix.model.families import model_class
-from hotprefix.model.kernels.build import library
+from hotprefix.model.kernels.build import cpu_vector_flags, library
 from hotprefix.model.kv_cache import kv_dtype_name
 from hotprefix.model.layers import KernelOps, TorchOps
 from hotprefix.model.loader import LoadedModel
@@ -114,10 +114,10 @@ class KVPlan:
         return blocks_for_tokens(num_tokens, self.block_size) + window
 
 
-def kv_groups_of(loaded: LoadedModel, cache: CacheConfig) -> KVGroupLayout | None:
+def kv_groups_of(arch: ModelArch, cache: CacheConfig) -> KVGroupLayout | None:
     """The KV-cache groups the pool is split into (core/kv_groups.py), or None: one block
     table for every layer (one kind of attention, or --no-kv-cache-groups)."""
-    return KVGroupLayout.pooled(loaded.arch.layer_windows) if cache.kv_cache_groups else None
+    return KVGroupLayout.pooled(arch.layer_windows) if cache.kv_cache_groups else None
 
 
 def plan_kv_pool(arch: ModelArch, cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
@@ -125,7 +125,7 @@ def plan_kv_pool(arch: ModelArch, cache: CacheConfig, sched: SchedulerConfig, de
     """Size the pool of `arch` (a rank's: its KV heads) from --kv-cache-memory (CPU) or
     --gpu-memory-utilization (CUDA), per device. Raises ConfigError when not even one block fits."""
     name = kv_dtype_name(kv_dtype)
-    groups = kv_groups_of(loaded, cache)  # a grouped pool: blocks of one page (and a null block)
+    groups = kv_groups_of(arch, cache)  # a grouped pool: blocks of one page (and a null block)
     bpb = groups.page_bytes(arch.kv_shape, name, cache.block_size) if groups else \
         arch.kv_shape.bytes_per_block(name, cache.block_size)
     if cache.num_blocks_override is not None:
@@ -142,6 +142,20 @@ def plan_kv_pool(arch: ModelArch, cache: CacheConfig, sched: SchedulerConfig, de
         raise ConfigError(f"the KV cache budget holds no block of {bpb} bytes; "
                           "raise --kv-cache-memory or --gpu-memory-utilization")
     return KVPlan(n, cache.block_size, name, bpb, groups)
+
+
+def log_weights(loaded: LoadedModel, blocks: bool, int8: bool, served: int) -> None:
+    """Say at start what serves the weights (GGUF blocks: how many, which activations, the CPU's
+    vector flags) and hand the file's read pages back in int8 mode."""
+    if blocks:
+        log.info("the blocks serve %.0f MB of float32 weights, never held", served / 1e6)
+        if loaded.gguf is not None and int8:
+            loaded.gguf.release()  # the file's pages read while loading; embedding rows come back as read
+    if blocks and loaded.packed:
+        log.info("%d weights are read as GGUF blocks (%.0f MB), %s; CPU vector flags: %s", len(loaded.packed),
+                 sum(p.nbytes for p in loaded.packed.values()) / 1e6,
+                 "with int8 activations" if int8 else "with float32 activations",
+                 " ".join(cpu_vector_flags()) or "none")
 
 
 def return_freed_memory() -> None:

@@ -20,8 +20,8 @@ from hotprefix.grammar import GrammarCompiler
 from hotprefix.model import steps
 from hotprefix.model.attention import ALL_PATHS, AttentionPaths, BackendSpec, create_backend, resolve_backend
 from hotprefix.model.attention.base import SeqSpan, StepBatch
-from hotprefix.model.build import build_model, kv_groups_of, plan_kv_pool, resolve_device, resolve_dtype
-from hotprefix.model.kernels.build import cpu_vector_flags, packable, resolve_matmul
+from hotprefix.model.build import build_model, kv_groups_of, log_weights, plan_kv_pool, resolve_device, resolve_dtype
+from hotprefix.model.kernels.build import packable, resolve_matmul
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.loader import LoadedModel
@@ -56,14 +56,14 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         self.block_size = cache_cfg.block_size
         self.backend_kind = resolve_backend(model_cfg.attention_backend, self.device)
-        self.kv_groups = kv_groups_of(loaded, cache_cfg)  # None: one block table for every layer
+        self.kv_groups = kv_groups_of(loaded.arch, cache_cfg)  # None: one block table for every layer
         self.backend = create_backend(self.backend_kind, BackendSpec(
             arch.num_layers, self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim,
             arch.layer_windows, self.block_size, kv_dtype, self.kv_groups))
         self.model, self.served_weight_bytes = build_model(loaded, self.device, self.dtype, kernels, int8,
                                                            self.backend, model_cfg.seed, parallel)
         self.arch = self.model.arch
-        self._log_weights(loaded, blocks, int8, self.served_weight_bytes)
+        log_weights(loaded, blocks, int8, self.served_weight_bytes)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         plan = plan_kv_pool(self.arch, cache_cfg, sched_cfg, self.device, self.dtype, kv_dtype, weight_bytes)
         self.plan = replace(plan, num_blocks=parallel.min_int(plan.num_blocks))  # (the same block ids everywhere)
@@ -72,19 +72,7 @@ class ModelRunner:
                                 groups=self.kv_groups)
         self.max_model_len = model_cfg.context_length(self.arch.max_position_embeddings)
         self.steps = self._step_runners(model_cfg, sched_cfg, int8)
-        self.num_host_blocks = 0
-        self.host_kv: list = []
-        # a grouped pool's window tables follow neither swap nor the tiers yet (core/kv_groups.py): recompute, no tiers
-        grouped = self.kv_groups is not None
-        if sched_cfg.preemption_mode is PreemptionMode.SWAP and not grouped:
-            self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block
-            self.host_kv = self.kv_cache.make_host_copy(self.num_host_blocks)
-        # the host tier's arena (core/kv_tiers.py decides what moves; engine/kv_disk.py may sit behind it)
-        self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // self.plan.bytes_per_block) \
-            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching and not grouped else None
-        if grouped and (cache_cfg.host_tier_bytes or sched_cfg.preemption_mode is PreemptionMode.SWAP):
-            log.warning("a grouped KV pool (sliding-window layers) has no host or disk tier and preempts by "
-                        "recompute: --kv-offloading-size and --preemption-mode swap are not followed")
+        self._host_copies(cache_cfg, sched_cfg)
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
         self.matchers = GrammarMatchers(grammars, loaded.arch.vocab_size) if grammars is not None else None
@@ -94,16 +82,18 @@ class ModelRunner:
         self.num_prompt_logprob_rows_total = 0  # prompt positions scored (prompt logprobs), for tests and stats
         self.paths = ALL_PATHS  # the paths execute() lets a step take (benchmarks compare them)
 
-    def _log_weights(self, loaded: LoadedModel, blocks: bool, int8: bool, served: int) -> None:
-        if blocks:
-            log.info("the blocks serve %.0f MB of float32 weights, never held", served / 1e6)
-            if loaded.gguf is not None and int8:
-                loaded.gguf.release()  # the file's pages read while loading; embedding rows come back as read
-        if blocks and loaded.packed:
-            log.info("%d weights are read as GGUF blocks (%.0f MB), %s; CPU vector flags: %s", len(loaded.packed),
-                     sum(p.nbytes for p in loaded.packed.values()) / 1e6,
-                     "with int8 activations" if int8 else "with float32 activations",
-                     " ".join(cpu_vector_flags()) or "none")
+    def _host_copies(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> None:
+        """Sets num_host_blocks/host_kv (swap) and host_tier (the host tier's arena: core/kv_tiers.py decides
+        what moves; engine/kv_disk.py may sit behind it). A grouped pool's window tables follow neither
+        swap nor the tiers yet (core/kv_groups.py): it preempts by recompute and has no tier."""
+        grouped, swap = self.kv_groups is not None, sched_cfg.preemption_mode is PreemptionMode.SWAP
+        self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block if swap and not grouped else 0
+        self.host_kv: list = self.kv_cache.make_host_copy(self.num_host_blocks) if swap and not grouped else []
+        self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // self.plan.bytes_per_block) \
+            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching and not grouped else None
+        if grouped and (cache_cfg.host_tier_bytes or swap):
+            log.warning("a grouped KV pool (sliding-window layers) has no host or disk tier and preempts by "
+                        "recompute: --kv-offloading-size and --preemption-mode swap are not followed")
 
     def _step_runners(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, int8: bool) -> list:
         """The whole-step strategies this runner may take (model/steps): the fused decode
