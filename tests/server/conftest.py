@@ -20,6 +20,11 @@ from hotprefix.config import KEEP_ALIVE_S, CacheConfig, EngineConfig, ModelConfi
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.llm_engine import LLMEngine
 from hotprefix.server.app import build_app
+from hotprefix.server_config import AdmissionConfig
+
+# The test servers' --preprocess-timeout unless a test sets its own: the default 20 s was
+# outlasted by a chat template on a 2-core machine at load 16 (a 400 the test did not ask for)
+LOADED_PREPROCESS_S = 300.0
 
 
 def free_port() -> int:
@@ -91,7 +96,8 @@ def start_server(folder, server_kw=None, **engine_kw) -> LiveServer:
     cfg = EngineConfig(ModelConfig(model=str(folder), **engine_kw), CacheConfig(**cache), SchedulerConfig(**sched))
     engine = LLMEngine(cfg)
     port = free_port()
-    scfg = ServerConfig(port=port, served_model_names=("tiny",), **(server_kw or {}))
+    server_kw = {"admission": AdmissionConfig(preprocess_timeout=LOADED_PREPROCESS_S), **(server_kw or {})}
+    scfg = ServerConfig(port=port, served_model_names=("tiny",), **server_kw)
     async_engine = AsyncEngine(engine, scfg.admission)
     app = build_app(async_engine, scfg)
     url, server, thread = serve_in_thread(app, port)
@@ -125,6 +131,8 @@ def launch_server(args: list[str], scheme: str = "http", verify=False, path: str
     """`python -m hotprefix serve ARGS --port P` as its own process, once `path` answers 200:
     (the process, its base URL). Its output is kept (stop_process returns it)."""
     port = free_port()
+    if "--preprocess-timeout" not in args:
+        args = [*args, "--preprocess-timeout", str(LOADED_PREPROCESS_S)]
     proc = subprocess.Popen([sys.executable, "-m", "hotprefix", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
