@@ -48,14 +48,14 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def start_to_health(cmd: list[str], port: int, env: dict | None = None, timeout: float = 600.0
-                    ) -> tuple[float, float]:
+def start_to_health(cmd: list[str], port: int, env: dict | None = None, timeout: float = 600.0,
+                    cwd: str | None = None) -> tuple[float, float]:
     """Seconds from launching cmd to a 200 from its /health, and the CPU seconds it used
     until then; the server is then stopped. Raises RuntimeError when it exits or does not
     answer within `timeout`."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=env)
+                            env=env, cwd=(env or {}).get("PYTHONPATH", cwd))
     try:
         while time.perf_counter() - t0 < timeout:
             try:
@@ -81,7 +81,9 @@ def llama_cmd(binary: str, model: str, port: int) -> list[str]:
 
 
 def checkout_env(folder: Path, cache: Path) -> dict:
-    """The environment of a checkout's server: its sources first on the path, its own cache."""
+    """The environment of a checkout's server: its sources first on the path (the server
+    also runs in that folder: `python -m` puts the working directory before PYTHONPATH),
+    its own cache."""
     return {**os.environ, "PYTHONPATH": str(folder.resolve()), "HOTPREFIX_CACHE": str(cache)}
 
 
@@ -108,7 +110,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/tmp/hotprefix-startup-cache", help="the checkouts' caches go under it")
     ap.add_argument("--json")
     a = ap.parse_args()
-    model = Path(a.model)
+    model = Path(a.model).resolve()
     checkouts = dict(c.split("=", 1) for c in a.checkout) or {"this": "."}
     envs = {name: checkout_env(Path(d), Path(a.cache) / name) for name, d in checkouts.items()}
     runs: dict[str, list[tuple[float, float]]] = {}
