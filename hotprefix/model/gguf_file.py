@@ -12,6 +12,7 @@ without a copy; nothing writes to it, so every page stays the page cache's.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -107,9 +108,12 @@ class GGUFFile:
         self.version = self._unpack("<I")
         n_tensors, n_kv = self._unpack("<Q"), self._unpack("<Q")
         self.fields: dict[str, Any] = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # key -> where its key-value record lies in the file
         for _ in range(n_kv):
+            start = self.pos
             key = self._string()
             self.fields[key] = self._value(self._unpack("<I"))
+            self.spans[key] = (start, self.pos)
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -121,6 +125,16 @@ class GGUFFile:
         align = int(self.fields.get("general.alignment", 32))
         start = (self.pos + align - 1) // align * align
         self.tensors = [TensorInfo(n, s, t, start + off) for n, s, t, off in infos]
+
+    def digest(self, prefixes: tuple[str, ...]) -> str:
+        """A digest of the metadata records (key, type, value as stored) whose keys start
+        with one of `prefixes`, in key order: the same for two files that store the same
+        values."""
+        h = hashlib.sha256()
+        for key in sorted(k for k in self.spans if k.startswith(prefixes)):
+            start, end = self.spans[key]
+            h.update(self.buf[start:end])
+        return h.hexdigest()
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)

@@ -5,7 +5,6 @@ Every failure is a ModelLoadError with a one-line message naming what was wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -120,7 +119,7 @@ def load_model(model: str | None, revision: str | None = None, tokenizer: str | 
         t1 = time.monotonic()
         log.info("mapped %s (%.2f GB): %d tensors, %d as blocks, in %.2fs", path.name, path.stat().st_size / 1e9,
                  len(reader.tensors), len(w.packed) + len(w.deferred), t1 - t0)
-        tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(path)
+        tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(path, reader)
         log.info("tokenizer ready in %.2fs", time.monotonic() - t1)
         return LoadedModel(arch, w.tensors, tok, str(path), path.stem, w.packed, w.deferred, reader)
     if path.is_dir():
@@ -270,21 +269,30 @@ def load_tokenizer(name_or_path: str) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {name_or_path}: {str(e).splitlines()[0]}") from None
 
 
-def _tokenizer_cache_dir(path: Path) -> Path:
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+# what a converted tokenizer is made of: the tokenizer's records (vocabulary, merges, types,
+# special ids, chat template) and the architecture (which picks transformers' class)
+TOKENIZER_RECORDS = ("tokenizer.", "general.architecture")
+
+
+def _tokenizer_cache_dir(path: Path, reader: GGUFFile | None = None) -> Path:
+    """Where the converted tokenizer of a GGUF file is kept: named by its tokenizer's
+    records, so that every file that stores the same tokenizer (another quantization,
+    another size of the family, a copy) shares one conversion. Raises GGUFFormatError."""
+    key = (reader or GGUFFile(path)).digest(TOKENIZER_RECORDS)[:16]
     return cache_root() / "gguf-tokenizers" / key
 
 
-def gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer and chat template stored in a GGUF file's metadata.
+def gguf_tokenizer(path: Path, reader: GGUFFile | None = None) -> Any:
+    """The tokenizer and chat template stored in a GGUF file's metadata (`reader`: the
+    file's parsed header, when the caller has it).
 
-    Converting it takes seconds, so the result is saved under
-    $HOTPREFIX_CACHE (default ~/.cache/hotprefix) and reused while the file is unchanged.
+    Converting it takes seconds, so the result is saved under $HOTPREFIX_CACHE (default
+    ~/.cache/hotprefix), named by the tokenizer's records, and reused by every file that
+    stores them.
     """
     from hotprefix.tokenizers.fast_tokenizer import FastTokenizer, mark_generic
 
-    cache = _tokenizer_cache_dir(path)
+    cache = _tokenizer_cache_dir(path, reader)
     try:
         fast = FastTokenizer.from_folder(cache)
         if fast is not None:

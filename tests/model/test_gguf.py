@@ -137,6 +137,22 @@ def test_gguf_tokenizer_and_chat_template(tmp_path, hf_pair, monkeypatch):
     assert again.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
 
 
+def test_files_that_store_the_same_tokenizer_share_one_conversion(tmp_path, hf_pair, monkeypatch):
+    """The converted tokenizer is named by the tokenizer's records, not by the file: another
+    quantization of the same model reads the first one's conversion; another template does not."""
+    monkeypatch.setenv("HOTPREFIX_CACHE", str(tmp_path / "cache"))
+    _, model, tok = hf_pair
+    first = load_model(str(write_gguf(tmp_path / "f32.gguf", model, tok, "F32")))
+    q8 = load_model(str(write_gguf(tmp_path / "q8.gguf", model, tok, "Q8_0")))
+    folders = list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
+    assert len(folders) == 1
+    assert q8.tokenizer("café 東京")["input_ids"] == first.tokenizer("café 東京")["input_ids"]
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    other = load_model(str(write_gguf(tmp_path / "other.gguf", model, tok, "F32")))
+    assert len(list((tmp_path / "cache" / "gguf-tokenizers").iterdir())) == 2
+    assert other.tokenizer.chat_template == tok.chat_template
+
+
 def test_unsupported_tensor_type_is_a_one_line_error(tmp_path, hf_pair):
     import gguf
 

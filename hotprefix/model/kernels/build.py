@@ -64,6 +64,13 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def compile_flags(march: str = "native", defines: tuple[str, ...] = ()) -> list[str]:
+    """The C compiler's flags of the kernel library (benchmarks build with them too)."""
+    # no FP traps are ever read: selects of values computed anyway (silu, exp) may vectorize
+    return ["-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+            *(f"-D{d}" for d in defines)]
+
+
 def build_library(force: bool = False, march: str = "native", defines: tuple[str, ...] = ()) -> Path | None:
     """Compile csrc/*.c for this CPU (cached by sources, CPU flags, `march` and `defines`,
     e.g. ("HP_SIM512",) for tests of the AVX-512 paths on any x86-64 CPU); the .so path,
@@ -72,9 +79,7 @@ def build_library(force: bool = False, march: str = "native", defines: tuple[str
     if cc is None:
         log.info("no C compiler: decoding uses float32 weights")
         return None
-    # no FP traps are ever read: selects of values computed anyway (silu, exp) may vectorize
-    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
-             *(f"-D{d}" for d in defines)]
+    flags = compile_flags(march, defines)
     key = hashlib.sha256((source_digest() + _cpu_signature() + cc + " ".join(flags)).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"hp-{key}.so"
     if out.exists() and not force:

@@ -82,7 +82,12 @@ static void repack_q32(int qtype, const uint8_t *src, int j, uint8_t *u) {
         codes[(k / 4) * 64 + 4 * j + k % 4] = (uint8_t)(qtype == Q5_0 ? q[k] - 16 : q[k]);
 }
 
-/* Row j of a Q4_K/Q5_K unit u from the GGUF super-block src. */
+static inline uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* Row j of a Q4_K/Q5_K unit u from the GGUF super-block src. Every byte of the row's
+ * lanes is stored once (no read-modify-write): four at a time, as 32-bit words whose
+ * byte t is value t of a 4-value slice (little-endian, as the kernels read them). */
 static void repack_q45k(int qtype, const uint8_t *src, int j, uint8_t *u) {
     memcpy(u + 2 * j, src, 2);
     memcpy(u + 32 + 2 * j, src + 2, 2);
@@ -93,26 +98,45 @@ static void repack_q45k(int qtype, const uint8_t *src, int j, uint8_t *u) {
         else { d = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4); m = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4); }
         u[K45_SC + 32 * (s / 2) + 2 * j + s % 2] = (uint8_t)d;
         u[K45_MN + 32 * (s / 2) + 2 * j + s % 2] = (uint8_t)m;
-        for (int l = 0; l < 32; l++) {
-            const int code = (qs[(s / 2) * 32 + l] >> (4 * (s % 2))) & 0xF;
-            const int i = (l % 16) / 4, t = l % 4;
-            u[K45_CODES + 256 * s + 64 * i + 4 * j + t] |= (uint8_t)(l < 16 ? code : code << 4);
-            if (qtype == Q5_K && ((qh[l] >> s) & 1)) u[K5_HI + 64 * s + 4 * j + t] |= (uint8_t)(1 << (l < 16 ? i : 4 + i));
+        /* sub-block s: the low (s even) or high nibbles of qs[32 (s / 2) ..]; slice i of
+         * the chunk holds values 4i + t (low nibble) and 16 + 4i + t (high) */
+        const uint8_t *q = qs + (s / 2) * 32;
+        for (int i = 0; i < 4; i++) {
+            const uint32_t lo = ld32(q + 4 * i), hi = ld32(q + 16 + 4 * i);
+            const uint32_t w = s % 2 ? ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u)
+                                     : (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+            st32(u + K45_CODES + 256 * s + 64 * i + 4 * j, w);
         }
+        if (qtype != Q5_K) continue;
+        /* byte t: bit i = the fifth bit of value 4i + t, bit 4 + i that of 16 + 4i + t */
+        uint32_t hw = 0;
+        for (int i = 0; i < 4; i++) {
+            hw |= ((ld32(qh + 4 * i) >> s) & 0x01010101u) << i;
+            hw |= ((ld32(qh + 16 + 4 * i) >> s) & 0x01010101u) << (4 + i);
+        }
+        st32(u + K5_HI + 64 * s + 4 * j, hw);
     }
 }
 
-/* Row j of a Q6_K unit u from the GGUF super-block src. */
+/* Row j of a Q6_K unit u from the GGUF super-block src, a 32-bit word at a time as
+ * repack_q45k. Sub-block sb holds values 16 sb .. 16 sb + 15: in GGUF's order half
+ * h = sb / 8, quarter q4 = (sb % 8) / 2 (its low bits: a nibble of ql, its top bits 2
+ * bits of qh), and from l = 16 (sb % 2) on within the quarter's 32. */
 static void repack_q6k(const uint8_t *src, int j, uint8_t *u) {
     const uint8_t *ql = src, *qh = src + 128, *sc = src + 192;
     memcpy(u + 2 * j, src + 208, 2);
     for (int s = 0; s < 16; s++) u[K6_SC + 32 * (s / 2) + 2 * j + s % 2] = sc[s];
-    for (int v = 0; v < QKK; v++) {
-        const int h = v / 128, s4 = (v % 128) / 32, l = v % 32;
-        const int code = ((ql[h * 64 + (s4 % 2) * 32 + l] >> (4 * (s4 / 2))) & 0xF) | (((qh[h * 32 + l] >> (2 * s4)) & 3) << 4);
-        const int sb = v / 16, k = v % 16, i = k / 4, t = k % 4;  /* sub-block, slice, place in it */
-        u[K6_LO + 128 * sb + 64 * (i % 2) + 4 * j + t] |= (uint8_t)((code & 0xF) << (i < 2 ? 0 : 4));
-        u[K6_HI + 64 * sb + 4 * j + t] |= (uint8_t)((code >> 4) << (2 * i));
+    for (int sb = 0; sb < 16; sb++) {
+        const int h = sb / 8, q4 = (sb % 8) / 2, l0 = 16 * (sb % 2);
+        const uint8_t *lo = ql + h * 64 + (q4 % 2) * 32 + l0, *hi = qh + h * 32 + l0;
+        const int shl = 4 * (q4 / 2), shh = 2 * q4;
+        for (int a = 0; a < 2; a++) {  /* chunk a: values 4a + t (low nibble) and 8 + 4a + t (high) */
+            const uint32_t v0 = (ld32(lo + 4 * a) >> shl) & 0x0F0F0F0Fu, v1 = (ld32(lo + 8 + 4 * a) >> shl) & 0x0F0F0F0Fu;
+            st32(u + K6_LO + 128 * sb + 64 * a + 4 * j, v0 | (v1 << 4));
+        }
+        uint32_t w = 0;  /* byte t: bits 2i..2i+1 = the top bits of value 4i + t */
+        for (int i = 0; i < 4; i++) w |= ((ld32(hi + 4 * i) >> shh) & 0x03030303u) << (2 * i);
+        st32(u + K6_HI + 64 * sb + 4 * j, w);
     }
 }
 
@@ -127,7 +151,10 @@ int hp_repack(int qtype, const uint8_t *w, int N, int K, uint8_t *out) {
     for (int g = 0; g < groups; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t *u = out + ((size_t)g * nb + b) * ub;
-            memset(u, 0, (size_t)ub);  /* unit by unit: one pass over the output, touched by its thread */
+            /* unit by unit: one pass over the output, touched by its thread. The K-quants
+             * store every byte of a row's lanes: only the padding rows of a last group
+             * need zeros; the 32-value types OR their codes in. */
+            if (!k_family(qtype) || (g + 1) * G > N) memset(u, 0, (size_t)ub);
             for (int j = 0; j < G && g * G + j < N; j++) {
                 const uint8_t *src = w + ((size_t)(g * G + j) * nb + b) * bb;
                 if (qtype == Q6_K) repack_q6k(src, j, u);
