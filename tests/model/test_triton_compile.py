@@ -182,8 +182,7 @@ def compiled() -> dict[int, dict[str, list[dict]]]:
     out = {}
     for cap, p in procs.items():
         stdout, stderr = p.communicate(timeout=1500)
-        if p.returncode == NO_BINDER:
-            pytest.skip(stderr.strip())
+        assert p.returncode != NO_BINDER, "Triton's compiler binder is part of the pinned triton: " + stderr.strip()
         assert p.returncode == 0, stderr[-4000:]
         out[cap] = {r["case"]: r["kernels"] for r in map(json.loads, stdout.splitlines())}
     return out

