@@ -192,9 +192,9 @@ class Proxy:
         if endpoint == "responses":  # counted as the chat it renders as
             view = {k: v for k, v in body.items() if k != LIMIT_FIELDS[endpoint]}  # (its limit is not set yet)
             endpoint, body = "chat", TenantResponses.model_validate(view).chat_view()
-        backend = next((b for b in self.router.order(self.route_key(caller)) if b.supports_salt), None)
-        if endpoint == "completions" and token_prompts(body) is not None:  # counted already
+        if endpoint == "completions" and token_prompts(body) is not None:  # token ids: their count is exact
             return prompt_token_bound(body)
+        backend = next((b for b in self.router.order(self.route_key(caller)) if b.supports_salt), None)
         if backend is not None:
             try:
                 return sum([int((await self._tokenize(backend, req))["count"])

@@ -137,10 +137,7 @@ class TenantCompletion(_Sampling):
 
     def prompts(self) -> list[str] | list[list[int]]:
         """Its prompts, one entry a prompt (a text, or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        return [p] if isinstance(p[0], int) else p  # type: ignore[list-item]
+        return prompt_list(self.prompt)
 
     def token_ids(self) -> bool:
         """Whether its prompts are token ids (lm-eval's tokenized requests)."""
@@ -315,14 +312,17 @@ def prompt_token_bound(body: dict[str, Any]) -> int:
     texts = p if isinstance(p, list) else [p or ""]
     return sum(len(str(t).encode()) + 16 for t in texts)
 
+def prompt_list(p: Any) -> list:
+    """A completions `prompt` (a text, texts, token ids or lists of them; validated), one entry a prompt."""
+    if isinstance(p, str):
+        return [p]
+    return [p] if p and isinstance(p[0], int) else list(p)
 
 
 def token_prompts(body: dict[str, Any]) -> list[list[int]] | None:
     """A completions body's token-id prompts, one list a prompt (None: its prompts are text)."""
     p = body.get("prompt")
-    if not isinstance(p, list) or not p or isinstance(p[0], str):
-        return None
-    return [p] if isinstance(p[0], int) else p
+    return None if not isinstance(p, list) or not p or isinstance(p[0], str) else prompt_list(p)
 
 
 def num_sequences(req: TenantRequest) -> int:
