@@ -18,35 +18,34 @@ the request waits 1, 2, 4 ... up to MAX_BACKOFF steps, and a request that has ta
 GIVE_UP drafts stops proposing. Requests with an output constraint (a grammar) never
 propose: their tokens must pass the grammar one at a time.
 
-Tokens are kept per request as 4-byte words in a bytearray, so a search is bytes.rfind
-(C speed) checked for word alignment.
+Tokens are kept per request as 4-byte words in a bytearray (suffix_table.encode: a
+marked first byte, so whole words match only on word boundaries), so a search is one
+bytes.rfind (C speed).
 """
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 
 from hotprefix.config import SpecMethod, SpeculativeConfig
 from hotprefix.core.request import Request
-from hotprefix.core.suffix_table import WORD, SuffixTable
+from hotprefix.core.suffix_table import WORD, SuffixTable, decode, encode
 
 MAX_BACKOFF = 64  # the most steps a request that took nothing waits before it proposes again
 GIVE_UP = 8  # drafts after which a request that never took a token stops proposing
 
 
 def latest(haystack: bytes | bytearray, pattern: bytes, end: int) -> int:
-    """The word index of the latest occurrence of `pattern` (whole words) in haystack[:end]
-    (bytes), or -1."""
+    """The word index of the latest occurrence of `pattern` (whole `encode`d words) in
+    haystack[:end] (bytes), or -1: only a word's first byte is marked, so any match is on
+    a word boundary."""
     at = haystack.rfind(pattern, 0, end)
-    while at > 0 and at % WORD:  # not on a word boundary: look further back
-        at = haystack.rfind(pattern, 0, at + len(pattern) - 1)
     return at // WORD if at >= 0 else -1
 
 
 def following(haystack: bytes | bytearray, start: int, k: int) -> list[int]:
     """Up to k tokens from word `start` on, ending before a separator (-1) or the end."""
-    tokens = array("i", bytes(haystack[start * WORD:(start + k) * WORD])).tolist()
+    tokens = decode(haystack[start * WORD:(start + k) * WORD])
     return tokens[:tokens.index(-1)] if -1 in tokens else tokens
 
 
@@ -133,9 +132,9 @@ class Speculator:
         """Append the request's tokens not yet in its buffer."""
         p = req.num_prompt_tokens
         if st.num_words < p:
-            st.words += array("i", req.prompt_token_ids[st.num_words:]).tobytes()
+            st.words += encode(req.prompt_token_ids[st.num_words:])
             st.num_words = p
-        st.words += array("i", req.output_token_ids[st.num_words - p:]).tobytes()
+        st.words += encode(req.output_token_ids[st.num_words - p:])
         st.num_words = req.num_tokens
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:

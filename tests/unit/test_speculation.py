@@ -4,8 +4,6 @@ draft: blocks for the draft, the rejected tail's blocks released, stops inside a
 
 from __future__ import annotations
 
-from array import array
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +15,7 @@ from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import RequestStatus
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.core.speculation import GIVE_UP, Speculator, find_draft
-from hotprefix.core.suffix_table import MAX_SCOPES, SuffixTable
+from hotprefix.core.suffix_table import MAX_SCOPES, WORD, SuffixTable, decode, encode
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
 from tests.unit.builders import make_request
 
@@ -25,7 +23,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_l
 
 
 def draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    return find_draft(bytearray(array("i", tokens).tobytes()), min_n, max_n, k)
+    return find_draft(bytearray(encode(tokens)), min_n, max_n, k)
 
 
 def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -52,11 +50,36 @@ def test_the_longest_ngram_then_the_latest_occurrence_wins():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from([0, 1, 256, 257, 65536, 16777216, 16777217, 2**31 - 1]), max_size=40),
+@given(st.lists(st.sampled_from([0, 1, 127, 128, 255, 256, 257, 16383, 16384, 65536, 2**21, 2**21 + 1, 2**28 - 2]),
+                max_size=40),
        st.integers(1, 4), st.integers(0, 3), st.integers(1, 6))
 def test_the_byte_search_is_the_list_search(tokens, min_n, extra, k):
-    """Ids whose bytes match across word boundaries must not match there."""
+    """Ids whose 7-bit groups repeat across word boundaries must not match there."""
     assert draft(tokens, min_n, min_n + extra, k) == reference_draft(tokens, min_n, min_n + extra, k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**28 - 2), min_size=1, max_size=30), st.data())
+def test_whole_words_occur_only_on_word_boundaries(tokens, data):
+    """Why one rfind is enough (the old int32 words made crafted ids match at every byte,
+    and the search stepped back one misaligned match at a time: 0.2-0.35 s a draft on a
+    1 MiB context, on the engine thread): every occurrence of a run of whole words, found
+    byte by byte, starts on a word boundary, and the words decode to the ids."""
+    words = encode(tokens)
+    assert decode(words) == tokens and len(words) == WORD * len(tokens)
+    a = data.draw(st.integers(0, len(tokens) - 1))
+    pattern = encode(tokens[a:data.draw(st.integers(a + 1, len(tokens)))])
+    at = words.find(pattern)
+    while at >= 0:
+        assert at % WORD == 0
+        at = words.find(pattern, at + 1)
+
+
+def test_ids_out_of_range_are_separators():
+    """No id is outside the vocabulary (checked at admission); were one, it ends a draft
+    instead of raising on the engine thread or matching another id."""
+    assert decode(encode([5, -1, 2**28 - 1, 2**40, 6])) == [5, -1, -1, -1, 6]
+    assert draft([3, 2**40, 3, 9, 3], 1, 1, 3) == [9, 3]
 
 
 def decoding(tokens_out: list[int], prompt: list[int], max_tokens: int = 100, **kw):
@@ -236,7 +259,7 @@ def test_the_suffix_table_keeps_a_scopes_last_requests_within_its_bounds():
     table = SuffixTable(max_requests=2, max_scope_tokens=10, max_tokens=14)
 
     def words(*ids: int) -> bytes:
-        return array("i", ids).tobytes()
+        return encode(ids)
 
     table.add("a", words(1, 2, 3))
     table.add("a", words(4, 5))
@@ -256,13 +279,13 @@ def test_the_suffix_table_holds_a_bounded_number_of_scopes():
     requests of ever new salts (one each) cannot grow the table past MAX_SCOPES scopes."""
     small = SuffixTable(max_requests=4, max_scopes=3)
     for i in range(5):
-        small.add(f"s{i}", array("i", [i]).tobytes())
-    assert [small.words(f"s{i}") for i in range(5)] == [b"", b""] + [array("i", [i, -1]).tobytes() for i in (2, 3, 4)]
+        small.add(f"s{i}", encode([i]))
+    assert [small.words(f"s{i}") for i in range(5)] == [b"", b""] + [encode([i, -1]) for i in (2, 3, 4)]
     assert small.num_tokens == 6
     table = SuffixTable(max_requests=4)
     for i in range(MAX_SCOPES + 1):  # (the least recently used scope goes first)
-        table.add(f"salt-{i}", array("i", [7, 8]).tobytes())
-    assert table.words("salt-0") == b"" and table.words("salt-1") == array("i", [7, 8, -1]).tobytes()
+        table.add(f"salt-{i}", encode([7, 8]))
+    assert table.words("salt-0") == b"" and table.words("salt-1") == encode([7, 8, -1])
     assert table.num_tokens == 3 * MAX_SCOPES
 
 
