@@ -9,11 +9,10 @@ KV-cache manager's integrity is checked after every step."""
 
 from __future__ import annotations
 
-from array import array
-
 import pytest
 
 from hotprefix.core import speculation
+from hotprefix.core.suffix_table import decode
 from hotprefix.model.steps.fused_decode import FusedDecode
 from hotprefix.sampling_params import SamplingParams
 from tests.model.test_batch_invariance import loaded, make_engine  # noqa: F401 (a fixture)
@@ -60,7 +59,7 @@ def oracle(reference: dict[tuple, list[tuple[int, ...]]], calls: list):
     prompt it knows: any of its samples whose output so far matches), with the token at
     call-number-dependent position changed (or none), so that every outcome occurs."""
     def find(words, min_n, max_n, k, table=b""):
-        tokens = array("i", bytes(words)).tolist()
+        tokens = decode(words)
         for prompt, samples in reference.items():
             said = tokens[len(prompt):]
             for out in samples:
