@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable
@@ -226,13 +227,35 @@ class LogRow:
                    text("finish_reason", True), kv, prefix)
 
 
+def open_for_append(path: str) -> Any:
+    """The log file opened for appending lines, after cutting a torn last row (one without
+    its newline: a server killed mid-write) so that the next row starts a line of its own
+    and every line stays one JSON object. Logs a warning naming the bytes dropped. Raises
+    OSError as open."""
+    with open(path, "ab+") as f:  # (creates it)
+        end = pos = f.seek(0, os.SEEK_END)
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            f.seek(pos - step)
+            cut = f.read(step).rfind(b"\n")
+            if cut >= 0:
+                pos = pos - step + cut + 1
+                break
+            pos -= step
+        if pos < end:
+            f.truncate(pos)
+            log.warning("request log %s: dropped a torn last row (%d bytes without a newline: a server killed "
+                        "while writing it)", path, end - pos)
+    return open(path, "a", buffering=1)  # noqa: SIM115 - the caller keeps it
+
+
 class RequestLog:
     """One line per finished request, to the log and optionally as JSON lines to a file;
     the newest `recent` rows are kept by request id (GET /requests/{id}: what a request
     used, for a gateway whose client went away). Event loop only."""
 
     def __init__(self, path: str | None, recent: int = RECENT_ROWS) -> None:
-        self.file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives as long as the app
+        self.file = open_for_append(path) if path else None  # lives as long as the app
         self.recent: OrderedDict[str, LogRow] = OrderedDict()
         self.capacity = recent
         self._waiters: dict[str, tuple[asyncio.Event, int]] = {}  # request id -> (its row is written, waiters)
@@ -242,7 +265,7 @@ class RequestLog:
         log.info("request %s %s: prompt=%d cached=%d completion=%d ttft=%s latency=%.3fs finish=%s",
                  row.request_id, row.status.value, row.prompt_tokens, row.cached_tokens, row.completion_tokens,
                  row.ttft_s, row.latency_s, row.finish_reason)
-        if self.file is not None:
+        if self.file is not None:  # one write of the whole line (a kill tears at most the last: open_for_append)
             self.file.write(json.dumps(row.to_json()) + "\n")
         # (what GET /requests/{id} tells: not its chains, nor the client's user, as long as a body allows)
         self.recent[row.request_id] = replace(row, kv=None, prefix=None, user=None)

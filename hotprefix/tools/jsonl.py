@@ -5,11 +5,14 @@ A line is read with at most `max_line_bytes` held (a longer one is an error, not
 read), and checked as the server's edge checks a body (server/body_guard): UTF-8,
 JSON, one object, no deeper than 64 levels, no integer of more than 4,300 digits, no
 NaN or Infinity, no lone surrogate. More than `max_rows` rows is an error too: the
-tools keep what they read."""
+tools keep what they read. A last line without its newline that is not JSON is skipped
+with a warning: a writer killed mid-line (or still writing it) left it, and the server's
+request log cuts such a line when it starts again (request_log.open_for_append)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,8 @@ from typing import Any
 from hotprefix.config import ConfigError
 from hotprefix.server.body_guard import BodyRejected, parse_json_object
 from hotprefix.server.log_lines import escape_controls
+
+log = logging.getLogger("hotprefix.tools")
 
 MAX_LINE_BYTES = 4 << 20  # as the server's default --max-request-body-bytes
 MAX_ROWS = 100_000
@@ -50,6 +55,10 @@ def iter_objects(path: Path, max_line_bytes: int = MAX_LINE_BYTES,
             try:
                 row = parse_json_object(line)
             except BodyRejected as e:
+                if not line.endswith(b"\n"):  # the last line (readline stops at a newline or the end)
+                    log.warning("%s: an unfinished last line (no newline; %s) skipped: its writer was killed or "
+                                "is still writing it", _where(path, i), escape_controls(str(e)))
+                    return
                 raise ConfigError(f"{_where(path, i)}: {escape_controls(str(e))}") from None
             yield i, row
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hotprefix.config import ConfigError
-from hotprefix.server.request_log import KVShape, LogRow, LogRowError, LogStatus, PrefixEntry
+from hotprefix.server.request_log import KVShape, LogRow, LogRowError, LogStatus, PrefixEntry, RequestLog
 from hotprefix.tools.lint import read_requests
 
 # Two rows exactly as the server wrote them before the row was a type: with prefix caching
@@ -68,3 +68,37 @@ def test_lint_reads_the_rows_in_arrival_order(tmp_path):
     data = read_requests(path)
     assert [e.tokens for e in data.entries] == [20, 8]  # the unfinished prompt has no chain: not replayed
     assert data.block_size == 4 and (data.size.device_blocks, data.size.host_blocks) == (256, 8)
+
+
+@pytest.mark.parametrize("before", ["", WRITTEN[0] + "\n"])
+@pytest.mark.parametrize("torn_bytes", [1, 70_000])  # within the last 64 KiB read back, and across it
+def test_a_row_torn_by_a_kill_is_cut_when_the_log_opens_again(tmp_path, caplog, before, torn_bytes):
+    """A server killed mid-write leaves a last line without its newline; the next start
+    cuts it (the next row would be glued to it, and lint would refuse the log at that line)."""
+    path = tmp_path / "log.jsonl"
+    torn = (WRITTEN[1] * (torn_bytes // len(WRITTEN[1]) + 1))[:torn_bytes]
+    path.write_text(before + torn)
+    log = RequestLog(str(path))
+    log.write(LogRow.from_json(json.loads(WRITTEN[0])))
+    log.close()
+    assert path.read_text() == before + WRITTEN[0] + "\n"
+    assert f"dropped a torn last row ({torn_bytes} bytes without a newline" in caplog.text
+    assert [e.tokens for e in read_requests(path).entries] == [20] * (2 if before else 1)
+
+
+def test_lint_skips_an_unfinished_last_line_and_refuses_a_broken_one_before_it(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    path.write_text(WRITTEN[0] + "\n" + WRITTEN[1][:40])  # a writer killed (or still writing) mid-line
+    assert [e.tokens for e in read_requests(path).entries] == [20]
+    assert f"{path}:2: an unfinished last line (no newline;" in caplog.text
+    path.write_text(WRITTEN[0] + "\n" + WRITTEN[1][:40] + "\n" + WRITTEN[0] + "\n")  # ended: a broken row
+    with pytest.raises(ConfigError) as e:
+        read_requests(path)
+    assert str(e.value).startswith(f"{path}:2: ")
+
+
+def test_an_intact_log_opens_untouched(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    path.write_text(WRITTEN[0] + "\n")
+    RequestLog(str(path)).close()
+    assert path.read_text() == WRITTEN[0] + "\n" and "torn" not in caplog.text
