@@ -8,7 +8,8 @@ format beside OpenAI's completions and chat (openai_format.py).
 `previous_response_id` continues a stored response: with `store` (the default) a
 response's conversation (its input and its output items) is kept in memory, as its JSON
 bytes (what is counted is what is held), the newest STORED_RESPONSES of them within
-STORED_BYTES, none larger than STORED_RESPONSE_BYTES; an id not kept is a 404 naming it.
+STORED_BYTES (evicted from the scope holding the most: ResponseStore), none larger than
+STORED_RESPONSE_BYTES; an id not kept is a 404 naming it.
 Nothing is kept on disk. A response is kept under its id and the cache salt of the
 request that made it (`scoped`): a gateway gives each tenant its own salt, so another
 tenant's id is a 404 as an unknown one is. `metadata` is bounded as OpenAI bounds it
@@ -81,51 +82,78 @@ def response_object(rid: str, body: ResponsesRequest, model: str, output: list[d
 
 
 class ResponseStore:
-    """The newest STORED_RESPONSES conversations, by response id (event loop only):
-    each the chat messages a continuation starts from and its Response object, held as
-    their compact JSON bytes; `bytes` counts them (and ENTRY_BYTES each)."""
+    """The newest STORED_RESPONSES conversations, by response id and cache scope (event
+    loop only): each the chat messages a continuation starts from and its Response object,
+    held as their compact JSON bytes; `bytes` counts them (and ENTRY_BYTES each). When the
+    count or the bytes run over, the scope holding the most (of what ran over) loses its
+    oldest: one tenant storing many responses evicts its own, never a smaller tenant's
+    (with one scope, a direct server's, this is the newest kept overall)."""
 
     def __init__(self, capacity: int = STORED_RESPONSES, max_bytes: int = STORED_BYTES,
                  max_entry_bytes: int = STORED_RESPONSE_BYTES) -> None:
         self.capacity, self.max_bytes, self.max_entry_bytes = capacity, max_bytes, max_entry_bytes
-        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._items: dict[str, bytes] = {}
+        self._scopes: dict[str | None, OrderedDict[str, None]] = {}  # salt -> its keys, least recently used first
+        self._scope_bytes: dict[str | None, int] = {}
         self.bytes = 0
 
     def _size(self, data: bytes) -> int:
         return len(data) + ENTRY_BYTES
 
-    def history(self, rid: str | None) -> list[dict[str, Any]]:
-        """The messages of stored response `rid` ([] for None). Raises NotFoundError."""
+    def _get(self, rid: str, salt: str | None) -> bytes | None:
+        key = scoped(rid, salt)
+        kept = self._items.get(key)
+        if kept is not None:
+            self._scopes[salt].move_to_end(key)
+        return kept
+
+    def history(self, rid: str | None, salt: str | None) -> list[dict[str, Any]]:
+        """The messages of stored response `rid` kept under `salt` ([] for None). Raises NotFoundError."""
         if rid is None:
             return []
-        if rid not in self._items:
+        kept = self._get(rid, salt)
+        if kept is None:
             raise NotFoundError(f"previous response {rid!r} is not kept here (stored responses are kept in "
-                                      f"memory, the newest {self.capacity})", "previous_response_id")
-        self._items.move_to_end(rid)
-        return json.loads(self._items[rid])[0]
+                                f"memory, the newest {self.capacity})", "previous_response_id")
+        return json.loads(kept)[0]
 
-    def response(self, rid: str) -> dict[str, Any] | None:
-        """The Response object of a stored response (None when it is not kept)."""
-        kept = self._items.get(rid)
+    def response(self, rid: str, salt: str | None) -> dict[str, Any] | None:
+        """The Response object of a stored response (None when it is not kept under `salt`)."""
+        kept = self._get(rid, salt)
         return None if kept is None else json.loads(kept)[1]
 
-    def keep(self, rid: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> bool:
-        """Keep a conversation (whether it was: one larger than max_entry_bytes or max_bytes is
-        not); the oldest go while more than `capacity` or `max_bytes` are kept."""
+    def keep(self, rid: str, salt: str | None, messages: list[dict[str, Any]], response: dict[str, Any]) -> bool:
+        """Keep a conversation under its id and salt (whether it was: one larger than
+        max_entry_bytes or max_bytes is not); then evict as the class says."""
         data = json.dumps([messages, response], ensure_ascii=False, separators=(",", ":")).encode()
         if self._size(data) > min(self.max_entry_bytes, self.max_bytes):
             return False
-        self.delete(rid)
-        self._items[rid] = data
+        self.delete(rid, salt)
+        key = scoped(rid, salt)
+        self._items[key] = data
+        self._scopes.setdefault(salt, OrderedDict())[key] = None
+        self._scope_bytes[salt] = self._scope_bytes.get(salt, 0) + self._size(data)
         self.bytes += self._size(data)
         while len(self._items) > self.capacity or self.bytes > self.max_bytes:
-            self.bytes -= self._size(self._items.popitem(last=False)[1])
+            over_count = len(self._items) > self.capacity
+            victim = max(self._scopes, key=lambda sc: len(self._scopes[sc]) if over_count else self._scope_bytes[sc])
+            self._drop(victim, next(iter(self._scopes[victim])))
         return True
 
-    def delete(self, rid: str) -> bool:
-        kept = self._items.pop(rid, None)
-        self.bytes -= self._size(kept) if kept is not None else 0
-        return kept is not None
+    def delete(self, rid: str, salt: str | None) -> bool:
+        key = scoped(rid, salt)
+        if key not in self._items:
+            return False
+        self._drop(salt, key)
+        return True
+
+    def _drop(self, salt: str | None, key: str) -> None:
+        size = self._size(self._items.pop(key))
+        self.bytes -= size
+        self._scope_bytes[salt] -= size
+        del self._scopes[salt][key]
+        if not self._scopes[salt]:
+            del self._scopes[salt], self._scope_bytes[salt]
 
 
 class ResponsesStream:
@@ -203,8 +231,7 @@ async def create(serving: Serving, store: ResponseStore, body: ResponsesRequest,
     request's cache salt's)."""
     body.check()
     serving.note_ignored(body)
-    history = store.history(None if body.previous_response_id is None
-                            else scoped(body.previous_response_id, body.cache_salt))
+    history = store.history(body.previous_response_id, body.cache_salt)
     chat = to_chat(body, history)
     rid = new_item_id("resp")
     keep_from = bool(body.operator_instructions) + bool(body.instructions)  # per request: not carried on
@@ -217,7 +244,7 @@ async def create(serving: Serving, store: ResponseStore, body: ResponsesRequest,
             answer: dict[str, Any] = {"role": "assistant", "content": choice.text}
             if choice.calls:
                 answer["tool_calls"] = [c.openai() for c in choice.calls]
-            store.keep(scoped(rid, body.cache_salt), msgs + [answer], response)
+            store.keep(rid, body.cache_salt, msgs + [answer], response)
 
     run = await serving.start_chat(chat, model)
     if body.stream:

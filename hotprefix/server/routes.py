@@ -28,7 +28,7 @@ from hotprefix.server.protocol import (
     now,
     random_id,
 )
-from hotprefix.server.responses_api import ResponseStore, scoped
+from hotprefix.server.responses_api import ResponseStore
 from hotprefix.server.responses_request import ResponsesRequest
 from hotprefix.server.results import Usage
 from hotprefix.server.serving import Serving, tenant_of
@@ -102,14 +102,14 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     @api.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, cache_salt: str | None = None) -> Any:
         """A stored response, to a request with the cache salt that made it (a gateway's tenant)."""
-        kept = store.response(scoped(response_id, cache_salt))
+        kept = store.response(response_id, cache_salt)
         if kept is None:
             return error_response(404, f"response {response_id!r} is not kept here", "NotFoundError", "response_id")
         return kept
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, cache_salt: str | None = None) -> Any:
-        if not store.delete(scoped(response_id, cache_salt)):
+        if not store.delete(response_id, cache_salt):
             return error_response(404, f"response {response_id!r} is not kept here", "NotFoundError", "response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

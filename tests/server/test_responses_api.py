@@ -134,17 +134,38 @@ def test_the_store_keeps_the_newest_within_its_count_and_bytes():
     store = ResponseStore(capacity=3, max_bytes=2500)
     msg = [{"role": "user", "content": "x" * 300}]
     for i in range(4):
-        store.keep(f"r{i}", msg, {"id": f"r{i}"})
-    assert [store.response(f"r{i}") is not None for i in range(4)] == [False, True, True, True]  # the count
-    store.keep("big", [{"role": "user", "content": "y" * 1500}], {"id": "big"})  # the bytes: two more go
-    assert [store.response(r) is not None for r in ("r1", "r2", "r3", "big")] == [False, False, True, True]
+        store.keep(f"r{i}", None, msg, {"id": f"r{i}"})
+    assert [store.response(f"r{i}", None) is not None for i in range(4)] == [False, True, True, True]  # the count
+    store.keep("big", None, [{"role": "user", "content": "y" * 1500}], {"id": "big"})  # the bytes: two more go
+    assert [store.response(r, None) is not None for r in ("r1", "r2", "r3", "big")] == [False, False, True, True]
     # larger than the budget: not kept, and it evicts nothing
-    assert store.keep("huge", [{"role": "user", "content": "z" * 5000}], {}) is False
-    assert store.response("huge") is None and store.history("r3") == msg
-    assert store.delete("r3") and store.delete("big") and store.bytes == 0
+    assert store.keep("huge", None, [{"role": "user", "content": "z" * 5000}], {}) is False
+    assert store.response("huge", None) is None and store.history("r3", None) == msg
+    assert store.response("r3", "another-salt") is None  # kept under its salt only
+    assert store.delete("r3", None) and store.delete("big", None) and store.bytes == 0
     with pytest.raises(InvalidRequestError, match="not kept"):
-        store.history("r3")
-    assert store.delete("huge") is False
+        store.history("r3", None)
+    assert store.delete("huge", None) is False
+
+
+def test_one_tenant_storing_many_responses_evicts_its_own():
+    """The store is shared by a gateway's tenants (one salt each): when it is full, the
+    scope holding the most loses its oldest, so a tenant storing 1,000 cheap responses
+    never pushes out another tenant's conversation (it did: one LRU for all)."""
+    from hotprefix.server.responses_api import ResponseStore
+
+    store = ResponseStore(capacity=4, max_bytes=4000)
+    msg = [{"role": "user", "content": "x" * 100}]
+    store.keep("a1", "alice", msg, {})
+    store.keep("a2", "alice", msg, {})
+    for i in range(1000):
+        store.keep(f"m{i}", "mallory", msg, {})
+    assert store.response("a1", "alice") is not None and store.response("a2", "alice") is not None
+    assert [i for i in range(1000) if store.response(f"m{i}", "mallory") is not None] == [998, 999]
+    store.keep("big", "mallory", [{"role": "user", "content": "y" * 2500}], {})  # over the bytes: mallory's go first
+    assert store.response("a1", "alice") is not None and store.response("a2", "alice") is not None
+    assert [store.response(r, "mallory") is not None for r in ("m998", "m999", "big")] == [False, True, True]
+    assert store.bytes == sum(len(v) + 256 for v in store._items.values())
 
 
 def _aborted(srv) -> float:
