@@ -216,12 +216,16 @@ class Announced:
     def _forget_unheld(self) -> None:
         """Keep the records of blocks some tier holds, and `keep` more (the latest used)."""
         spare = len(self.records) - len(self.tiers) - len(self.held) - self.keep
-        for h in list(self.records):
-            if spare <= 0:
-                return
+        if spare <= 0:  # (most steps: nothing to scan or copy)
+            return
+        gone = []
+        for h in self.records:  # oldest first
             if h not in self.tiers and h not in self.held:
-                del self.records[h]
-                spare -= 1
+                gone.append(h)
+                if len(gone) == spare:
+                    break
+        for h in gone:
+            del self.records[h]
 
 
 class WireBatch:
