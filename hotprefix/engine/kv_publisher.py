@@ -30,6 +30,7 @@ from hotprefix.config import ConfigError, KVEventsConfig
 
 log = logging.getLogger(__name__)
 
+REPLAY_MAX_BYTES = 1024  # the largest frame a replay socket reads (a request is a sequence number of 8 bytes)
 END_SEQ = (2**64 - 1).to_bytes(8, "big")  # vLLM's (-1).to_bytes(8, "big", signed=True)
 
 
@@ -98,6 +99,7 @@ class ZmqPublisher:
         replay = None
         if self.cfg.replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_BYTES)  # a peer sending more is disconnected, not read
             replay.bind(self.cfg.replay_endpoint)
         return pub, replay, wake
 

@@ -165,6 +165,32 @@ def test_a_gap_is_filled_by_replay_and_the_positional_encoding_decodes_as_vllms_
         r.close()
 
 
+def test_a_replay_peer_sending_an_oversized_frame_is_dropped_and_others_are_answered(tiny_llama):
+    """The replay socket reads frames of at most REPLAY_MAX_BYTES: a peer sending more is
+    disconnected before its frame is held (its next, valid request goes unanswered), and
+    a well-behaved subscriber's replay is answered as before."""
+    import zmq
+
+    from hotprefix.engine.kv_publisher import REPLAY_MAX_BYTES
+
+    r = Rig(str(tiny_llama[0]), events_config(buffer_steps=64))
+    hostile = r.sub.ctx.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.RECONNECT_IVL, -1)  # once dropped, it stays dropped
+    try:
+        r.run(prompt(0, 50))
+        hostile.connect(local(r.cfg.replay_endpoint))
+        hostile.send_multipart([b"", b"x" * (REPLAY_MAX_BYTES + 1)])
+        hostile.send_multipart([b"", (0).to_bytes(8, "big")])
+        last = r.engine.kv_events.zmq.queued - 1
+        r.sub.pump(last, skip={0})  # the subscriber asks after the hostile peer did: answered
+        assert r.sub.replays >= 1 and r.sub.next_seq == last + 1
+        assert hostile.poll(0) == 0  # the hostile peer's valid request, sent first, got nothing
+        r.check()
+    finally:
+        hostile.close(linger=0)
+        r.close()
+
+
 def test_a_restart_starts_from_sequence_0_with_all_blocks_cleared_and_the_disk_tier_is_announced_when_named(
         tiny_llama, tmp_path):
     cfg = events_config()
