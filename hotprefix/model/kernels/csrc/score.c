@@ -43,10 +43,10 @@ static float row_sum_exp(const float *x, int V, float m, float above, int64_t *n
     return part[0];
 }
 
-/* the k largest logits, largest first (ties: the lower token id first) */
-static void row_top(const float *x, int V, int k, int64_t *ids, float *vals) {
-    int n = 0;
-    for (int v = 0; v < V; v++) {
+/* logits x[v0 .. v1) into the k largest so far (n of them, largest first; ties: the
+ * lower token id first); returns the new n */
+static int top_insert(const float *x, int v0, int v1, int k, int n, int64_t *ids, float *vals) {
+    for (int v = v0; v < v1; v++) {
         if (n == k && !(x[v] > vals[k - 1])) continue;
         int j = n < k ? n++ : k - 1;
         while (j > 0 && x[v] > vals[j - 1]) {
@@ -57,6 +57,21 @@ static void row_top(const float *x, int V, int k, int64_t *ids, float *vals) {
         vals[j] = x[v];
         ids[j] = v;
     }
+    return n;
+}
+
+/* the k largest logits, largest first (ties: the lower token id first). Once k are
+ * held, a run of 64 logits none above the k-th (an exact vector max) is passed over:
+ * top_insert would take none of them either, so the result is the same. */
+static void row_top(const float *x, int V, int k, int64_t *ids, float *vals) {
+    int n = top_insert(x, 0, k < V ? k : V, k, 0, ids, vals), v = n;
+    for (; v + 64 <= V; v += 64) {
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int i = 0; i < 64; i++) m = x[v + i] > m ? x[v + i] : m;
+        if (m > vals[k - 1]) n = top_insert(x, v, v + 64, k, n, ids, vals);
+    }
+    top_insert(x, v, V, k, n, ids, vals);
 }
 
 void hp_score_rows(const float *logits, int R, int V, const int64_t *targets, int k, float *lp, int64_t *rank,
