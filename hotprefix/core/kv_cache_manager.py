@@ -342,6 +342,15 @@ class KVCacheManager:
         """The request's full-group block table (every group's table in a one-group pool)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def held_block_ids(self, request_id: str, upto: int) -> list[int]:
+        """The ids of the blocks the request holds at indexes below `upto`, every group's (the
+        full group's table first, then each window group's held blocks, in order): what a swap
+        copies out, and, after the same allocation, what it copies back into."""
+        ids = self.block_ids(request_id)[:upto]
+        if self.windows is not None:
+            ids += [b for t in self.windows.block_ids(request_id, -1) for b in t[:upto] if b != -1]
+        return ids
+
     def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every group's block table, the full group's first, null_block_id where a window
         group released a block; () for a one-group pool (block_ids is the table of every layer)."""

@@ -51,3 +51,29 @@ def test_no_kernel_reads_a_released_block(tiny, backend):
         kv.check_integrity()
     nulls = [p.k[:, kv.null_block_id * BLOCK:(kv.null_block_id + 1) * BLOCK] for p in llm.engine.runner.kv_cache.pages]
     assert all(bool(t.isnan().all()) for t in nulls)  # and nothing wrote there
+
+
+def _answers(outs) -> list[tuple]:
+    """Each request's tokens and each position's sampled and top-5 logprobs (their bits)."""
+    return [(tuple(o.outputs[0].token_ids), tuple((lp.sampled.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                                                  for lp in o.outputs[0].logprobs)) for o in outs]
+
+
+def test_swap_preemption_gives_the_unpreempted_answers(tiny):
+    """Four requests that do not fit a pool of 56 blocks together: the scheduler swaps every
+    group's held blocks out and back (nothing is recomputed: the model runs exactly the
+    tokens of the roomy run), and every answer is the roomy run's, bit for bit."""
+    folder, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 27, 33, 21)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    roomy = LLM(model=str(folder), block_size=BLOCK, num_blocks_override=7 * 64, max_num_batched_tokens=16)
+    want = _answers(roomy.generate(prompts, params))
+    llm = LLM(model=str(folder), block_size=BLOCK, num_blocks_override=56, max_num_batched_tokens=16,
+              preemption_mode="swap", swap_space="1MiB")
+    assert llm.engine.kv.windows is not None and llm.engine.runner.num_host_blocks > 0
+    assert _answers(llm.generate(prompts, params)) == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.num_swapped_blocks_total > 0
+    assert llm.engine.runner.num_computed_tokens_total == roomy.engine.runner.num_computed_tokens_total \
+        == sum(len(p) + 11 for p in prompts)
+    llm.engine.scheduler.check_integrity()
