@@ -71,11 +71,8 @@ class KVGroupLayout:
         return 2 * self.page_layers * kv.num_kv_heads * kv.head_dim * dtype_bytes(dtype) * block_size
 
     def window_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
-        """The most blocks the window groups hold at once for one sequence of num_tokens computing
-        at most chunk_tokens a step: each, the blocks of its window before a chunk and of the chunk."""
-        total = blocks_for_tokens(num_tokens, block_size)
-        return sum(min(total, blocks_for_tokens(w - 1 + min(chunk_tokens, num_tokens), block_size) + 1)
-                   for w in self.windows if w is not None)
+        """The most blocks the window groups hold at once for one sequence (window_blocks)."""
+        return window_blocks(self.windows, num_tokens, block_size, chunk_tokens)
 
     def blocks_held(self, group: int, num_tokens: int, block_size: int, retained_tails: int = 0) -> int:
         """Blocks group `group` holds for a sequence of num_tokens: all of them (full), or
@@ -97,6 +94,15 @@ class KVGroupLayout:
         """KV bytes a sequence of num_tokens holds over every group (pages of page_layers
         layers; a padded group's page counts whole)."""
         return self.page_bytes(kv, dtype, block_size) * self.sequence_blocks(num_tokens, block_size, retained_tails)
+
+
+def window_blocks(windows: Sequence[int | None], num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+    """The most blocks the window groups (those of `windows` that are not None) hold at once for
+    one sequence of num_tokens computing at most chunk_tokens a step: each, the blocks of its
+    window before a chunk and of the chunk."""
+    total = blocks_for_tokens(num_tokens, block_size)
+    return sum(min(total, blocks_for_tokens(w - 1 + min(chunk_tokens, num_tokens), block_size) + 1)
+               for w in windows if w is not None)
 
 
 def dtype_bytes(dtype: str) -> int:

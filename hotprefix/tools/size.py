@@ -23,6 +23,7 @@ from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, size_report
 from hotprefix.tools.curve_log import read_log
 from hotprefix.tools.curve_report import render
 
+RETAIN_EVERY = CacheConfig.__dataclass_fields__["kv_window_retain_interval"].default  # serve's default
 DTYPES = ("float32", "float16", "bfloat16", "fp8")  # serve's --kv-cache-dtype names
 SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # older spellings, still accepted
 
@@ -179,7 +180,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-disk-size", type=float, default=0.0,
                    help="GiB of the disk KV tier (serve's flag): what it holds in tokens and prompts")
     p.add_argument("--kv-window-retain-interval", "--retain-every", dest="retain_every", type=int,
-                   default=CacheConfig.__dataclass_fields__["kv_window_retain_interval"].default,
+                   default=RETAIN_EVERY,
                    help="a window model's grouped pool keeps a window tail every this many tokens (serve's flag; "
                         "default: serve's): the prompts' and the sequence's window blocks")
     p.add_argument("--from-log", metavar="LOG", default=None,
