@@ -303,8 +303,8 @@ class Scheduler:
             req.num_computed_tokens = 0
             return None
         first = req.num_cached_tokens is None  # stats count a request's first lookup only
-        if run:
-            out.tier_load.extend(self.kv.tiers.use(run, [b.block_id for b in new[:len(run)]], first))
+        if self.kv.tiers is not None:  # (a grouped pool's window blocks may load without a run)
+            out.tier_load.extend(self.kv.load_copies(run, new, first))
         if req.prompt_logprobs is not None and self.kv.logprobs is not None:
             self.kv.logprobs.fill(req, len(hits) + len(run))
         self.waiting.remove(req)
