@@ -257,16 +257,18 @@ class KVCacheManager:
         if self.tiers is not None:  # hits, from the pool or loaded from a tier: reused blocks
             self._reused.extend(computed_blocks)
             self._reused.extend(new[:num_loaded])
-            self._reused.extend(b for hits in (plan.hits if plan else ()) for _, b in hits)
         if computed_blocks:
             self._num_cached[rid] = len(computed_blocks)
         self._cache_full_blocks(request, blocks, total)
         return new
 
     def _loaded_windows(self, request: Request, plan: WindowPlan, loaded: list[tuple[int, int, Block]]) -> None:
-        """Window blocks an allocation loads from a tier: entered in the cache under their
-        group's key (provisional: their KV is copied in before the step's forward pass) and
-        kept for load_copies."""
+        """With tiers: the window blocks an allocation hits are reused ones, and those it
+        loads from a tier are entered in the cache under their group's key (provisional:
+        their KV is copied in before the step's forward pass) and kept for load_copies."""
+        if self.tiers is None:
+            return
+        self._reused.extend(b for hits in plan.hits for _, b in hits)
         entries = iter(e for loads in plan.loads for _, e in loads)
         for g, i, b in loaded:
             self._window_loads.append((next(entries), b))

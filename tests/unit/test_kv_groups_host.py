@@ -17,7 +17,7 @@ from hotprefix.core.kv_tiers import KVTiers, Source
 from hotprefix.core.outputs import ModelRunnerOutput, SchedulerOutput
 from hotprefix.core.scheduler import Scheduler
 from tests.unit.builders import make_request
-from tests.unit.test_kv_tiers import FakeDisk, TierMachine
+from tests.unit.test_kv_tiers import FakeDisk, FakeRunner, TierMachine
 
 BS, W = 4, 8  # a window group of 8 tokens: a query at p reads blocks (p - 7) // 4 on
 
@@ -61,22 +61,16 @@ def test_swap_copies_every_groups_blocks_out_and_back_to_their_places():
     assert kv.pool.num_free_blocks == 14 and s.swap.num_free == 16
 
 
-class GroupRunner:
-    """A fake runner of a grouped pool: each pool block and host slot holds the key of the
-    block whose KV it has (kv_groups.group_key: its group's); before a chunk, every block of
-    every group's table the chunk reads must hold its key."""
+class GroupRunner(FakeRunner):
+    """test_kv_tiers' fake runner on a grouped pool: each pool block and host slot holds the
+    key of the block whose KV it has (kv_groups.group_key: its group's); before a chunk,
+    every block of every group's table the chunk reads must hold its key."""
 
     def __init__(self, s: Scheduler, disk: FakeDisk | None = None) -> None:
-        self.s = s
-        self.device: dict[int, object] = {}
-        self.host: dict[int, object] = disk.host if disk is not None else {}
-        self.disk = disk
+        super().__init__(s)
+        self.host = disk.host if disk is not None else {}
 
-    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for b, slot in out.tier_offload:
-            self.host[slot] = self.device.get(b)
-        for slot, b in out.tier_load:
-            self.device[b] = self.host.get(slot)
+    def compute(self, out: SchedulerOutput) -> None:
         kv, bs = self.s.kv, self.s.kv.block_size
         for sr in out.requests:
             req = self.s.requests[sr.request_id]
@@ -90,17 +84,6 @@ class GroupRunner:
                     if j < sr.start_pos // bs:  # read by the chunk: it must hold its KV
                         assert self.device.get(b) == key, (sr.request_id, g, j)
                     self.device[b] = key
-        for b, key in out.persist:
-            assert self.device[b] == key
-            if self.disk is not None:
-                self.disk.files[key] = key
-        return ModelRunnerOutput({r.request_id: 7 for r in out.requests if r.sample})
-
-    def step(self) -> SchedulerOutput:
-        out = self.s.schedule()
-        self.s.update(out, self.run(out))
-        self.s.check_integrity()
-        return out
 
     def drain(self) -> list[SchedulerOutput]:
         outs = []
@@ -175,10 +158,13 @@ class GroupedTierMachine(TierMachine):
     blocks of 2, 24 pages), a host tier of 8 slots and a disk tier whose reads may fail: the
     fake runner checks every block every group's chunk reads, loaded or not."""
 
+    reused_only = False
+
     def __init__(self) -> None:
         super().__init__()
         self.disk = FakeDisk(self.host)
-        kv = KVCacheManager(20, 2, group_windows=(None, 4), tiers=KVTiers(8, self.disk))
+        kv = KVCacheManager(20, 2, group_windows=(None, 4), tiers=KVTiers(8, self.disk),
+                            persist_reused_only=self.reused_only)
         self.s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv)
         self.r = GroupRunner(self.s, self.disk)
 
@@ -191,3 +177,13 @@ class GroupedTierMachine(TierMachine):
 
 GroupedTierMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_grouped_tier_state_machine = GroupedTierMachine.TestCase
+
+
+class GroupedReusedOnlyTierMachine(GroupedTierMachine):
+    """The same, with the disk tier writing only blocks that were hit again (every group's)."""
+
+    reused_only = True
+
+
+GroupedReusedOnlyTierMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+test_grouped_reused_only_tier_state_machine = GroupedReusedOnlyTierMachine.TestCase
