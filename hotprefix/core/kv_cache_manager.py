@@ -171,6 +171,8 @@ class KVCacheManager:
             n = self.windows.hit(request.block_hashes, n, below)
         if loading or any(e.state is SlotState.LOADING for e in found):
             return [], True
+        if n < num_device_hits:  # (get_computed_blocks counted window tails the tiers do not have)
+            raise IntegrityError(f"{request.request_id}: {num_device_hits} device hits, but a hit of {n} blocks")
         return run[:n - num_device_hits], False
 
     def max_hit_blocks(self, request: Request) -> int:
