@@ -71,11 +71,8 @@ class KVGroupLayout:
         return 2 * self.page_layers * kv.num_kv_heads * kv.head_dim * dtype_bytes(dtype) * block_size
 
     def window_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
-        """The most blocks the window groups hold at once for one sequence of num_tokens computing
-        at most chunk_tokens a step: each, the blocks of its window before a chunk and of the chunk."""
-        total = blocks_for_tokens(num_tokens, block_size)
-        return sum(min(total, blocks_for_tokens(w - 1 + min(chunk_tokens, num_tokens), block_size) + 1)
-                   for w in self.windows if w is not None)
+        """The most blocks the window groups hold at once for one sequence (window_blocks)."""
+        return window_blocks(self.windows, num_tokens, block_size, chunk_tokens)
 
     def blocks_held(self, group: int, num_tokens: int, block_size: int, retained_tails: int = 0) -> int:
         """Blocks group `group` holds for a sequence of num_tokens: all of them (full), or
@@ -88,12 +85,24 @@ class KVGroupLayout:
         tail = blocks_for_tokens(w - 1, block_size) + 1
         return min(total, tail * (1 + retained_tails))
 
+    def sequence_blocks(self, num_tokens: int, block_size: int, retained_tails: int = 0) -> int:
+        """Blocks (pages) a sequence of num_tokens holds over every group (blocks_held's sum)."""
+        return sum(self.blocks_held(g, num_tokens, block_size, retained_tails) for g in range(len(self.windows)))
+
     def bytes_per_sequence(self, kv: KVShape, dtype: str, num_tokens: int, block_size: int,
                            retained_tails: int = 0) -> int:
         """KV bytes a sequence of num_tokens holds over every group (pages of page_layers
         layers; a padded group's page counts whole)."""
-        page = self.page_bytes(kv, dtype, block_size)
-        return page * sum(self.blocks_held(g, num_tokens, block_size, retained_tails) for g in range(len(self.windows)))
+        return self.page_bytes(kv, dtype, block_size) * self.sequence_blocks(num_tokens, block_size, retained_tails)
+
+
+def window_blocks(windows: Sequence[int | None], num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+    """The most blocks the window groups (those of `windows` that are not None) hold at once for
+    one sequence of num_tokens computing at most chunk_tokens a step: each, the blocks of its
+    window before a chunk and of the chunk."""
+    total = blocks_for_tokens(num_tokens, block_size)
+    return sum(min(total, blocks_for_tokens(w - 1 + min(chunk_tokens, num_tokens), block_size) + 1)
+               for w in windows if w is not None)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -199,6 +208,13 @@ class ModelShape:
     def kv_groups(self) -> KVGroupLayout:
         return KVGroupLayout.of(self.layer_windows or (None,) * self.num_layers)
 
+    @property
+    def pool_groups(self) -> KVGroupLayout:
+        """The groups the engine's pool holds this shape in (KVGroupLayout.pooled; one full group
+        of every layer where one block table serves every layer)."""
+        full = KVGroupLayout((None,), (tuple(range(self.num_layers)),), self.num_layers)
+        return (KVGroupLayout.pooled(self.layer_windows) if self.layer_windows else None) or full
+
     def num_params(self, active: bool = False) -> int:
         """Parameters of a Llama-style decoder (attention without bias, SwiGLU MLPs or
         mixtures of SwiGLU experts with a router, RMSNorms, Qwen3's q/k norms); `active`: those one token's
@@ -262,22 +278,33 @@ def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_toke
     The tiers below the pool (host_tier_bytes, disk_tier_bytes) keep full blocks:
     how many, and how many prompts' full blocks that is.
 
+    Blocks are the pool's as the engine allocates them (ModelShape.pool_groups): for a
+    model with window layers, pages of one group's layers; a prompt keeps its full group's
+    blocks and each window group's tail at its end and every `retain_every` tokens
+    (KVGroupLayout.blocks_held), a request's window groups hold their window.
+
     Each running request needs its own blocks for what follows its prompt's
     full blocks; `fits_without_eviction` is whether the prompt pool plus that
     working set fit the budget. `max_concurrency` is how many requests of
     max_model_len fit beside the pool; `max_concurrency_unshared` with no sharing.
     """
     max_len = max_model_len or shape.max_position_embeddings or prompt_tokens
+    groups = shape.pool_groups
     bpt = shape.kv.bytes_per_token(dtype)
-    bpb = bpt * block_size
-    per_prompt_blocks = blocks_for_tokens(prompt_tokens, block_size)
+    bpb = groups.page_bytes(shape.kv, dtype, block_size)
+    def tails(n: int) -> int:  # retention boundaries before the tail at a sequence's end
+        return (n - 1) // retain_every if retain_every and n else 0
+
+    per_prompt_blocks = groups.sequence_blocks(prompt_tokens, block_size, tails(prompt_tokens))
     shared_full = prompt_tokens // block_size
-    private = blocks_for_tokens(max_len, block_size) - shared_full
+    tier_prompt = groups.sequence_blocks(shared_full * block_size, block_size, tails(prompt_tokens))
+    sequence = groups.sequence_blocks(max_len, block_size)
+    private = sequence - shared_full
     pool = per_prompt_blocks * num_prompts
     need = pool + concurrency * private
-    in_budget = None if budget_bytes is None else max(0, budget_bytes) // bpb
+    null = len(groups.windows) > 1  # (a grouped pool's null block)
+    in_budget = None if budget_bytes is None else max(0, max(0, budget_bytes) // bpb - null)
     host_blocks, disk_blocks = host_tier_bytes // bpb, disk_tier_bytes // (bpb + DISK_HEADER_BYTES)
-    tails = (max_len - 1) // retain_every if retain_every else 0  # boundaries before the live window's
     return SizeReport(
         dtype=dtype, block_size=block_size, bytes_per_token=bpt, bytes_per_block=bpb,
         prompt_tokens=prompt_tokens, blocks_per_prompt=per_prompt_blocks, bytes_per_prompt=per_prompt_blocks * bpb,
@@ -286,9 +313,8 @@ def size_report(shape: ModelShape, dtype: str, block_size: int = 16, prompt_toke
         private_blocks_per_request=private, blocks_needed=need,
         fits_without_eviction=None if in_budget is None else need <= in_budget,
         max_concurrency=None if in_budget is None else max(0, (in_budget - pool) // max(private, 1)),
-        max_concurrency_unshared=None if in_budget is None
-        else in_budget // max(blocks_for_tokens(max_len, block_size), 1),
-        sequence_bytes=shape.kv_groups.bytes_per_sequence(shape.kv, dtype, max_len, block_size, tails),
-        sequence_bytes_full=bpt * max_len, retained_tails=tails,
-        host_tier_blocks=host_blocks, host_tier_prompts=host_blocks // max(shared_full, 1),
-        disk_tier_blocks=disk_blocks, disk_tier_prompts=disk_blocks // max(shared_full, 1))
+        max_concurrency_unshared=None if in_budget is None else in_budget // max(sequence, 1),
+        sequence_bytes=groups.bytes_per_sequence(shape.kv, dtype, max_len, block_size, tails(max_len)),
+        sequence_bytes_full=bpt * max_len, retained_tails=tails(max_len),
+        host_tier_blocks=host_blocks, host_tier_prompts=host_blocks // max(tier_prompt, 1),
+        disk_tier_blocks=disk_blocks, disk_tier_prompts=disk_blocks // max(tier_prompt, 1))

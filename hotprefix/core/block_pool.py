@@ -18,8 +18,8 @@ that no retention boundary keeps in a second queue instead (`free(..., front=Tru
 allocation takes a block that holds nothing from the head of the free queue first, then
 those, oldest first, and only then evicts the free queue's least recently released block.
 Blocks of every group share the queues and the map; a window group's blocks are cached
-under their group's key (kv_groups.group_key), and only the full group's (group 0)
-hashes are reported to the tiers and the KV events.
+under their group's key (kv_groups.group_key). An evicted block of any group goes to the
+tiers below (under that key); only the full group's (group 0) hashes are KV events.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class BlockPool:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
-                if self.evictions is not None and b.group == 0:
+                if self.evictions is not None:
                     self.evictions.append((b.block_id, b.block_hash))
                 self._left(b)
             b.block_hash = None

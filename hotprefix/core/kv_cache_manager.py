@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from hotprefix.core.block_pool import Block, BlockPool, IntegrityError
 from hotprefix.core.cache_events import CacheEvent, Medium, Stored
 from hotprefix.core.hashing import BlockHash, BlockHasher
-from hotprefix.core.kv_groups import Retention, WindowGroups
-from hotprefix.core.kv_tiers import HostEntry, KVTiers
+from hotprefix.core.kv_groups import Retention, WindowGroups, WindowPlan, group_key
+from hotprefix.core.kv_tiers import HostEntry, KVTiers, SlotState
 from hotprefix.core.logprob_cache import PromptLogprobCache
 from hotprefix.core.request import Request
 from hotprefix.errors import PinError
@@ -59,8 +59,8 @@ class KVCacheManager:
 
     group_windows: the window of each KV-cache group (sizing.KVGroupLayout.windows; the
     first None, the full group); (None,) for one group. retain_every: the retention
-    rule's interval in tokens (core/kv_groups.Retention; 0: none). A grouped pool has no
-    tiers (ValueError).
+    rule's interval in tokens (core/kv_groups.Retention; 0: none). The tiers below a
+    grouped pool keep blocks of every group, each under its group's key (kv_groups.group_key).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_algo: str = "sha256",
@@ -71,8 +71,6 @@ class KVCacheManager:
             raise ValueError(f"--max-pinned-fraction must be in [0, 1], got {max_pinned_fraction}")
         if group_windows[0] is not None or any(w is None for w in group_windows[1:]):
             raise ValueError(f"a grouped pool is one full group, then window groups; got {tuple(group_windows)}")
-        if len(group_windows) > 1 and tiers is not None:
-            raise ValueError("the KV tiers do not follow a grouped pool's window groups yet")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
@@ -89,6 +87,7 @@ class KVCacheManager:
         self.logprobs = PromptLogprobCache(block_size) if enable_caching else None  # a scoring request's hits
         self.persist_reused_only = persist_reused_only  # disk: only blocks hit again (see step_copies)
         self._reused: list[Block] = []  # blocks hit (pool or tier) by the step being scheduled
+        self._window_loads: list[tuple[HostEntry, Block]] = []  # window blocks the last allocation loads
         if self.tiers is not None:
             self.pool.evictions = []
         self.events: list[CacheEvent] | None = None  # see record_events
@@ -138,8 +137,9 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        if self.windows is not None and hits:
-            del hits[self.windows.hit(request.block_hashes, len(hits)):]
+        if self.windows is not None and hits:  # (window tails in the host tier count: tier_run loads them)
+            below = self.tiers.ready if self.tiers is not None else None
+            del hits[self.windows.hit(request.block_hashes, len(hits), below):]
         return hits
 
     def _full_run(self, request: Request) -> int:
@@ -154,10 +154,26 @@ class KVCacheManager:
 
     def tier_run(self, request: Request, num_device_hits: int) -> tuple[list[HostEntry], bool]:
         """The blocks below the pool that continue the request's device hits (see
-        KVTiers.extend), within the same cap; ([], False) without tiers."""
+        KVTiers.extend), within the same cap; ([], False) without tiers. A grouped pool's
+        run ends where every window group finds its tail in the pool or a tier below
+        (their disk reads started: then ([], True), the request waits for them)."""
         if self.tiers is None:
             return [], False
-        return self.tiers.extend(request.block_hashes[num_device_hits:self.max_hit_blocks(request)])
+        run, loading = self.tiers.extend(request.block_hashes[num_device_hits:self.max_hit_blocks(request)])
+        found: list[HostEntry] = []
+        def below(key: BlockHash) -> HostEntry | None:
+            if (e := self.tiers.find(key)) is not None:
+                found.append(e)
+            return e
+
+        n = num_device_hits + len(run)  # (the window tails' reads start with the run's)
+        if self.windows is not None and n:
+            n = self.windows.hit(request.block_hashes, n, below)
+        if loading or any(e.state is SlotState.LOADING for e in found):
+            return [], True
+        if n < num_device_hits:  # (get_computed_blocks counted window tails the tiers do not have)
+            raise IntegrityError(f"{request.request_id}: {num_device_hits} device hits, but a hit of {n} blocks")
+        return run[:n - num_device_hits], False
 
     def max_hit_blocks(self, request: Request) -> int:
         """The most leading blocks a request may take from the cache (its hashes made):
@@ -224,7 +240,8 @@ class KVCacheManager:
         plan = None
         if self.windows is not None:
             self.update_hashes(request)
-            plan = self.windows.plan(rid, computed, total, request.block_hashes, len(computed_blocks))
+            plan = self.windows.plan(rid, computed, total, request.block_hashes, len(computed_blocks) + num_loaded,
+                                     self.tiers.ready if self.tiers is not None else None)
         if need + reclaimed + (plan.num_new + plan.reclaimed - plan.freed if plan else 0) > self.pool.num_free_blocks:
             return None
         if plan is not None:
@@ -235,7 +252,7 @@ class KVCacheManager:
         if new is None:
             raise IntegrityError(f"{need} blocks were counted free but could not be allocated")
         if plan is not None:
-            self.windows.extend(rid, plan, new[need:])
+            self._loaded_windows(request, plan, self.windows.extend(rid, plan, new[need:]))
         blocks = self.req_to_blocks.setdefault(rid, held)
         blocks.extend(computed_blocks)
         blocks.extend(new[:need])
@@ -246,6 +263,28 @@ class KVCacheManager:
             self._num_cached[rid] = len(computed_blocks)
         self._cache_full_blocks(request, blocks, total)
         return new
+
+    def _loaded_windows(self, request: Request, plan: WindowPlan, loaded: list[tuple[int, int, Block]]) -> None:
+        """With tiers: the window blocks an allocation hits are reused ones, and those it
+        loads from a tier are entered in the cache under their group's key (provisional:
+        their KV is copied in before the step's forward pass) and kept for load_copies."""
+        if self.tiers is None:
+            return
+        self._reused.extend(b for hits in plan.hits for _, b in hits)
+        entries = iter(e for loads in plan.loads for _, e in loads)
+        for g, i, b in loaded:
+            self._window_loads.append((next(entries), b))
+            if self.pool.cache_block(b, group_key(request.block_hashes[i], g), g):
+                self._provisional.append(b)
+            self._reused.append(b)
+
+    def load_copies(self, run: list[HostEntry], new: list[Block], count: bool) -> list[tuple[int, int]]:
+        """The (host slot, pool block) copies of the last allocation's tier loads: its run
+        into its first new blocks, and a grouped pool's window blocks (KVTiers.use; `count`:
+        a request's first lookup counts its full group's loads as hits by source)."""
+        windows, self._window_loads = self._window_loads, []
+        return (self.tiers.use(run, [b.block_id for b in new[:len(run)]], count)
+                + self.tiers.use([e for e, _ in windows], [b.block_id for _, b in windows], False))
 
     def _boundaries(self, request: Request) -> tuple[int, ...]:
         """A fresh request's retention boundaries, in blocks (core/kv_groups.py): the end of its
@@ -305,7 +344,7 @@ class KVCacheManager:
         """The step failed: forget every provisional entry (their KV may be unwritten).
         Returns the blocks that were uncached. Their holders belong to the failed
         step; the caller finishes them."""
-        undone, self._provisional, self._reused = self._provisional, [], []
+        undone, self._provisional, self._reused, self._window_loads = self._provisional, [], [], []
         for b in undone:
             self.pool.uncache(b)
         return undone
@@ -341,6 +380,15 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The request's full-group block table (every group's table in a one-group pool)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def held_block_ids(self, request_id: str, upto: int) -> list[int]:
+        """The ids of the blocks the request holds at indexes below `upto`, every group's (the
+        full group's table first, then each window group's held blocks, in order): what a swap
+        copies out, and, after the same allocation, what it copies back into."""
+        ids = self.block_ids(request_id)[:upto]
+        if self.windows is not None:
+            ids += [b for t in self.windows.block_ids(request_id, -1) for b in t[:upto] if b != -1]
+        return ids
 
     def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every group's block table, the full group's first, null_block_id where a window

@@ -27,6 +27,7 @@ another request could hit.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,10 +36,14 @@ from hotprefix.core.hashing import BlockHash
 
 
 def group_key(block_hash: BlockHash, group: int) -> BlockHash:
-    """The key a block of KV-cache group `group` is cached under: the chain's hash for the
-    full group (0), so the tiers, the KV events and every one-group pool see what they saw,
-    and the hash with the group's number after it for the others."""
-    return block_hash if group == 0 else BlockHash(block_hash + b"/g" + group.to_bytes(2, "little"))
+    """The key a block of KV-cache group `group` is cached under, in the pool and the tiers
+    below it: the chain's hash for the full group (0), so the KV events and every one-group
+    pool see what they saw, and for the others a digest of the hash and the group's number,
+    as long as the hash (a disk tier file names its block by a hash of that length)."""
+    if group == 0:
+        return block_hash
+    return BlockHash(hashlib.blake2b(block_hash + b"/g" + group.to_bytes(2, "little"),
+                                     digest_size=len(block_hash)).digest())
 
 
 def window_start(position: int, window: int | None, block_size: int) -> int:
@@ -90,12 +95,14 @@ class Retention:
 @dataclass
 class WindowPlan:
     """What one allocation does to a request's window groups (see WindowGroups.plan):
-    per group, the (index, block) pairs it releases and the (index, cached block) pairs it
-    hits, and how many new blocks it takes; `freed`: released blocks that become free,
-    `reclaimed`: hits that leave the free queue."""
+    per group, the (index, block) pairs it releases, the (index, cached block) pairs it
+    hits, the (index, tier entry) pairs loaded from a tier below the pool into new blocks,
+    and how many new blocks it takes (the loads' first); `freed`: released blocks that
+    become free, `reclaimed`: hits that leave the free queue."""
 
     drops: list[list[tuple[int, Block]]]
     hits: list[list[tuple[int, Block]]]
+    loads: list[list[tuple[int, object]]]
     new: list[int]
     freed: int
     reclaimed: int
@@ -119,37 +126,45 @@ class WindowGroups:
         self.horizon: dict[str, int] = {}  # the first position each request will compute
         self.boundaries: dict[str, tuple[int, ...]] = {}  # its retention boundaries, in blocks
 
-    def hit(self, hashes: Sequence[BlockHash], n: int) -> int:
+    def hit(self, hashes: Sequence[BlockHash], n: int, below: Callable[[BlockHash], object] | None = None) -> int:
         """The longest hit of at most n blocks (the full group's) that every window group's
-        cached blocks allow."""
+        cached blocks allow: in the pool, or where `below(key)` is truthy (a tier below it)."""
+        def cached(key: BlockHash) -> bool:
+            return self.pool.lookup(key) is not None or (below is not None and bool(below(key)))
+
         for g, w in enumerate(self.windows, 1):
             if n == 0:
                 break
-            n = min(n, longest_tail(n, lambda i, g=g: self.pool.lookup(group_key(hashes[i], g)) is not None, w,
-                                    self.block_size))
+            n = min(n, longest_tail(n, lambda i, g=g: cached(group_key(hashes[i], g)), w, self.block_size))
         return n
 
-    def plan(self, rid: str, computed: int, total: int, hashes: Sequence[BlockHash], num_hits: int) -> WindowPlan:
+    def plan(self, rid: str, computed: int, total: int, hashes: Sequence[BlockHash], num_hits: int,
+             below: Callable[[BlockHash], object | None] | None = None) -> WindowPlan:
         """The window groups' share of an allocation making room for tokens [computed, total)
-        (num_hits: leading blocks taken from the cache, for a request holding none). Changes
-        nothing. Raises IntegrityError when a hit's window block is not cached."""
+        (num_hits: leading blocks taken from the cache or loaded from a tier, for a request
+        holding none; a window block not in the pool is loaded from `below(key)`'s tier entry).
+        Changes nothing. Raises IntegrityError when a hit's window block is in neither."""
         bs = self.block_size
         tables = self.tables.get(rid)
-        out = WindowPlan([], [], [], 0, 0)
+        out = WindowPlan([], [], [], [], 0, 0)
         length = -(-total // bs)
         for g, w in enumerate(self.windows, 1):
             lo = window_start(computed, w, bs)
             table = tables[g - 1] if tables is not None else []
             drops = [(i, b) for i, b in enumerate(table[:lo]) if b is not None]
-            hits = []
+            hits, loads = [], []
             for i in range(lo, num_hits):
-                b = self.pool.lookup(group_key(hashes[i], g))
-                if b is None:
+                key = group_key(hashes[i], g)
+                if (b := self.pool.lookup(key)) is not None:
+                    hits.append((i, b))
+                elif below is not None and (e := below(key)) is not None:
+                    loads.append((i, e))
+                else:
                     raise IntegrityError(f"{rid}: block {i} of window group {g} was counted cached but is not")
-                hits.append((i, b))
             out.drops.append(drops)
             out.hits.append(hits)
-            out.new.append(max(0, length - max(len(table), lo, num_hits)))
+            out.loads.append(loads)
+            out.new.append(len(loads) + max(0, length - max(len(table), lo, num_hits)))
             out.freed += sum(1 for _, b in drops if b.ref_cnt == 1)
             out.reclaimed += sum(1 for _, b in hits if b.ref_cnt == 0)
         return out
@@ -165,19 +180,26 @@ class WindowGroups:
         for g in range(len(self.windows)):
             self._release(rid, g, plan.drops[g])
             table = tables[g]
-            for i, b in plan.hits[g]:
+            for i, b in sorted([*plan.hits[g], *((i, None) for i, _ in plan.loads[g])], key=lambda ib: ib[0]):
                 table.extend([None] * (i - len(table)))
-                self.pool.touch([b])
-                table.append(b)
+                if b is not None:
+                    self.pool.touch([b])
+                table.append(b)  # (a load's place: extend fills it)
             table.extend([None] * (window_start(computed, self.windows[g], self.block_size) - len(table)))
 
-    def extend(self, rid: str, plan: WindowPlan, new: Sequence[Block]) -> None:
-        """Append a plan's new blocks (plan.num_new of them, in group order) to the tables."""
+    def extend(self, rid: str, plan: WindowPlan, new: Sequence[Block]) -> list[tuple[int, int, Block]]:
+        """Put a plan's new blocks (plan.num_new of them, in group order) in the tables: each
+        group's loads' places first, then appended. Returns the loads' (group, index, block)."""
         if len(new) != plan.num_new:
             raise IntegrityError(f"{rid}: {len(new)} new window blocks for {plan.num_new}")
         fresh = iter(new)
-        for table, n in zip(self.tables[rid], plan.new):
-            table.extend(next(fresh) for _ in range(n))
+        loaded = []
+        for g, (table, n, loads) in enumerate(zip(self.tables[rid], plan.new, plan.loads), 1):
+            for i, _ in loads:
+                table[i] = next(fresh)
+                loaded.append((g, i, table[i]))
+            table.extend(next(fresh) for _ in range(n - len(loads)))
+        return loaded
 
     def _release(self, rid: str, g: int, drops: Sequence[tuple[int, Block]]) -> None:
         table, w = self.tables[rid][g], self.windows[g]

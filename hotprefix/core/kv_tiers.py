@@ -154,9 +154,9 @@ class KVTiers:
         self._loading: set[BlockHash] = set()
 
     def extend(self, hashes: Sequence[BlockHash]) -> tuple[list[HostEntry], bool]:
-        """The READY host blocks that continue a request's device hits (`hashes`: its
-        next block hashes), and whether it should wait for disk reads first (True
-        when any block of the run is LOADING, or was just asked of the disk).
+        """The host blocks that continue a request's device hits (`hashes`: its next block
+        hashes), and whether it should wait for disk reads first (True when any block of
+        the run is LOADING, or was just asked of the disk: the run is then not to be used).
 
         The run's slots are locked as it is walked, so neither its own disk reads nor
         this step's offloads can take them; when the host tier has no slot left for
@@ -165,19 +165,31 @@ class KVTiers:
         self._collect_loads()
         run: list[HostEntry] = []
         for h in hashes:
-            e = self.host.get(h)
-            if e is None and self.disk is not None and self.disk.has(h):
-                e = self.host.put(h, SlotState.LOADING, Source.DISK)
-                if e is not None:
-                    self._loading.add(h)
-                    self.disk.load(h, e.slot)
+            e = self.find(h)
             if e is None:
                 break
-            self.host.locked.add(e.slot)
             run.append(e)
-        if any(e.state is SlotState.LOADING for e in run):
-            return [], True
-        return run, False
+        return run, any(e.state is SlotState.LOADING for e in run)
+
+    def find(self, h: BlockHash) -> HostEntry | None:
+        """The host entry of one block, READY or LOADING (a disk read started now for a block
+        the disk tier has and the host does not, when a slot is free), its slot locked; None
+        when no tier below the pool has it."""
+        e = self.host.get(h)
+        if e is None and self.disk is not None and self.disk.has(h):
+            e = self.host.put(h, SlotState.LOADING, Source.DISK)
+            if e is not None:
+                self._loading.add(h)
+                self.disk.load(h, e.slot)
+        if e is not None:
+            self.host.locked.add(e.slot)
+        return e
+
+    def ready(self, h: BlockHash) -> HostEntry | None:
+        """The READY host entry of a block, without touching its place in the LRU order or
+        starting anything (what a lookup that changes nothing may count on)."""
+        e = self.host.entries.get(h)
+        return e if e is not None and e.state is SlotState.READY else None
 
     def _collect_loads(self) -> None:
         if self.disk is None:

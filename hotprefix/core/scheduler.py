@@ -45,6 +45,7 @@ from hotprefix.core.request import Request, RequestStatus
 from hotprefix.core.speculation import Speculator
 from hotprefix.core.stats import SchedulerStats
 from hotprefix.core.swap import SwapSpace
+from hotprefix.sizing import blocks_for_tokens
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +255,15 @@ class Scheduler:
             if cap == 0 or not self.shares.may_seat(req.tenant):
                 continue
             n = self._chunk(req, cap)
-            held = len(req.host_block_ids)
+            held = blocks_for_tokens(req.num_computed_tokens, self.kv.block_size)  # (as when it was swapped out)
             new = self.kv.allocate_slots(req, n)
             if new is None:
                 break
             self.swapped.remove(req)
-            out.swap_in.extend(zip(req.host_block_ids, self.kv.block_ids(req.request_id)[:held]))
+            device = self.kv.held_block_ids(req.request_id, held)
+            _require(len(device) == len(req.host_block_ids), f"{req.request_id}: {len(device)} blocks to swap "
+                     f"{len(req.host_block_ids)} host blocks into")
+            out.swap_in.extend(zip(req.host_block_ids, device))
             self._host_to_free.extend(req.host_block_ids)
             req.host_block_ids = []
             req.status = RequestStatus.RUNNING
@@ -299,8 +303,8 @@ class Scheduler:
             req.num_computed_tokens = 0
             return None
         first = req.num_cached_tokens is None  # stats count a request's first lookup only
-        if run:
-            out.tier_load.extend(self.kv.tiers.use(run, [b.block_id for b in new[:len(run)]], first))
+        if self.kv.tiers is not None:  # (a grouped pool's window blocks may load without a run)
+            out.tier_load.extend(self.kv.load_copies(run, new, first))
         if req.prompt_logprobs is not None and self.kv.logprobs is not None:
             self.kv.logprobs.fill(req, len(hits) + len(run))
         self.waiting.remove(req)
@@ -347,10 +351,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._step_preemptions += 1
-        device = self.kv.block_ids(req.request_id)
-        # (a grouped pool's window tables are not swapped yet: its requests are recomputed)
-        swap = self.config.preemption_mode is PreemptionMode.SWAP and self.kv.windows is None
-        host = self.swap.allocate(len(device)) if swap else None
+        device = self.kv.held_block_ids(req.request_id, len(self.kv.block_ids(req.request_id)))  # every group's
+        host = self.swap.allocate(len(device)) if self.config.preemption_mode is PreemptionMode.SWAP else None
         self.kv.free(req)
         if host is not None:
             out.swap_out.extend(zip(device, host))

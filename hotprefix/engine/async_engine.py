@@ -142,6 +142,12 @@ class AsyncEngine:
         return self._engine.runner.plan.bytes_per_block
 
     @property
+    def kv_groups(self) -> tuple[tuple[int | None, ...], int]:
+        """The pool's KV-cache groups' windows ((None,): one group; core/kv_groups.py) and its
+        window retention interval (--kv-window-retain-interval)."""
+        return self._engine.runner.plan.windows, self._engine.config.cache.kv_window_retain_interval
+
+    @property
     def default_sampling(self) -> dict[str, float | int]:
         """Sampling defaults from the model's generation config (see ModelConfig)."""
         return self._engine.default_sampling

@@ -3,7 +3,8 @@ and the pool (core/kv_tiers.py decides which; the runner makes them before a for
 
 A host slot holds one whole block, every layer's K then V, contiguous:
 [layers, 2, kv_heads, block_size, head_dim] in the pool's storage dtype (fp8 as raw
-bytes). The same bytes are a disk tier file's payload (engine/kv_disk.py), so a block
+bytes); in a grouped pool a block is a page (model/kv_cache.py): its page_layers tensor
+pairs, whichever group's block it holds. The same bytes are a disk tier file's payload (engine/kv_disk.py), so a block
 moves between the tiers without reshaping. On CUDA the arena is pinned memory.
 """
 
@@ -31,7 +32,7 @@ class HostArena:
         self.block_size = kv.block_size
         kvh, _, hd = layer.k.shape
         dtype = _raw(layer.k).dtype
-        self.block_shape = (len(kv.layers), 2, kvh, kv.block_size, hd)
+        self.block_shape = (len(kv.pages), 2, kvh, kv.block_size, hd)
         self.data = torch.empty((num_slots, *self.block_shape), dtype=dtype, pin_memory=layer.k.is_cuda)
         self.block_bytes = self.data[0].numel() * self.data.element_size() if num_slots else 0
 
@@ -44,7 +45,7 @@ class HostArena:
         """Pool blocks as host blocks: [n, layers, 2, kv_heads, block_size, head_dim] (a new tensor)."""
         out = torch.empty((len(block_ids), *self.block_shape), dtype=self.data.dtype)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.layers[0].k.device)
-        for i, layer in enumerate(self.kv.layers):
+        for i, layer in enumerate(self.kv.pages):
             for j, t in enumerate((layer.k, layer.v)):
                 out[:, i, j] = self._blocks(t)[:, ids].permute(1, 0, 2, 3).cpu()
         return out
@@ -55,7 +56,7 @@ class HostArena:
             return
         ids = torch.tensor([b for b, _ in copies], dtype=torch.long, device=self.kv.layers[0].k.device)
         slots = torch.tensor([s for _, s in copies], dtype=torch.long)
-        for i, layer in enumerate(self.kv.layers):
+        for i, layer in enumerate(self.kv.pages):
             for j, t in enumerate((layer.k, layer.v)):
                 self.data[slots, i, j] = self._blocks(t)[:, ids].permute(1, 0, 2, 3).cpu()
 
@@ -66,7 +67,7 @@ class HostArena:
         dev = self.kv.layers[0].k.device
         slots = torch.tensor([s for s, _ in copies], dtype=torch.long)
         ids = torch.tensor([b for _, b in copies], dtype=torch.long, device=dev)
-        for i, layer in enumerate(self.kv.layers):
+        for i, layer in enumerate(self.kv.pages):
             for j, t in enumerate((layer.k, layer.v)):
                 self._blocks(t)[:, ids] = self.data[slots, i, j].permute(1, 0, 2, 3).to(dev, non_blocking=True)
 

@@ -84,16 +84,13 @@ class ModelRunner:
 
     def _host_copies(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> None:
         """Sets num_host_blocks/host_kv (swap) and host_tier (the host tier's arena: core/kv_tiers.py decides
-        what moves; engine/kv_disk.py may sit behind it). A grouped pool's window tables follow neither
-        swap nor the tiers yet (core/kv_groups.py): it preempts by recompute and has no tier."""
-        grouped, swap = self.kv_groups is not None, sched_cfg.preemption_mode is PreemptionMode.SWAP
-        self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block if swap and not grouped else 0
-        self.host_kv: list = self.kv_cache.make_host_copy(self.num_host_blocks) if swap and not grouped else []
+        what moves; engine/kv_disk.py may sit behind it). In a grouped pool both hold pages (every group's
+        blocks: model/kv_cache.py)."""
+        swap = sched_cfg.preemption_mode is PreemptionMode.SWAP
+        self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block if swap else 0
+        self.host_kv: list = self.kv_cache.make_host_copy(self.num_host_blocks) if swap else []
         self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // self.plan.bytes_per_block) \
-            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching and not grouped else None
-        if grouped and (cache_cfg.host_tier_bytes or swap):
-            log.warning("a grouped KV pool (sliding-window layers) has no host or disk tier and preempts by "
-                        "recompute: --kv-offloading-size and --preemption-mode swap are not followed")
+            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching else None
 
     def _step_runners(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, int8: bool) -> list:
         """The whole-step strategies this runner may take (model/steps): the fused decode

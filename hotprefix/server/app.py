@@ -46,7 +46,10 @@ def prefix_recorder(engine: AsyncEngine, cfg: ServerConfig) -> PrefixRecorder | 
     info = engine.cache_info()
     if info["enable_prefix_caching"] != "True":
         return None
-    kv = KVShape(engine.block_size, int(info["num_gpu_blocks"]), int(info["num_cpu_blocks"]), engine.kv_block_bytes)
+    windows, retain_every = engine.kv_groups
+    grouped = len(windows) > 1  # (lint replays a grouped pool's groups)
+    kv = KVShape(engine.block_size, int(info["num_gpu_blocks"]), int(info["num_cpu_blocks"]), engine.kv_block_bytes,
+                 windows if grouped else None, retain_every if grouped else 0)
     return PrefixRecorder(LogKey.for_log(cfg.request_log), PrefixGroups(engine.block_size), kv,
                           cfg.request_log_prompts)
 

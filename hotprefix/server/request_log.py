@@ -38,6 +38,7 @@ MAX_TOKENS = 1 << 24  # one prompt's tokens or one request's completion tokens
 MAX_PROMPTS = 1 << 16  # prompts of one request
 MAX_DIGEST_CHARS = 128  # one block digest, in hex
 MAX_BLOCK_BYTES = 1 << 40  # one block of every layer's K and V
+MAX_GROUPS = 1 << 10  # a grouped pool's KV-cache groups (one a layer at most)
 _HEX = re.compile("[0-9a-f]*")
 REPLAYED = "`prefix` or times"  # what lint replays: the prompts' chains, the cache, the order of arrival
 _MISSING = object()
@@ -62,6 +63,13 @@ def _count(x: Any) -> bool:
 
 def _positive(x: Any) -> bool:
     return _count(x) and x >= 1
+
+
+def _group_windows(x: Any) -> bool:
+    """A grouped pool's windows: the full group (null), then 1 to MAX_GROUPS - 1 windows of
+    1 to MAX_TOKENS tokens."""
+    return (isinstance(x, list) and 2 <= len(x) <= MAX_GROUPS and x[0] is None
+            and all(_positive(w) and w <= MAX_TOKENS for w in x[1:]))
 
 
 def _number(x: Any) -> bool:
@@ -103,15 +111,20 @@ def _field(obj: dict[str, Any], name: str, ok: Callable[[Any], bool], what: str,
 class KVShape:
     """The prefix cache the server had: its block size, pool blocks and host-tier blocks,
     and the bytes of one block (None in logs older than it: lint --curve then needs the
-    model)."""
+    model); a grouped pool's KV-cache groups (core/kv_groups.py: the full group's window
+    None, then the window groups'; None for one group) and its window retention interval."""
 
     block_size: int
     blocks: int
     host_blocks: int = 0
     block_bytes: int | None = None
+    windows: tuple[int | None, ...] | None = None
+    retain_every: int = 0
 
-    def to_json(self) -> dict[str, int]:
-        out = {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"block_size": self.block_size, "blocks": self.blocks, "host_blocks": self.host_blocks}
+        if self.windows is not None:
+            out |= {"windows": list(self.windows), "retain_every": self.retain_every}
         return out if self.block_bytes is None else {**out, "block_bytes": self.block_bytes}
 
     @classmethod
@@ -121,7 +134,14 @@ class KVShape:
         return cls(_field(kv, "block_size", _positive, "an integer >= 1", REPLAYED, where="kv.", most=MAX_BLOCK_SIZE),
                    _field(kv, "blocks", _positive, "an integer >= 1", REPLAYED, where="kv.", most=MAX_BLOCKS),
                    _field(kv, "host_blocks", _count, "an integer >= 0", REPLAYED, 0, "kv.", MAX_BLOCKS),
-                   _field(kv, "block_bytes", _positive, "an integer >= 1", REPLAYED, None, "kv.", MAX_BLOCK_BYTES))
+                   _field(kv, "block_bytes", _positive, "an integer >= 1", REPLAYED, None, "kv.", MAX_BLOCK_BYTES),
+                   _tuple(_field(kv, "windows", _group_windows, "null, then 1 to 1023 windows of 1 to 2^24 tokens",
+                                 REPLAYED, None, "kv.")),
+                   _field(kv, "retain_every", _count, "an integer >= 0", REPLAYED, 0, "kv.", MAX_TOKENS))
+
+
+def _tuple(x: list | None) -> tuple | None:
+    return None if x is None else tuple(x)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,13 @@ take room but never hit. A request whose KV cannot fit the pool at all is refuse
 the engine refuses it. With no device size the cache is unbounded (nothing is ever
 evicted: the hits are the longest runs of blocks seen before, within the same cap). A
 disk tier is not modelled: with one, the prediction is a lower bound.
+
+A window model's grouped pool (CacheSize.windows: core/kv_groups.py) is replayed as
+the engine runs it: the same KVCacheManager with the same groups and retention interval,
+the prompt in one step, then its output a token a step (each step releases the window
+blocks its sequence has left behind, as the engine's steps do; a one-group pool only
+grows, so its output is one step). The server's chunked prefill of a prompt longer than
+its token budget releases window blocks between chunks, which the replay does not.
 """
 
 from __future__ import annotations
@@ -29,18 +36,22 @@ from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import Request
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.sampling_params import SamplingParams
-from hotprefix.sizing import blocks_for_tokens, max_cached_blocks
+from hotprefix.sizing import blocks_for_tokens, max_cached_blocks, window_blocks
 
 MAX_STEP_TOKENS = 1 << 30  # a step's token budget: a prompt, or a request's output, in one step
 
 
 @dataclass(frozen=True)
 class CacheSize:
-    """The cache a prediction assumes: device blocks (None: unbounded) and host-tier blocks."""
+    """The cache a prediction assumes: device blocks (None: unbounded) and host-tier blocks,
+    and the pool's KV-cache groups (KVCacheManager's group_windows and retain_every: a
+    window model's grouped pool, whose blocks are pages of one group)."""
 
     device_blocks: int | None = None
     host_blocks: int = 0
     source: str = "default"  # where the size came from (flags, the log)
+    windows: tuple[int | None, ...] = (None,)
+    retain_every: int = 0
 
     def __post_init__(self) -> None:
         if self.device_blocks is not None and self.device_blocks < 1:
@@ -48,12 +59,20 @@ class CacheSize:
         if self.host_blocks < 0:
             raise ValueError(f"host tier blocks must be >= 0, got {self.host_blocks}")
 
+    @property
+    def grouped(self) -> bool:
+        return len(self.windows) > 1
+
     def describe(self, block_size: int) -> str:
         if self.device_blocks is None:
             return "an unbounded cache (no eviction)"
         host = f" + host tier {self.host_blocks} blocks" if self.host_blocks else ""
-        return (f"{self.device_blocks} blocks of {block_size} tokens ({self.device_blocks * block_size} tokens)"
-                f"{host}, LRU eviction as the server's pool ({self.source})")
+        kinds = ", ".join(sorted({f"window {w}" for w in self.windows if w is not None}))
+        groups = (f"; {len(self.windows)} KV groups (full, {kinds}), a block a page of one group's layers"
+                  if self.grouped else "")
+        what = f"blocks of {block_size} tokens ({self.device_blocks * block_size} tokens)" if not self.grouped \
+            else f"blocks of {block_size} tokens"
+        return f"{self.device_blocks} {what}{host}{groups}, LRU eviction as the server's pool ({self.source})"
 
 
 @dataclass
@@ -77,7 +96,7 @@ def replay(reqs: Sequence[SimRequest], block_size: int, size: CacheSize = CacheS
     share of the pool). Raises PinError when a pin does not fit."""
     if size.device_blocks is None:
         return _unbounded(reqs, block_size, {h for r in pinned for h in r.hashes[:r.prompt_tokens // block_size]})
-    engine = _Engine(size.device_blocks, size.host_blocks, block_size)
+    engine = _Engine(size, block_size)
     for i, r in enumerate(pinned, len(reqs)):
         engine.run(i, r)
         engine.kv.pin(list(r.hashes[:r.prompt_tokens // block_size]))
@@ -112,31 +131,45 @@ def _unbounded(reqs: Sequence[SimRequest], block_size: int, seen: set[bytes]) ->
 
 
 class _Engine:
-    """The engine's scheduler and KV cache manager (with a host tier), without a model:
-    the replay samples nothing, the tokens are known."""
+    """The engine's scheduler and KV cache manager (with a host tier; a grouped pool's
+    groups), without a model: the replay samples nothing, the tokens are known."""
 
-    def __init__(self, device_blocks: int, host_blocks: int, block_size: int) -> None:
-        self.kv = KVCacheManager(device_blocks, block_size, max_pinned_fraction=1.0,
-                                 tiers=KVTiers(host_blocks) if host_blocks else None)
+    def __init__(self, size: CacheSize, block_size: int) -> None:
+        if size.device_blocks is None:
+            raise ValueError("an unbounded cache is replayed without an engine")
+        self.size = size
+        self.kv = KVCacheManager(size.device_blocks, block_size, max_pinned_fraction=1.0,
+                                 tiers=KVTiers(size.host_blocks) if size.host_blocks else None,
+                                 group_windows=size.windows, retain_every=size.retain_every)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=MAX_STEP_TOKENS), self.kv)
 
     def run(self, index: int, r: SimRequest) -> int | None:
         """Serve one request (whose blocks have `r.hashes`) to its end; the prompt tokens
         it found cached, or None when the engine would refuse it (its KV cannot fit the
         pool: LLMEngine's check)."""
-        if blocks_for_tokens(r.computed_tokens, self.kv.block_size) > self.kv.num_blocks:
+        if self._blocks(r) > self.kv.num_blocks:
             return None
         stand_in = -1 - index  # no real token: blocks past the known hashes never match another request's
         params = SamplingParams(max_tokens=max(r.output_tokens, 1))
         req = Request(f"replay-{index}", [stand_in] * r.prompt_tokens, params, block_hashes=list(r.hashes))
         self.scheduler.add_request(req)
         self._step(req, stand_in)  # admitted: the prompt
-        if not req.status.finished:  # the output, at once: the replay knows its tokens
+        if not req.status.finished and not self.size.grouped:  # the output, at once: the replay knows its tokens
             req.output_token_ids.extend([stand_in] * (r.output_tokens - 2))
             self._step(req, stand_in)
+        for _ in range(r.output_tokens):  # a grouped pool: a token a step, releasing window blocks as the engine
+            if req.status.finished:
+                break
+            self._step(req, stand_in)
         if not req.status.finished or req.num_cached_tokens is None:
-            raise IntegrityError(f"replay request {index} did not run to its end in two steps")
+            raise IntegrityError(f"replay request {index} did not run to its end")
         return req.num_cached_tokens
+
+    def _blocks(self, r: SimRequest) -> int:
+        """The most blocks the request holds at once (LLMEngine's check: a grouped pool's window
+        groups hold their window's, and the prompt's chunk, beside the full group's)."""
+        n, bs = r.computed_tokens, self.kv.block_size
+        return blocks_for_tokens(n, bs) + window_blocks(self.size.windows, n, bs, r.prompt_tokens)
 
     def _step(self, req: Request, token: int) -> None:
         sched = self.scheduler.schedule()

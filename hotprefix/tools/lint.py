@@ -154,7 +154,7 @@ class Linter:
         never evicts: the same replay, without allocating what a log says it had)."""
         if size.device_blocks is None:
             return size
-        most = sum(blocks_for_tokens(r.sim.computed_tokens, self.block_size) for r in reqs) + 1
+        most = sum(blocks_for_tokens(r.sim.computed_tokens, self.block_size) for r in reqs) * len(size.windows) + 1
         return replace(size, device_blocks=min(size.device_blocks, most), host_blocks=min(size.host_blocks, most))
 
     def rate(self, reqs: list[LintRequest], size: CacheSize | None = None) -> float:
@@ -395,25 +395,43 @@ def cache_size(a: argparse.Namespace, block_size: int, logged: CacheSize | None,
     blocks of `per_block` bytes, else of --model's KV at --kv-cache-dtype). Raises ConfigError."""
     if a.unbounded:
         return CacheSize(source="--unbounded")
+    layout = logged or _model_layout(a.model)
     if per_block is None and (a.kv_cache_memory is not None or a.kv_offloading_size is not None):
-        from hotprefix.config import parse_size
         from hotprefix.tools.size import kv_dtype, load_shape
 
-        per_block = load_shape(a.model)[1].kv.bytes_per_block(kv_dtype(a.kv_cache_dtype), block_size)
+        shape = load_shape(a.model)[1]  # a block: a page of one KV group's layers (a grouped pool)
+        per_block = shape.pool_groups.page_bytes(shape.kv, kv_dtype(a.kv_cache_dtype), block_size)
     device = a.num_blocks
     if a.kv_cache_memory is not None and per_block:
+        from hotprefix.config import parse_size
+
         device = parse_size(a.kv_cache_memory) // per_block
     host = a.host_blocks
     if a.kv_offloading_size is not None and per_block:
         host = int(a.kv_offloading_size * 2**30) // per_block
     try:
         if device is None and host is None:
-            return logged or CacheSize(source="no size given")
+            return logged or CacheSize(source="no size given", windows=layout.windows,
+                                       retain_every=layout.retain_every)
         base = logged or CacheSize()
         return CacheSize(device if device is not None else base.device_blocks,
-                         host if host is not None else base.host_blocks, "from the flags")
+                         host if host is not None else base.host_blocks, "from the flags", layout.windows,
+                         layout.retain_every)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _model_layout(model: str | None) -> CacheSize:
+    """The pool's KV-cache groups serve would give --model (its retention interval serve's
+    default), as a CacheSize of no blocks; one group for a model size cannot read (the
+    tokenizer's load says what is wrong with it)."""
+    from hotprefix.tools.size import RETAIN_EVERY, load_shape
+
+    try:
+        windows = load_shape(model)[1].pool_groups.windows
+    except ConfigError:
+        return CacheSize()
+    return CacheSize(windows=windows, retain_every=RETAIN_EVERY)
 
 
 def _template(a: argparse.Namespace) -> str | None:

@@ -91,5 +91,6 @@ def _input(path: Path, bodies: list[tuple[int, dict[str, Any]]], rows: list[tupl
     if rows and not entries:
         raise ConfigError(f"{path}: no request-log row carries block hashes")
     kv = next((row.kv for _, _, row in rows if row.kv is not None), None)
-    size = None if kv is None else CacheSize(kv.blocks, kv.host_blocks, "from the log")
+    size = None if kv is None else CacheSize(kv.blocks, kv.host_blocks, "from the log", kv.windows or (None,),
+                                             kv.retain_every)
     return LogInput(bodies, entries, kv.block_size if kv else None, size)

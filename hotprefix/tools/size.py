@@ -16,13 +16,14 @@ from typing import Any
 
 from hotprefix.cachecurve.advice import TARGET, Size, advise, to_json
 from hotprefix.cachecurve.curve import Options, build
-from hotprefix.config import ConfigError, parse_size
+from hotprefix.config import CacheConfig, ConfigError, parse_size
 from hotprefix.model.arch import ModelLoadError, arch_from_hf_config
 from hotprefix.model.presets import PRESETS
 from hotprefix.sizing import DTYPE_BYTES, ModelShape, SizeReport, size_report
 from hotprefix.tools.curve_log import read_log
 from hotprefix.tools.curve_report import render
 
+RETAIN_EVERY = CacheConfig.__dataclass_fields__["kv_window_retain_interval"].default  # serve's default
 DTYPES = ("float32", "float16", "bfloat16", "fp8")  # serve's --kv-cache-dtype names
 SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # older spellings, still accepted
 
@@ -88,17 +89,24 @@ def _human(n: int | None) -> str:
     return str(n)
 
 
-def _tier(blocks: int, prompts: int, block_size: int) -> str:
-    return "-" if not blocks else f"{blocks * block_size:,} tokens, {prompts:,} prompts"
+def _tier(blocks: int, prompts: int, block_size: int, grouped: bool) -> str:
+    """A tier's room: its tokens (one group: a block is a block of every layer; a grouped
+    pool's blocks are one group's pages: said as blocks) and the prompts it holds."""
+    if not blocks:
+        return "-"
+    room = f"{blocks:,} blocks" if grouped else f"{blocks * block_size:,} tokens"
+    return f"{room}, {prompts:,} prompts"
 
 
 def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight_bytes: int,
                  from_log: list[Size] | None = None) -> str:
+    groups = shape.pool_groups
+    page = f"; a page of {groups.page_layers} layers, every group's" if len(groups.windows) > 1 else ""
     rows = [
         ("bytes per token", lambda r: f"{r.bytes_per_token:,} ({_human(r.bytes_per_token)})"),
-        (f"bytes per token of each KV group ({len(shape.kv_groups.windows)} groups)",
-         lambda r: f"{r.bytes_per_token * shape.kv_groups.page_layers // shape.num_layers:,}"),
-        (f"bytes per block ({reports[0].block_size} tokens)", lambda r: f"{r.bytes_per_block:,}"),
+        (f"bytes per token of each KV group ({len(groups.windows)} groups)",
+         lambda r: f"{r.bytes_per_token * groups.page_layers // shape.num_layers:,}"),
+        (f"bytes per block ({reports[0].block_size} tokens{page})", lambda r: f"{r.bytes_per_block:,}"),
         (f"bytes per prompt ({reports[0].prompt_tokens} tokens)", lambda r: _human(r.bytes_per_prompt)),
         (f"prompt pool ({reports[0].num_prompts} prompts)",
          lambda r: f"{_human(r.pool_bytes)} ({r.pool_blocks} blocks)"),
@@ -117,10 +125,11 @@ def render_table(name: str, shape: ModelShape, reports: list[SizeReport], weight
         (f"one {reports[0].max_model_len}-token sequence in KV groups, {reports[0].retained_tails} tails kept "
          "(as the grouped pool holds it; tails kept in line, not held)",
          lambda r: f"{_human(r.sequence_bytes)} ({r.sequence_bytes / max(r.sequence_bytes_full, 1):.0%} of all-full)"),
-        ("host tier (--kv-offloading-size)", lambda r: _tier(r.host_tier_blocks, r.host_tier_prompts, r.block_size)),
-        ("disk tier (--kv-disk-size)", lambda r: _tier(r.disk_tier_blocks, r.disk_tier_prompts, r.block_size)),
+        ("host tier (--kv-offloading-size)",
+         lambda r: _tier(r.host_tier_blocks, r.host_tier_prompts, r.block_size, bool(page))),
+        ("disk tier (--kv-disk-size)",
+         lambda r: _tier(r.disk_tier_blocks, r.disk_tier_prompts, r.block_size, bool(page))),
     ]
-    groups = shape.kv_groups
     windows = ", ".join(sorted({"full" if w is None else f"window {w}" for w in groups.windows}))
     head = (f"{name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads x {shape.head_dim} dims "
             f"({shape.num_heads} query heads); ~{shape.num_params() / 1e9:.2f} B parameters, "
@@ -170,9 +179,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GiB of the host KV tier (serve's flag): what it holds in tokens and prompts")
     p.add_argument("--kv-disk-size", type=float, default=0.0,
                    help="GiB of the disk KV tier (serve's flag): what it holds in tokens and prompts")
-    p.add_argument("--retain-every", type=int, default=8192,
-                   help="a window model's KV groups would keep a window tail every this many tokens (the sequence "
-                        "row: the arithmetic of the grouped pool, which the engine does not have yet)")
+    p.add_argument("--kv-window-retain-interval", "--retain-every", dest="retain_every", type=int,
+                   default=RETAIN_EVERY,
+                   help="a window model's grouped pool keeps a window tail every this many tokens (serve's flag; "
+                        "default: serve's): the prompts' and the sequence's window blocks")
     p.add_argument("--from-log", metavar="LOG", default=None,
                    help="a `serve --request-log` file: the pool that reaches 95 %% of the hit rate an unbounded cache "
                         "would give its traffic (its hit-rate curve), beside the formula's answer")

@@ -37,15 +37,16 @@ def _sp(seed: int | None, n: int) -> SamplingParams:
                           logprobs=20)
 
 
-def _tiered(disk: bool) -> tuple:
+def _tiered(disk: bool, num_blocks: int = 14) -> tuple:
     """A prefix computed, evicted by another prompt to the host tier (or, with `disk`,
     computed by an engine before a restart on the same disk tier), then three requests on
-    it at once: tier hits, a cascade of three decodes, preemption."""
+    it at once: tier hits, a cascade of three decodes, preemption (in a pool of num_blocks
+    blocks, times check_workloads' blocks_times)."""
     prefix = list(range(10, 34))
     first = [(prefix + [5], _sp(None, 4), DRAIN)]
     requests = [(list(range(100, 140)), _sp(None, 4), DRAIN), (prefix + [6], _sp(None, 12), 0),
                 (prefix + [7], _sp(3, 12), 0), (prefix + [8], _sp(None, 12), 1)]
-    config = dict(max_num_batched_tokens=13, num_blocks_override=14, swap_space=1 << 20,
+    config = dict(max_num_batched_tokens=13, num_blocks_override=num_blocks, swap_space=1 << 20,
                   preemption_mode="recompute" if disk else "swap", kv_offloading_size=0 if disk else 1 << 20)
     return (requests, config, disk, first) if disk else (first + requests, config, disk, [])
 
@@ -155,28 +156,28 @@ def test_sliding_window_answers_are_the_answer_alone(gemma_loaded, mode, tmp_pat
     """The same promise with layers of two windows: each layer's plans (a window's start
     per query; cascades on the global layers only) give the answer alone's bits."""
     assert len(set(gemma_loaded.arch.layer_windows)) == 2
-    # one block table for every layer (--no-kv-cache-groups): the tiers and swap these workloads reach do not
-    # follow a grouped pool yet (docs/engine.md)
+    # one block table for every layer (--no-kv-cache-groups); the grouped pool: the test below
     check_workloads(gemma_loaded, mode, tmp_path, 6, kv_cache_groups=False)
 
 
 @pytest.mark.parametrize("mode", ["int8", "float32"])
 def test_sliding_window_answers_on_the_grouped_pool_are_the_answer_alone(gemma_loaded, mode, tmp_path):
     """The default layout for two windows: window groups that release the blocks left
-    behind (core/kv_groups.py), hits on every group's blocks, cascades (no tiers; at the
-    same bytes as the one-table layout the pool seldom preempts): each answer is still the
-    answer alone's bits."""
-    # (a grouped pool counts pages of one layer here: the same bytes as the one-table layout's blocks)
-    check_workloads(gemma_loaded, mode, tmp_path, 6, expect=("cached", "cascades"),
-                    blocks_times=gemma_loaded.arch.num_layers)
+    behind (core/kv_groups.py), hits on every group's blocks, cascades, the host and disk
+    tiers holding blocks of every group, swap and recompute preemption: each answer is
+    still the answer alone's bits."""
+    # (a grouped pool counts pages of one layer here: the same bytes as the one-table layout's blocks; the tiered
+    # examples' pools a third smaller, so that they evict and preempt as the one-table layout's do)
+    check_workloads(gemma_loaded, mode, tmp_path, 6, blocks_times=gemma_loaded.arch.num_layers, tiered_blocks=9)
 
 
 def check_workloads(loaded, mode: str, tmp_path, max_examples: int,
                     expect: tuple[str, ...] = ("cached", "preempted", "cascades", "host hits", "disk hits"),
-                    blocks_times: int = 1, **fixed) -> None:
-    """Random workloads (and the tiered examples) on `loaded` with caching on: every answer
-    equals the request's answer alone with caching off, and the workloads did hit the
-    cache, cascade, preempt and load from both tiers. fixed: config every engine takes."""
+                    blocks_times: int = 1, tiered_blocks: int = 14, **fixed) -> None:
+    """Random workloads (and the tiered examples, in pools of tiered_blocks) on `loaded` with
+    caching on: every answer equals the request's answer alone with caching off, and the
+    workloads did hit the cache, cascade, preempt and load from both tiers. fixed: config
+    every engine takes."""
     reference = make_engine(loaded, mode, caching=False, **fixed)
     alone: dict[tuple, tuple] = {}
     seen: Counter = Counter()
@@ -197,8 +198,8 @@ def check_workloads(loaded, mode: str, tmp_path, max_examples: int,
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(workloads())
-    @example(_tiered(disk=False))
-    @example(_tiered(disk=True))
+    @example(_tiered(disk=False, num_blocks=tiered_blocks))
+    @example(_tiered(disk=True, num_blocks=tiered_blocks))
     def check(w):
         requests, config, disk, before = w
         config = {**config, "num_blocks_override": config["num_blocks_override"] * blocks_times}

@@ -66,7 +66,10 @@ def logits_of(llm: LLM) -> torch.Tensor:
     """Every position's logits of one 14-token prefill into blocks 0..3 (after the scenario:
     what it writes there is never read again)."""
     ids = prompts(1)[0][:14]
-    sched = SchedulerOutput([ScheduledRequest("x", ids, 0, [0, 1, 2, 3], True, GREEDY, ids, [])])
+    groups = len(llm.engine.kv.windows.windows) + 1 if llm.engine.kv.windows is not None else 0
+    tables = tuple(list(range(4 * g, 4 * g + 4)) for g in range(groups))  # a grouped pool: each group its own
+    sched = SchedulerOutput([ScheduledRequest("x", ids, 0, [0, 1, 2, 3], True, GREEDY, ids, [],
+                                              group_block_ids=tables)])
     return llm.engine.runner.all_logits(sched)
 
 
@@ -80,13 +83,16 @@ def family_folder(request, tmp_path_factory):
 def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
     results, logits = {}, {}
     for tp in (1, 2):
-        # one block table for every layer (Gemma's default is a grouped pool, which swap does not follow yet)
-        llm = LLM(model=str(family_folder), tensor_parallel_size=tp, block_size=4, num_blocks_override=14,
-                  max_num_batched_tokens=16, preemption_mode="swap", swap_space="1MiB", device="cpu",
-                  kv_cache_groups=False)
+        # Gemma's grouped pool: pages of one layer, window groups' blocks beside the full group's
+        grouped = family_folder.name.startswith("tp-gemma3")
+        llm = LLM(model=str(family_folder), tensor_parallel_size=tp, block_size=4,
+                  num_blocks_override=64 if grouped else 14, max_num_batched_tokens=16, preemption_mode="swap",
+                  swap_space="1MiB", device="cpu")
         try:
             assert llm.engine.runner.kv_cache.layers[0].k.shape[::2] == (2 // tp, llm.engine.arch.head_dim)
+            assert (llm.engine.kv.windows is not None) == grouped
             results[tp] = run_scenario(llm)
+            assert llm.engine.runner.num_swapped_blocks_total > 0
             llm.engine.kv.check_integrity()
             logits[tp] = logits_of(llm)
         finally:

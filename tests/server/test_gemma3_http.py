@@ -10,6 +10,9 @@ import openai
 import pytest
 import torch
 
+from hotprefix.cachecurve.request import SimRequest
+from hotprefix.tools.cache_sim import replay
+from hotprefix.tools.lint import read_requests
 from tests.conftest import build_tiny_model
 from tests.gguf_util import write_gguf
 from tests.model.test_gemma3 import hf_greedy
@@ -32,10 +35,11 @@ def gemma(tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_greedy_completions_and_prefix_hits_are_transformers_tokens(gemma, source):
+def test_greedy_completions_and_prefix_hits_are_transformers_tokens(gemma, source, tmp_path):
     hf, paths = gemma
-    live = start_server(paths[source], server_kw={"return_tokens_as_token_ids": True}, block_size=4,
-                        max_num_batched_tokens=8)
+    log = tmp_path / "requests.jsonl"
+    live = start_server(paths[source], server_kw={"return_tokens_as_token_ids": True, "request_log": str(log)},
+                        block_size=4, max_num_batched_tokens=8)
     try:
         client = openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0)
         g = torch.Generator().manual_seed(12)
@@ -50,3 +54,8 @@ def test_greedy_completions_and_prefix_hits_are_transformers_tokens(gemma, sourc
         live.check_drained()
     finally:
         live.stop()
+    # the request log says the pool's groups, and lint's replay of the grouped pool finds the hits the server did
+    data = read_requests(log)
+    assert data.size.windows == (None,) + (8,) * 6 and data.size.retain_every == 4096
+    sims = [SimRequest([bytes.fromhex(h) for h in e.blocks], e.tokens, e.completion) for e in data.entries]
+    assert replay(sims, 4, data.size).hits == [e.cached for e in data.entries] == [0, 4, 24]

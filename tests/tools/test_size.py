@@ -156,3 +156,56 @@ def test_tensor_parallel_sizes_are_per_device():
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "hotprefix: error: --tensor-parallel-size 3: the model's 8 KV heads and 64 query heads do not split over 3 "
         "ranks (the size must divide both: 1, 2, 4, 8)")
+
+
+def _tiny_gemma3_shape():
+    """The tests' tiny Gemma 3 (tests/conftest.py): seven layers of 2 KV heads x 32, six local
+    of a window of 8 and one global: seven groups of one layer (float32: 512 bytes a token
+    a group, 2,048 a page of 4 tokens)."""
+    import transformers
+
+    from tests.conftest import TINY, TINY_GEMMA3
+
+    cfg = transformers.Gemma3TextConfig(**{**TINY, **TINY_GEMMA3}).to_dict()
+    return arch_from_hf_config({**cfg, "architectures": ["Gemma3ForCausalLM"]}).shape
+
+
+def test_a_window_models_pool_rows_count_the_grouped_pools_pages():
+    """Per group, as the engine allocates: a 30-token prompt keeps its 8 full-group blocks and,
+    per window group, the window tail at its end and one kept every 16 tokens (3 blocks each:
+    a window of 8 meets at most 3 blocks of 4); a 40-token request holds 10 full-group blocks
+    and its window's 3 per window group (28), of which the prompt's 7 full blocks are shared;
+    the budget loses the pool's null block."""
+    shape = _tiny_gemma3_shape()
+    assert shape.pool_groups.windows == (None,) + (8,) * 6 and shape.pool_groups.page_layers == 1
+    r = size_report(shape, "float32", block_size=4, prompt_tokens=30, num_prompts=2, concurrency=3, max_model_len=40,
+                    budget_bytes=2048 * 101, host_tier_bytes=2048 * 50, retain_every=16)
+    assert (r.bytes_per_token, r.bytes_per_block) == (7 * 512, 2048)
+    assert r.blocks_per_prompt == 8 + 6 * 6 and r.bytes_per_prompt == 44 * 2048 and r.pool_blocks == 88
+    assert r.private_blocks_per_request == 28 - 7 and r.blocks_needed == 88 + 3 * 21
+    assert r.blocks_in_budget == 100 and r.fits_without_eviction is False
+    assert (r.max_concurrency, r.max_concurrency_unshared) == ((100 - 88) // 21, 100 // 28)
+    assert (r.host_tier_blocks, r.host_tier_prompts) == (50, 50 // (7 + 6 * 6))  # a prompt's 7 full blocks' pages
+    assert r.retained_tails == 2 and r.sequence_bytes == 2048 * (10 + 6 * 9)
+
+
+def test_a_window_models_sequence_blocks_are_the_engines_peak():
+    """The engine's own pool, one token a step: a 40-token sequence of the tiny Gemma holds at
+    most the 28 blocks size counts for it."""
+    from hotprefix.config import SchedulerConfig
+    from hotprefix.core.kv_cache_manager import KVCacheManager
+    from hotprefix.core.outputs import ModelRunnerOutput
+    from hotprefix.core.scheduler import Scheduler
+    from tests.unit.builders import make_request
+
+    shape = _tiny_gemma3_shape()
+    kv = KVCacheManager(100, 4, group_windows=shape.pool_groups.windows)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=1), kv)
+    s.add_request(make_request("a", 30, max_tokens=10))
+    peak = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        peak = max(peak, 100 - kv.pool.num_free_blocks)
+        s.update(out, ModelRunnerOutput({r.request_id: 7 for r in out.requests if r.sample}))
+    r = size_report(shape, "float32", block_size=4, max_model_len=40, budget_bytes=2048 * 57)
+    assert peak == shape.pool_groups.sequence_blocks(40, 4) == 28 and r.max_concurrency_unshared == 56 // 28

@@ -100,8 +100,17 @@ class FakeRunner:
             self.host[slot] = self.device.get(b)
         for slot, b in out.tier_load:
             self.device[b] = self.host.get(slot)
+        self.compute(out)
+        for b, bh in out.persist:
+            assert self.device[b] == bh
+            if self.disk is not None:
+                self.disk.files[bh] = bh
+        return ModelRunnerOutput({r.request_id: 7 for r in out.requests if r.sample})
+
+    def compute(self, out: SchedulerOutput) -> None:
+        """Check that every block before each chunk holds exactly its hash; write the chunk's."""
         bs = self.s.kv.block_size
-        for sr in out.requests:  # every block before the chunk must hold exactly its hash
+        for sr in out.requests:
             req = self.s.requests[sr.request_id]
             for j in range(sr.start_pos // bs):
                 assert self.device.get(sr.block_ids[j]) == req.block_hashes[j], (sr.request_id, j)
@@ -109,11 +118,6 @@ class FakeRunner:
             for j in range(sr.start_pos // bs, -(-end // bs)):
                 full = (j + 1) * bs <= end and j < len(req.block_hashes)
                 self.device[sr.block_ids[j]] = req.block_hashes[j] if full else ("partial", sr.request_id, j)
-        for b, bh in out.persist:
-            assert self.device[b] == bh
-            if self.disk is not None:
-                self.disk.files[bh] = bh
-        return ModelRunnerOutput({r.request_id: 7 for r in out.requests if r.sample})
 
     def step(self) -> SchedulerOutput:
         out = self.s.schedule()

@@ -47,6 +47,8 @@ def test_rows_the_server_wrote_read_and_write_back_the_same():
                                                     'must be null or a list of hex digests, got ["0g"]'),
     ({"kv": {"blocks": 4}}, "whose `prefix` or times are malformed: kv.block_size must be an integer >= 1, "
                             "got missing"),
+    ({"kv": {"block_size": 4, "blocks": 9, "windows": [8, None]}}, "whose `prefix` or times are malformed: "
+     "kv.windows must be null, then 1 to 1023 windows of 1 to 2^24 tokens, got [8, null]"),
 ])
 def test_a_malformed_row_is_one_line_naming_its_field(change, message, tmp_path):
     row = json.loads(WRITTEN[0]) | change
@@ -102,3 +104,16 @@ def test_an_intact_log_opens_untouched(tmp_path, caplog):
     path.write_text(WRITTEN[0] + "\n")
     RequestLog(str(path)).close()
     assert path.read_text() == WRITTEN[0] + "\n" and "torn" not in caplog.text
+
+
+def test_a_grouped_pools_groups_travel_from_the_row_to_lints_replay(tmp_path):
+    """A window model's server writes its pool's KV-cache groups and retention interval in the
+    row's `kv`; lint replays the grouped pool they describe."""
+    kv = KVShape(4, 105, 0, 2048, (None,) + (8,) * 6, 4096)
+    row = json.loads(WRITTEN[0]) | {"kv": kv.to_json()}
+    assert row["kv"]["windows"] == [None, 8, 8, 8, 8, 8, 8] and row["kv"]["retain_every"] == 4096
+    assert LogRow.from_json(row).kv == kv
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    size = read_requests(path).size
+    assert (size.device_blocks, size.windows, size.retain_every) == (105, kv.windows, 4096) and size.grouped
