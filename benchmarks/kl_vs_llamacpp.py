@@ -47,7 +47,9 @@ TEXT = (
 
 def engine_logprobs(loaded, mode: str, ids: list[int]) -> torch.Tensor:
     """log-softmax of the next-token logits after each prefix of ids: [len(ids), V]."""
-    cache = CacheConfig(num_blocks_override=64)
+    # one block table for every layer (a sliding-window model's grouped pool takes one table per group;
+    # it only frees blocks out of the window, which no query reads: the same logits)
+    cache = CacheConfig(num_blocks_override=64, kv_cache_groups=False)
     eng = LLMEngine(EngineConfig(ModelConfig(quantized_matmul=mode), cache), loaded=loaded, warmup=False)
     blocks = list(range(-(-len(ids) // cache.block_size)))
     so = SchedulerOutput([ScheduledRequest("kl", ids, 0, blocks, True, SamplingParams(), ids, [])])

@@ -12,7 +12,8 @@
 # Files are read from $BENCH_MODELS (default ~/.cache/hotprefix-bench) and made there first
 # when missing. For each file and server, into docs/bench/real/TAG-SERVER-*.json: start to
 # /health (hotprefix twice: its first start regroups the weights into its cache, the second
-# maps them), idle and peak RSS of the process group, the ttft workload (a cold 1,030-token
+# maps them), idle and peak RSS of the process group, its CPU seconds in each workload
+# (TAG-SERVER-WORKLOAD-cpu.json, with the load average at its end), the ttft workload (a cold 1,030-token
 # prompt, then 5 warm ones on its 1,000-token prefix), decode (one stream at a time, 128
 # tokens) and shared (8 concurrent requests on a warm 1,000-token prefix); the machine's
 # read bandwidth over as many bytes as a decode step of the file reads (read_bandwidth.py),
@@ -46,7 +47,10 @@ run() {
   echo "{\"server_start_s\": $(echo "$t1 - $t0" | bc)}" > "$OUT/$tag-$server-start.json"
   rss_start $pid "$OUT/$tag-$server-rss"
   for w in "${WORKLOADS[@]}"; do
+    c0=$(cpu_group $pid)
     .venv/bin/hotprefix bench "$url" --workload "$w" --json "$OUT/$tag-$server-$w.json" > /dev/null
+    echo "{\"server_cpu_s\": $(echo "$(cpu_group $pid) - $c0" | bc), \"loadavg\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}" \
+      > "$OUT/$tag-$server-$w-cpu.json"
   done
   rss_stop $pid "$OUT/$tag-$server-rss"
   # int8 mode's next-token distributions against float32 mode's, beside llama.cpp's own (1B)

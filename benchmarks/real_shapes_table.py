@@ -32,6 +32,8 @@ def row(folder: Path, tag: str, server: str) -> dict[str, float | None]:
         "decode_tok_s": dec.get("stream_tokens_per_s_median"),
         "shared8_tok_s": sh.get("output_tokens_per_s"),
         "failed": sum(x.get("failed", 0) for x in (ttft, dec, sh)),
+        **{f"{w}_cpu_s": load(folder, f"{tag}-{server}-{w}-cpu").get("server_cpu_s")
+           for w in ("ttft", "decode", "shared")},
     }
 
 
@@ -41,6 +43,9 @@ LINES = [("start to /health (first start)", "start_s", "{:.1f} s", "first_start_
          ("warm TTFT (1,000 shared)", "warm_ttft_s", "{:.3f} s", None),
          ("single-stream decode", "decode_tok_s", "{:.2f} tok/s", None),
          ("8 concurrent on a warm prefix", "shared8_tok_s", "{:.2f} tok/s", None),
+         ("server CPU seconds: ttft workload", "ttft_cpu_s", "{:.1f} s", None),
+         ("server CPU seconds: decode workload", "decode_cpu_s", "{:.1f} s", None),
+         ("server CPU seconds: 8 concurrent", "shared_cpu_s", "{:.1f} s", None),
          ("failed requests", "failed", "{}", None)]
 
 

@@ -228,8 +228,8 @@ class CacheConfig:
     max_pinned_fraction: float = flag(0.2, "the most of the KV pool that pinned prefixes may hold", group=G.MODEL)
     kv_cache_groups: bool = flag(
         True, "sliding-window models: split the KV pool into groups by attention kind, the window layers keeping "
-        "only their window's blocks (docs/engine.md); --no-kv-cache-groups keeps every block in every layer (the "
-        "fused decode step then applies)", group=G.MODEL, negatable=True)
+        "only their window's blocks (docs/engine.md); --no-kv-cache-groups keeps every block in every layer (at the "
+        "all-full layout's bytes)", group=G.MODEL, negatable=True)
     kv_window_retain_interval: int = flag(
         4096, "sliding-window models: keep the window layers' blocks a prefix hit needs every this many tokens "
         "(rounded down to a block; 0: none) besides the end of every prompt and every shared prefix; other "

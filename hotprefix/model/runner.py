@@ -108,7 +108,8 @@ class ModelRunner:
         if self.parallel.size > 1:  # (capturing NCCL's collectives in a graph is not tested)
             log.info("decode steps run eagerly: no CUDA graphs over tensor-parallel ranks")
             return out
-        graphs = decode_graphs(self.backend_kind, self.model, self.kv_cache, model_cfg, sched_cfg, self.max_model_len)
+        graphs = decode_graphs(self.backend_kind, self.model, self.kv_cache, model_cfg, sched_cfg, self.max_model_len,
+                               self.kv_groups)
         return out + ([graphs] if graphs is not None else [])
 
     @torch.inference_mode()

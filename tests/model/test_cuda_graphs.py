@@ -27,6 +27,7 @@ from hotprefix.model.kv_cache import KVCache
 from hotprefix.model.runner import ALL_PATHS
 from hotprefix.model.steps import choose, cuda_graphs
 from hotprefix.model.steps.cuda_graphs import DecodeGraphs, decode_graphs, default_sizes
+from hotprefix.sizing import KVGroupLayout
 
 BS = 4  # block size
 CPU = torch.device("cpu")
@@ -221,7 +222,7 @@ def test_a_served_step_replays_the_graph_of_its_size(fake_cuda):
     assert [g.graphs[n].replays for n in (1, 2, 4)] == [0, 0, 1]
     assert len(model.calls) == ran  # replayed, not run
     assert out.shape == (3, 2) and out.data_ptr() == g.outputs[4].data_ptr()
-    assert g.slot_mapping[:4].tolist() == meta.slot_mapping.tolist() + [-1]
+    assert g.slot_mapping[0, :4].tolist() == meta.slot_mapping.tolist() + [-1]
     assert g.seq_lens[:4].tolist() == [9, 5, 6, 0]
     assert g.input_ids[:3].tolist() == batch.input_ids.tolist()
     g.forward(*step([2]))
@@ -245,9 +246,9 @@ def built(monkeypatch) -> list[dict]:
     """DecodeGraphs replaced by a recorder of its arguments (capturing needs CUDA)."""
     made: list[dict] = []
 
-    def record(model, kv_cache, sizes, max_blocks, num_splits, windows, device):
+    def record(model, kv_cache, sizes, max_blocks, num_splits, windows, device, groups):
         made.append(dict(sizes=sizes, max_blocks=max_blocks, num_splits=num_splits, windows=windows,
-                         device=device))
+                         device=device, groups=groups))
         return made[-1]
 
     monkeypatch.setattr(cuda_graphs, "DecodeGraphs", record)
@@ -286,4 +287,13 @@ def test_graphs_on_cuda(built, sizes, max_num_seqs, max_model_len, window, expec
     got = decode_graphs(AttentionBackend.TRITON, fake_model(window), fake_pool("cuda:0"),
                         ModelConfig(device="cuda", cuda_graph_sizes=sizes), SchedulerConfig(max_num_seqs=max_num_seqs),
                         max_model_len)
-    assert built == [got] and got == dict(expect, device=torch.device("cuda", 0))
+    assert built == [got] and got == dict(expect, device=torch.device("cuda", 0), groups=None)
+
+
+def test_graphs_over_a_grouped_pool(built):
+    """A grouped pool's layout reaches the graphs (a block table and slots per KV-cache
+    group: tests/model/test_gpu_path.py runs them)."""
+    layout = KVGroupLayout.of((8, 8, None, 8))
+    got = decode_graphs(AttentionBackend.TRITON, fake_model(), fake_pool("cuda:0"), ModelConfig(device="cuda"),
+                        SchedulerConfig(max_num_seqs=4), 64, layout)
+    assert built == [got] and got["groups"] is layout and layout.windows == (None, 8, 8, 8)

@@ -20,13 +20,23 @@ GREEDY = SamplingParams(temperature=0)
 LAYERED = AttentionPaths(fused_decode=False)
 
 
-def runner_for(path, block_size: int = 8, blocks: int = 64, kv: str = "auto") -> ModelRunner:
-    # (one block table for every layer: the fused step does not take a grouped pool's tables yet)
+def runner_for(path, block_size: int = 8, blocks: int = 64, kv: str = "auto", groups: bool = False) -> ModelRunner:
     r = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
                     CacheConfig(block_size=block_size, num_blocks_override=blocks, kv_cache_dtype=kv,
-                                kv_cache_groups=False), SchedulerConfig())
+                                kv_cache_groups=groups), SchedulerConfig())
     assert r.strategy(FusedDecode) is not None, "int8 mode with a C compiler always builds the fused path"
     return r
+
+
+def tiny_gemma3_gguf(tmp_path):
+    """A Gemma-3-shaped GGUF (Q4_K_M mix: Q5_0 / Q8_0 on rows of 64; windows of 8 on six
+    layers in seven, layer 5 global)."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "src"
+    model = build_tiny_model(d, "gemma3", seed=5, query_pre_attn_scalar=32)
+    return write_gguf(tmp_path / "tiny-gemma3.gguf", model, AutoTokenizer.from_pretrained(str(d)), "Q4_K_M",
+                      arch="gemma3")
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> None:
@@ -64,13 +74,7 @@ def test_gemma3_fused_step_is_the_layered_step_bit_for_bit(tmp_path, kv):
     sandwich norms, GeGLU, local layers (window 8, their own rotary tables and plans) and
     global ones, whose plans cascade over two sequences' shared blocks; contexts shorter
     and longer than the window."""
-    from transformers import AutoTokenizer
-
-    d = tmp_path / "src"
-    model = build_tiny_model(d, "gemma3", seed=5, query_pre_attn_scalar=32)
-    path = write_gguf(tmp_path / "tiny-gemma3.gguf", model, AutoTokenizer.from_pretrained(str(d)), "Q4_K_M",
-                      arch="gemma3")
-    runner = runner_for(path, kv=kv)
+    runner = runner_for(tiny_gemma3_gguf(tmp_path), kv=kv)
     stack = runner.strategy(FusedDecode).stack
     assert [layer.kind for layer in stack.layers] == [0, 0, 0, 0, 0, 1, 0] and stack.layers[0].act == 1
     shared = [(3 * j) % 300 + 3 for j in range(16)]
@@ -83,6 +87,46 @@ def test_gemma3_fused_step_is_the_layered_step_bit_for_bit(tmp_path, kv):
     _, meta = runner.prepare(decode_step(prompts, tables))
     assert [c.members for c in meta.windows[None].cascades] == [(0, 1)] and not meta.windows[8].cascades
     check_same_bits(runner, decode_step(prompts, tables))
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gemma3_fused_step_on_a_grouped_pool_is_the_layered_step_bit_for_bit(tmp_path, kv):
+    """The grouped pool (core/kv_groups.py; blocks of 4: one full group, layer 5, and six
+    window groups of one layer each): each layer writes its group's slots and reads its
+    group's tables within its window, fused as layer by layer. The window groups' tables
+    name the pool's null block (filled with NaN) where a window released a block, so a
+    step that read one would not be finite; the full group's shared blocks cascade."""
+    runner = runner_for(tiny_gemma3_gguf(tmp_path), block_size=4, blocks=80, kv=kv, groups=True)
+    kv_cache, groups = runner.kv_cache, runner.kv_groups
+    assert groups.windows == (None,) + (8,) * 6 and groups.layers[0] == (5,)
+    assert [layer.kind for layer in runner.strategy(FusedDecode).stack.layers] == [1, 2, 3, 4, 5, 0, 6]
+    null = kv_cache.null_block
+    for page in kv_cache.pages:
+        page.k[:, null * 4:(null + 1) * 4] = page.v[:, null * 4:(null + 1) * 4] = float("nan")
+    shared = [(3 * j) % 300 + 3 for j in range(16)]
+    prompts = [shared + [7, 8, 9, 10, 11], shared + [12 + j for j in range(10)], [(5 * j) % 300 + 3 for j in range(6)]]
+    tables = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 7, 8], [9, 10]]
+
+    def step(requests: list[tuple[str, list[int], int, list[int]]], released: int = 0) -> SchedulerOutput:
+        """(id, tokens, start, table) each; a window group's table is the full group's
+        moved by 11 blocks a group, its blocks below `released` tokens before the last
+        position's window (8) named null."""
+        def group_tables(table: list[int], last: int) -> tuple[list[int], ...]:
+            gone = max(0, last - 7) // 4 if released else 0
+            return (table,) + tuple([null] * gone + [b + 11 * g for b in table[gone:]] for g in range(1, 7))
+        return SchedulerOutput([ScheduledRequest(i, t, start, table, False, GREEDY, t, [],
+                                                 group_block_ids=group_tables(table, start + len(t) - 1))
+                                for i, t, start, table in requests])
+
+    runner.all_logits(step([("p0", prompts[0][:-1], 0, tables[0])]))
+    runner.all_logits(step([("p1", prompts[1][16:-1], 16, tables[1])]))  # after the shared blocks
+    runner.all_logits(step([("p2", prompts[2][:-1], 0, tables[2])]))
+    decode = step([(f"d{i}", [p[-1]], len(p) - 1, t) for i, (p, t) in enumerate(zip(prompts, tables))], released=1)
+    assert [t[1][:4] for t in (r.group_block_ids for r in decode.requests)] == [[null] * 3 + [14], [null] * 4, [20, 21]]
+    _, meta = runner.prepare(decode)
+    assert [c.members for c in meta.windows[0].cascades] == [(0, 1)]
+    check_same_bits(runner, decode)
+    assert bool(runner.all_logits(decode).isfinite().all())
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])

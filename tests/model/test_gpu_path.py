@@ -115,6 +115,52 @@ def test_decode_graph_padding_equals_the_eager_step(tiny):
     assert graphs.refusal(five, meta, ALL_PATHS) == "larger than the largest graph captured"
 
 
+def test_decode_graph_padding_on_a_grouped_pool_equals_the_eager_step(tmp_path):
+    """A Gemma 3 grouped pool (blocks of 4: one full group and six window groups of one
+    layer each): the graphs' buffers hold every group's table and slots, the window
+    groups' tables naming the null block (NaN) where a window released one; the padded
+    batch gives the eager step's hidden states and writes only the real rows' slots."""
+    build_tiny_model(tmp_path, "gemma3", seed=3)
+    r = runner(str(tmp_path), "triton", blocks=140)
+    kv, groups = r.kv_cache, r.kv_groups
+    assert groups.windows == (None,) + (8,) * 6
+    null = kv.null_block
+    for page in kv.pages:
+        page.k[:, null * 4:(null + 1) * 4] = page.v[:, null * 4:(null + 1) * 4] = float("nan")
+
+    def req(rid: str, ids: list[int], start: int, blocks: list[int], released: bool = False) -> ScheduledRequest:
+        gone = max(0, len(ids) - 8) // 4 if released else 0  # blocks wholly before the last position's window
+        tables = (blocks,) + tuple([null] * gone + [b + 20 * g for b in blocks[gone:]] for g in range(1, 7))
+        return ScheduledRequest(rid, ids[start:], start, blocks, True, SamplingParams(), ids, [],
+                                group_block_ids=tables)
+
+    r.forward(SchedulerOutput([req("a", A, 0, list(range(10))), req("b", B, 0, list(range(10, 20)))]))
+    windows = tuple(dict.fromkeys(r.model.arch.layer_windows))
+    graphs = DecodeGraphs(r.model, kv, (1, 4), 16, 2, windows, r.device, capture=False, groups=groups)
+    so = SchedulerOutput([req("a", A + [5], 37, list(range(10)), True),
+                          req("b", B + [6], 37, list(range(10, 20)), True)])
+    assert so.requests[0].group_block_ids[1][:8] == [null] * 7 + [27]
+    pool = [(page.k.clone(), page.v.clone()) for page in kv.pages]
+    want = r.forward(so)  # eager
+    for page, (k, v) in zip(kv.pages, pool):
+        page.k.copy_(k)
+        page.v.copy_(v)
+    batch, meta = r.prepare(so, ALL_PATHS)
+    assert graphs.refusal(batch, meta, ALL_PATHS) is None
+    got = graphs.forward(batch, meta)  # padded to 4 rows
+    assert bool(got.isfinite().all()) and torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert graphs.slot_mapping[:, 2:].eq(-1).all() and graphs.seq_lens[2:].eq(0).all()
+    for g, (slots, t) in enumerate(meta.tables()):
+        assert graphs.slot_mapping[g, :2].equal(slots) and graphs.block_tables[g, :2, :10].equal(t.block_tables)
+    rest = torch.ones(kv.pages[0].k.shape[1], dtype=torch.bool)
+    rest[torch.cat([s for s, _ in meta.tables()])] = False
+    for page, (k, v) in zip(kv.pages, pool):  # (bytes: the pool is uninitialised, so it may hold NaNs)
+        assert torch.equal(page.k[:, rest].view(torch.uint8), k[:, rest].view(torch.uint8))
+        assert torch.equal(page.v[:, rest].view(torch.uint8), v[:, rest].view(torch.uint8))
+    one_table = replace(meta, windows={None: meta.triton}, group_slots={})  # a step of one block table
+    assert graphs.refusal(batch, one_table, ALL_PATHS) == "other sliding windows"
+
+
 def test_default_graph_sizes():
     assert default_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert default_sizes(3) == (1, 2, 3)

@@ -140,12 +140,16 @@ class BackendSpec:
         """The plan key of a layer (its group in a grouped pool, else its window)."""
         return self._group_of[kv.index] if self.kv_groups else self.window_of(kv)
 
+    def key_window(self, key: int | None) -> int | None:
+        """The window of the layers of plan key `key` (a group's, or the key itself)."""
+        return self.kv_groups.windows[key] if self.kv_groups else key
+
     def views(self, batch: StepBatch) -> list[tuple[int | None, int | None, StepBatch]]:
         """(key, window, the step as that key's layers see it), for every plan key; the
         global plan first."""
         if self.kv_groups is None:
             return [(w, w, batch) for w in sorted(self.windows, key=lambda w: w is not None)]
-        return [(g, w, batch.for_group(g)) for g, w in enumerate(self.kv_groups.windows)]
+        return [(g, self.key_window(g), batch.for_group(g)) for g in self.plan_keys]
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -35,11 +35,22 @@ class TritonStep:
 
     @classmethod
     def grouped(cls, spec: BackendSpec, batch: StepBatch) -> TritonStep:
-        metas, slots = {}, {}
-        for g, w, view in spec.views(batch):
-            metas[g] = dataclasses.replace(triton_meta(view, spec.device), sliding_window=w or 0)
-            slots[g] = view.slot_mapping
-        return cls(batch.slot_mapping, metas[0], metas, slots)
+        views = spec.views(batch)
+        return cls.of_groups([v.slot_mapping for _, _, v in views], [triton_meta(v, spec.device) for _, _, v in views],
+                             tuple(w for _, w, _ in views))
+
+    @classmethod
+    def of_groups(cls, slots: list[torch.Tensor], metas: list[TritonMeta], windows: tuple[int | None, ...]
+                  ) -> TritonStep:
+        """A grouped pool's step from each group's slots, TritonMeta (no window set) and window."""
+        m = {g: dataclasses.replace(t, sliding_window=w or 0) for g, (t, w) in enumerate(zip(metas, windows))}
+        return cls(slots[0], m[0], m, dict(enumerate(slots)))
+
+    def tables(self) -> list[tuple[torch.Tensor, TritonMeta]]:
+        """(slots, TritonMeta) of each distinct block table: one, or a grouped pool's per group."""
+        if self.group_slots:
+            return [(self.group_slots[g], self.windows[g]) for g in self.group_slots]
+        return [(self.slot_mapping, self.triton)]
 
 
 def triton_meta(batch: StepBatch, device: torch.device) -> TritonMeta:

@@ -55,14 +55,14 @@ class HpAtt(ctypes.Structure):
                 ("st_m", _p), ("st_l", _p), ("st_acc", _p)]
 
 
-KINDS = 2  # hp_api.h's HP_KINDS: attention kinds of a step (their rotary tables and plans)
+KINDS = 8  # hp_api.h's HP_KINDS: attention kinds of a step (their rotary tables, plans and write slots)
 ACT_SILU, ACT_GELU_TANH = 0, 1  # hp_api.h's ACT_*
 
 
 class HpStep(ctypes.Structure):
-    """hp_step: one decode step's rows, and per attention kind its rotary tables and plans."""
+    """hp_step: one decode step's rows, and per attention kind its rotary tables, write slots and plans."""
 
-    _fields_ = [("x", _p), ("cos", _p * KINDS), ("sin", _p * KINDS), ("wslots", _p), ("own", HpPlan * KINDS),
+    _fields_ = [("x", _p), ("cos", _p * KINDS), ("sin", _p * KINDS), ("wslots", _p * KINDS), ("own", HpPlan * KINDS),
                 ("shared", HpPlan * KINDS), ("M", c_int)]
 
 

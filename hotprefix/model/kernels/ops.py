@@ -246,7 +246,7 @@ class DecodeLayer:
     the MLP), projections as regrouped blocks (qkv of 1-3 parts, gate/up of 1-2), optional
     biases, its KV pool (float32 or fp8 with its scales); Gemma's optional stages: q/k norms
     per head [D], norms of the attention's and MLP's outputs [E] (post1, post2), GeGLU
-    (gelu); kind: its attention kind in the step (decode_layers' ropes and plans)."""
+    (gelu); kind: its attention kind in the step (decode_layers' ropes, slots and plans)."""
 
     norm1: torch.Tensor
     norm2: torch.Tensor
@@ -330,21 +330,21 @@ def _set_parts(slots, w: Blocks) -> int:
 
 
 def decode_layers(stack: DecodeStack, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-                  slots: torch.Tensor, plans: list[tuple[AttPlan, AttPlan | None]], lib: Lib = None) -> None:
+                  slots: list[torch.Tensor], plans: list[tuple[AttPlan, AttPlan | None]], lib: Lib = None) -> None:
     """Run a decode step's rows x [M, E] (contiguous float32, updated in place) through
     every layer of `stack`; per attention kind (a layer's DecodeLayer.kind indexes them):
-    ropes' cos, sin [M, 1, D] and plans' (own, shared): the plans over each row's keys and
-    the cascades' shared prefixes (run first); slots [M] where each row's key and value
-    go. Raises RuntimeError if the kernel fails or refuses a plan."""
+    ropes' cos, sin [M, 1, D], slots [M] where each row's key and value go, and plans'
+    (own, shared): the plans over each row's keys and the cascades' shared prefixes (run
+    first). Raises RuntimeError if the kernel fails or refuses a plan."""
     lib = need(lib)
-    if not 1 <= len(ropes) == len(plans) <= KINDS:
-        raise ValueError(f"decode_layers takes 1 to {KINDS} attention kinds, each its ropes and plans")
+    if not 1 <= len(ropes) == len(slots) == len(plans) <= KINDS:
+        raise ValueError(f"decode_layers takes 1 to {KINDS} attention kinds, each its ropes, slots and plans")
     keep = [(c.contiguous(), s.contiguous()) for c, s in ropes]
     _f32_cpu("decode_layers", x, *(t for pair in keep for t in pair))
-    slots = slots.to(torch.int64).contiguous()
-    step = HpStep(x=x.data_ptr(), wslots=slots.data_ptr(), M=x.shape[0])
-    for k, ((cos, sin), (own, shared)) in enumerate(zip(keep, plans)):
-        step.cos[k], step.sin[k], step.own[k] = cos.data_ptr(), sin.data_ptr(), own.c
+    wslots = [s.to(torch.int64).contiguous() for s in slots]
+    step = HpStep(x=x.data_ptr(), M=x.shape[0])
+    for k, ((cos, sin), ws, (own, shared)) in enumerate(zip(keep, wslots, plans)):
+        step.cos[k], step.sin[k], step.wslots[k], step.own[k] = cos.data_ptr(), sin.data_ptr(), ws.data_ptr(), own.c
         if shared is not None:
             step.shared[k] = shared.c
     rc = lib.hp_decode_layers(ctypes.byref(stack.stack), ctypes.byref(step), torch.get_num_threads())

@@ -11,9 +11,12 @@ the embedding, the final norm and the logits stay in Python.
 
 It serves only what it was built for: int8 blocks for every projection (q/k/v and
 gate/up fused, their parts of any types), q/k norms only on rows of D in C (Gemma's;
-Qwen3's run in torch), at most two attention windows (Gemma's local and global layers:
-each kind its rotary tables and plans), the cpu backend's float32 or fp8 pool, and a step
-of single-token decodes (any other step takes the layer-by-layer path). The family's
+Qwen3's run in torch), the cpu backend's float32 or fp8 pool, and a step of single-token
+decodes (any other step takes the layer-by-layer path). Each of the backend's plan keys
+(BackendSpec.plan_keys) is an attention kind of the C step, at most ops.KINDS of them:
+with one block table, each window (Gemma's local and global layers); in a grouped pool,
+each KV-cache group, whose layers write its slots and read its tables within its window,
+as its layers do layer by layer. A kind's rotary tables are its window's. The family's
 layers say which norms they have (`decode_norms`: Gemma's sandwich norms).
 """
 
@@ -38,10 +41,8 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
         return "tensor parallelism (the fused step has no all-reduce)"
     if ops.kv_type(pool) is None:
         return "not a float32 or fp8 CPU pool"
-    if kv.grouped:
-        return "a grouped KV pool (each group reads its own block tables; hp_decode_layers takes one)"
-    if len(backend.spec.windows) > ops.KINDS:
-        return f"layers of more than {ops.KINDS} attention windows"
+    if len(backend.spec.plan_keys) > ops.KINDS:
+        return f"more than {ops.KINDS} attention windows or KV-cache groups"
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         if a.q_norm is not None and not a.norms_rows:
@@ -76,8 +77,10 @@ class FusedDecode:
             raise ValueError(f"this model and cache cannot take the fused decode path: {why}")
         self.model = model
         arch = model.arch
-        self.windows = backend.spec.windows  # the attention kinds, in hp_step's order
-        layers = [_layer(layer, lkv, self.windows.index(backend.spec.window_of(lkv)))
+        spec = backend.spec
+        self.keys = spec.plan_keys  # the attention kinds, in hp_step's order
+        self.windows = [spec.key_window(k) for k in self.keys]  # each kind's rotary tables
+        layers = [_layer(layer, lkv, self.keys.index(spec.key_of(lkv)))
                   for layer, lkv in zip(model.model.layers, kv.layers)]
         shape = ops.StackShape(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                arch.intermediate_size, float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)
@@ -92,6 +95,7 @@ class FusedDecode:
     def forward(self, batch: StepBatch, meta: CpuMeta) -> torch.Tensor:
         x = self.model.embed(batch.input_ids).contiguous()  # [T, E], updated in place below
         ropes = self.model.ropes_by_window(batch.positions, x.dtype)  # [T, 1, D] each
-        plans = [(meta.windows[w].own, meta.windows[w].shared) for w in self.windows]
-        ops.decode_layers(self.stack, x, [ropes[w] for w in self.windows], meta.slot_mapping, plans)
+        kinds = [meta.windows[k] for k in self.keys]  # each key's slots and plans
+        ops.decode_layers(self.stack, x, [ropes[w] for w in self.windows], [p.slot_mapping for p in kinds],
+                          [(p.own, p.shared) for p in kinds])
         return self.model.model.norm(x)

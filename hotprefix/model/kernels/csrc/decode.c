@@ -14,7 +14,8 @@
  * the same order with the same additions, so the result is the same bits as the
  * layer-by-layer path. Gemma's layers take the optional stages: q/k norms per head, norms
  * of the attention's and the MLP's outputs, GeGLU, a kind of their own (local or global:
- * its rotary tables and plans).
+ * its rotary tables and plans; in a grouped pool, one kind per KV-cache group, whose
+ * plans read and whose slots write that group's blocks).
  * ------------------------------------------------------------------------ */
 
 /* sizeof and the field offsets, in declaration order, of hp_api.h's structs (which: 0
@@ -50,7 +51,8 @@ int hp_struct_layout(int which, int64_t *out) {
     return n;
 }
 
-static int stack_valid(const hp_stack *s) {
+/* The stack's projections fit its shape, and every layer's kind has its tables and slots in the step. */
+static int stack_valid(const hp_stack *s, const hp_step *st) {
     const int HD = s->H * s->D;
     if (s->kv_type < KV_F32 || s->kv_type > KV_E5M2) return 0;
     for (int l = 0; l < s->nlayers; l++) {
@@ -59,6 +61,7 @@ static int stack_valid(const hp_stack *s) {
         for (int p = 0; p < ly->nqkv && p < 3; p++) nqkv += ly->qkv[p].n;
         for (int p = 0; p < ly->ngu && p < 2; p++) ngu += ly->gu[p].n;
         if (ly->kind < 0 || ly->kind >= HP_KINDS || ly->act < ACT_SILU || ly->act > ACT_GELU_TANH) return 0;
+        if (!st->cos_[ly->kind] || !st->sin_[ly->kind] || !st->wslots[ly->kind]) return 0;
         if (ly->nqkv > 3 || ly->ngu > 2 || !parts_valid(ly->qkv, ly->nqkv, s->E) || !parts_valid(&ly->o, 1, HD)
             || !parts_valid(ly->gu, ly->ngu, s->E) || !parts_valid(&ly->down, 1, s->I)
             || nqkv != (s->H + 2 * s->KVH) * s->D || ngu != 2 * s->I || ly->o.n != s->E || ly->down.n != s->E)
@@ -104,9 +107,9 @@ static void qkv_row(const hp_stack *s, const hp_layer *ly, const hp_step *st, co
     rope_row(r + HD, KVH, D, c, sn);
     memcpy(b->qb + (size_t)m * HD, r, sizeof(float) * HD);
     if (s->kv_type == KV_F32)
-        kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D);
+        kv_write_row(ly->kpool, ly->vpool, s->head_stride, st->wslots[ly->kind][m], r + HD, r + HD + KVH * D, KVH, D);
     else
-        kv_write_row_fp8(ly->kpool, ly->vpool, s->head_stride, st->wslots[m], r + HD, r + HD + KVH * D, KVH, D,
+        kv_write_row_fp8(ly->kpool, ly->vpool, s->head_stride, st->wslots[ly->kind][m], r + HD, r + HD + KVH * D, KVH, D,
                          s->kv_type, ly->k_scale, ly->v_scale);
 }
 
@@ -170,9 +173,10 @@ static void step_buf_free(step_buf *b) {
 
 /* Runs the step `st` through every layer of `s` (updating st->x and writing the step's
  * keys and values into the pools). Returns 0; -1 for a projection whose parts do not
- * fit the shape (type, K, rows) or an invalid attention plan; -2 when out of memory. */
+ * fit the shape (type, K, rows), a layer's kind without its tables or slots, or an invalid
+ * attention plan; -2 when out of memory. */
 int hp_decode_layers(const hp_stack *s, const hp_step *st, int nthreads) {
-    if (!stack_valid(s)) return -1;
+    if (!stack_valid(s, st)) return -1;
     int maxr = 1;
     for (int k = 0; k < HP_KINDS; k++) {
         if (!plan_valid(&st->own[k], s->KVH) || !plan_valid(&st->shared[k], s->KVH)) return -1;

@@ -10,7 +10,8 @@
 
 #include "hp.h"  /* hp_part */
 
-#define HP_KINDS 2  /* attention kinds a step may hold: each its rotary tables and plans (global, local) */
+#define HP_KINDS 8  /* attention kinds a step may hold: each its rotary tables, plans and write slots (a window,
+                      or a grouped pool's KV-cache group: Gemma 3 has up to seven) */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* One layer's weights (each projection's parts regrouped by hp_repack) and cache. */
@@ -25,7 +26,7 @@ typedef struct {
     const float *post1, *post2;                     /* [E]: the attention's and the MLP's output normed
                                                        before its residual add (Gemma), or NULL */
     int act;                                        /* the MLP's: ACT_SILU, ACT_GELU_TANH */
-    int kind;                                       /* its rotary tables and plans in the step: < HP_KINDS */
+    int kind;                                       /* its rotary tables, plans and slots in the step: < HP_KINDS */
 } hp_layer;
 
 /* The decoder stack: its layers and shape. */
@@ -60,14 +61,15 @@ typedef struct {
 } hp_att;
 
 /* One decode step. x [M, E]: the rows' hidden states, updated in place through the
- * layers. Per attention kind (a layer's `kind`): cos, sin [M, D] (rope()'s halves), own:
+ * layers. Per attention kind (a layer's `kind`): cos, sin [M, D] (rope()'s halves), wslots
+ * [M]: where each row's key and value go (a grouped pool's group: its own blocks), own:
  * the attention plan over each row's keys (rows indexing q as [M * H, D]), shared: the
  * cascades' shared prefixes (ntasks 0: none), run first, whose saved state own's
- * ATT_INIT tasks continue. wslots [M]: where each row's key and value go. */
+ * ATT_INIT tasks continue. A kind no layer has may be left NULL and empty. */
 typedef struct {
     float *x;
     const float *cos_[HP_KINDS], *sin_[HP_KINDS];
-    const int64_t *wslots;
+    const int64_t *wslots[HP_KINDS];
     hp_plan own[HP_KINDS], shared[HP_KINDS];
     int M;
 } hp_step;
