@@ -54,9 +54,10 @@ def layer_products(path: str) -> list:
     from hotprefix.model.build import _mode_blocks
     from hotprefix.model.kernels.weights import fuse
     from hotprefix.model.loader import load_model
+    from hotprefix.model.parallel import SINGLE
 
     lm = load_model(path)
-    blocks = _mode_blocks(lm, lm.packed, int8=True)
+    blocks = _mode_blocks(lm, lm.packed, int8=True, parallel=SINGLE)
     products = []
     for i in range(lm.arch.num_layers):
         w = {re.sub(r"^model\.layers\.\d+\.", "", n).removesuffix(".weight"): b for n, b in blocks.items()

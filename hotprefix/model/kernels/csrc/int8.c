@@ -22,7 +22,8 @@ int hp_int8_vectorized(void) {
 }
 
 /* The vector paths this build compiled, as bits: 1 float work on 512 bits, 2 on 256 bits,
- * 4 int8 products on AVX-512 VNNI, 8 on AVX2, 16 the simulated AVX-512 (tests); 0: plain C. */
+ * 4 int8 products on AVX-512 VNNI, 8 on AVX2, 16 the simulated AVX-512 (tests), 32 AMX
+ * tiles for 16 rows of x at a time (while on: hp_amx); 0: plain C. */
 int hp_vector_paths(void) {
     int bits = 0;
 #if defined(HP_F512)
@@ -38,6 +39,7 @@ int hp_vector_paths(void) {
 #if defined(HP_SIM512)
     bits |= 16;
 #endif
+    if (amx_on()) bits |= 32;
     return bits;
 }
 
@@ -84,6 +86,14 @@ static void quantize_row_k(const float *x, int K, int8_t *xq, float *dx, int16_t
     }
 }
 
+/* Row m's codes + 128 into x->u, where the AMX tiles are on. */
+static void unsigned_row(xquant *x, int K, int m) {
+    if (!x->u) return;
+    const int8_t *q = x->q + (size_t)m * K;
+    uint8_t *u = x->u + (size_t)m * K;
+    for (int k = 0; k < K; k++) u[k] = (uint8_t)(q[k] + 128);
+}
+
 /* Row xr (K values) quantized into row m of x32 (per 32 values, need32) and of xk (per
  * 256, needk). */
 void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk) {
@@ -91,10 +101,12 @@ void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x3
         const int nb = K / QK;
         quantize_row(xr, K, x32->q + (size_t)m * K, x32->d + (size_t)m * nb, x32->sum + (size_t)m * nb,
                      x32->sd + (size_t)m * nb);
+        unsigned_row(x32, K, m);
     }
     if (needk) {
         const int nbk = K / QKK;
         quantize_row_k(xr, K, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk, xk->bs + (size_t)m * nbk * KBS);
+        unsigned_row(xk, K, m);
     }
 }
 
@@ -114,10 +126,11 @@ int xquant_alloc(xquant *x, int M, int K) {
     x->sum = malloc(sizeof(int32_t) * rows * nb);
     x->sd = malloc(sizeof(float) * rows * nb);
     x->bs = malloc(sizeof(int16_t) * rows * nbk * KBS);
-    return x->q && x->d && x->sum && x->sd && x->bs;
+    x->u = amx_on() && M >= 16 ? malloc(rows * (size_t)K + 1) : NULL;
+    return x->q && x->d && x->sum && x->sd && x->bs && (x->u || !amx_on() || M < 16);
 }
 
-void xquant_free(xquant *x) { free(x->q); free(x->d); free(x->sum); free(x->sd); free(x->bs); }
+void xquant_free(xquant *x) { free(x->q); free(x->d); free(x->sum); free(x->sd); free(x->bs); free(x->u); }
 
 /* Whether every part has an int8 layout, rows, and a K that its blocks divide. */
 int parts_valid(const hp_part *parts, int nparts, int K) {
@@ -127,9 +140,11 @@ int parts_valid(const hp_part *parts, int nparts, int K) {
     return 1;
 }
 
-/* One group (16 rows of one part) against rows m0..m1 of x. */
+/* One group (16 rows of one part) against rows m0..m1 of x: whole tiles of 16 rows by AMX
+ * where it is on, the rest by the group kernels. */
 void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                        const xquant *xk, float *y) {
+    m0 += amx_group_rows(pt, g, col, ldy, K, m0, m1, x32, xk, y);
     const int nvalid = pt->n - g * G < G ? pt->n - g * G : G;
     float *yg = y + col + (size_t)g * G;
     if (k_family(pt->qtype)) {
