@@ -195,7 +195,6 @@ typedef struct {
     int32_t *sum;   /* [M, K / 32] (32-value family) */
     float *sd;      /* [M, K / 32] (32-value family) */
     int16_t *bs;    /* [M, K / 256 * 24] (K family) */
-    uint8_t *u;     /* [M, K] q + 128, the AMX tiles' unsigned operand (NULL while AMX is off) */
 } xquant;
 
 #define KBS 24  /* int16 block sums a super-block of quantized x: 16 per 16 values, 8 per 32 */

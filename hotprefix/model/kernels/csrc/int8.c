@@ -86,14 +86,6 @@ static void quantize_row_k(const float *x, int K, int8_t *xq, float *dx, int16_t
     }
 }
 
-/* Row m's codes + 128 into x->u, where the AMX tiles are on. */
-static void unsigned_row(xquant *x, int K, int m) {
-    if (!x->u) return;
-    const int8_t *q = x->q + (size_t)m * K;
-    uint8_t *u = x->u + (size_t)m * K;
-    for (int k = 0; k < K; k++) u[k] = (uint8_t)(q[k] + 128);
-}
-
 /* Row xr (K values) quantized into row m of x32 (per 32 values, need32) and of xk (per
  * 256, needk). */
 void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk) {
@@ -101,12 +93,10 @@ void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x3
         const int nb = K / QK;
         quantize_row(xr, K, x32->q + (size_t)m * K, x32->d + (size_t)m * nb, x32->sum + (size_t)m * nb,
                      x32->sd + (size_t)m * nb);
-        unsigned_row(x32, K, m);
     }
     if (needk) {
         const int nbk = K / QKK;
         quantize_row_k(xr, K, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk, xk->bs + (size_t)m * nbk * KBS);
-        unsigned_row(xk, K, m);
     }
 }
 
@@ -126,11 +116,10 @@ int xquant_alloc(xquant *x, int M, int K) {
     x->sum = malloc(sizeof(int32_t) * rows * nb);
     x->sd = malloc(sizeof(float) * rows * nb);
     x->bs = malloc(sizeof(int16_t) * rows * nbk * KBS);
-    x->u = amx_on() && M >= 16 ? malloc(rows * (size_t)K + 1) : NULL;
-    return x->q && x->d && x->sum && x->sd && x->bs && (x->u || !amx_on() || M < 16);
+    return x->q && x->d && x->sum && x->sd && x->bs;
 }
 
-void xquant_free(xquant *x) { free(x->q); free(x->d); free(x->sum); free(x->sd); free(x->bs); free(x->u); }
+void xquant_free(xquant *x) { free(x->q); free(x->d); free(x->sum); free(x->sd); free(x->bs); }
 
 /* Whether every part has an int8 layout, rows, and a K that its blocks divide. */
 int parts_valid(const hp_part *parts, int nparts, int K) {
