@@ -229,7 +229,7 @@ int amx_on(void);
 int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y);
 #if defined(HP_AMX)
-void amx_config(int kbytes);  /* the tiles' shapes for blocks of kbytes values (32 or 16) */
+void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);  /* tile t: rows[t] x colsb[t] bytes */
 void amx_store(const float *acc, int tn, float *y, int ldy, int nvalid);
 /* int8_amx_kq.c: the K-quant group g of pt against nt tiles of xk's rows from m0 (y at row
  * m0 and the group's first column); 0 for a type it does not cover */

@@ -49,18 +49,12 @@ int hp_amx(int want) {
 
 int amx_on(void) { return amx_state; }
 
-/* Tiles 0, 1: C (16 x 16 int32); 2, 3: A (16 rows of x, kbytes values); 4, 5: B (kbytes / 4
- * rows of 64 bytes). Two of each, so that one block's product runs while the other's
- * epilogue reads its sums. */
-void amx_config(int kbytes) {
+/* The tiles' shapes: tile t has rows[t] rows of colsb[t] bytes (0: unused). */
+void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]) {
     struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 2; t++) {
-        c.rows[t] = 16; c.colsb[t] = 64;
-        c.rows[2 + t] = 16; c.colsb[2 + t] = (uint16_t)kbytes;
-        c.rows[4 + t] = (uint8_t)(kbytes / 4); c.colsb[4 + t] = 64;
-    }
+    for (int t = 0; t < 8; t++) { c.rows[t] = rows[t]; c.colsb[t] = colsb[t]; }
     /* not _tile_loadconfig: gcc 12 does not see that it reads c and drops the stores above */
     __asm__ volatile("ldtilecfg %0" : : "m"(c));
 }
@@ -181,7 +175,12 @@ int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
         const size_t xo = (size_t)m0 * nb;
         void (*f)(const uint8_t *, int, const int8_t *, const float *, const float *, int, int, float *, int, int) =
             qt == Q4_0 ? amx_Q4_0 : qt == Q4_1 ? amx_Q4_1 : qt == Q5_1 ? amx_Q5_1 : amx_Q8_0;
-        amx_config(QK);
+        /* tiles 0, 1: C (16 x 16 int32); 2, 3: A (16 rows of x, a block); 4, 5: B (8 rows of 64
+         * bytes). Two of each, so that one block's product runs while the other's epilogue
+         * reads its sums. */
+        static const uint8_t rows[8] = {16, 16, 16, 16, 8, 8};
+        static const uint16_t colsb[8] = {64, 64, QK, QK, 64, 64};
+        amx_load_config(rows, colsb);
         f(gp, nb, xq, x32->d + xo, x32->sd + xo, K, nt, yg, ldy, nvalid);
     }
     _tile_release();
