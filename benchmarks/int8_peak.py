@@ -89,6 +89,28 @@ def prefill_rate(products: list, tokens: int, threads: int) -> dict[str, float]:
     return {"macs": macs, "seconds": wall, "cpu_seconds": cpu, "wall": macs / wall, "cpu": macs / cpu * threads}
 
 
+def per_product(products: list, tokens: int) -> dict[str, float]:
+    """Multiply-adds a CPU-second of each of the first layer's products on one thread
+    (best of 3 calls), by their parts' types: what each kernel reaches."""
+    import torch
+
+    from hotprefix.model.kernels.ops import qmatmul
+
+    torch.set_num_threads(1)
+    rates = {}
+    for name, w in zip(("qkv", "o", "gate_up", "down"), products[:4]):
+        x = torch.randn(tokens, w.k)
+        best = min(_cpu_seconds(qmatmul, x, w) for _ in range(3))
+        rates[f"{name} {'+'.join(p.type_name for p in w.parts)} K={w.k}"] = tokens * w.k * w.n / best
+    return rates
+
+
+def _cpu_seconds(fn, *args) -> float:
+    c0 = time.process_time()
+    fn(*args)
+    return time.process_time() - c0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", help="a GGUF file whose prefill products to time against the peak")
@@ -113,7 +135,8 @@ def main() -> None:
             runs[t] = {**r, "share_cpu": r["cpu"] / full, "share_wall": r["wall"] / full,
                        "share_vnni_cpu": r["cpu"] / vnni}
         result["prefill"] = {"file": args.gguf, "tokens": args.tokens, "products": len(products),
-                             "best_1_thread_peak": best, "by_threads": runs}
+                             "best_1_thread_peak": best, "by_threads": runs,
+                             "layer0_per_product_cpu": per_product(products, args.tokens)}
     report(result, args.json)
 
 

@@ -45,9 +45,9 @@ def _cpu_signature() -> str:
 
 def cpu_vector_flags() -> list[str]:
     """The CPU flags that decide which kernels run (sorted; empty off Linux/x86), for
-    benchmark results: avx2, avx512f, avx512_vnni, avx_vnni, fma."""
+    benchmark results: amx_int8, avx2, avx512f, avx512_vnni, avx_vnni, fma."""
     have = set(_cpu_flags_line().split())
-    return sorted(have & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
+    return sorted(have & {"amx_int8", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
 
 
 def sources() -> list[Path]:

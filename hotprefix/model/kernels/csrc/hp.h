@@ -139,6 +139,19 @@ static inline void store_half(float *yrow, int half, int nvalid, __m256 v) {
 }
 #endif
 
+#if defined(HP_I512)
+/* A 4-bit unit's 4 code chunks (repack.c) as bytes: W[i] values 4i..4i+3, W[4 + i]
+ * values 16 + 4i .. 16 + 4i + 3 of every row. */
+static inline __attribute__((always_inline)) void nibble_codes(const uint8_t *codes, __m512i *W) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        const __m512i p = _mm512_loadu_si512(codes + 64 * i);
+        W[i] = _mm512_and_si512(p, mask);
+        W[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+    }
+}
+#endif
+
 #define QK 32      /* values in a block of the 32-value types */
 #define QKK 256    /* values in a super-block of the K-quant types */
 #define G 16       /* weight rows per group of the regrouped (int8) layouts */
@@ -257,19 +270,6 @@ int group_kq_rows(void);
 
 /* repack.c: bytes of one regrouped unit (16 rows x one block) */
 int unit_bytes(int qtype);
-
-#if defined(HP_I512)
-/* A 4-bit unit's 4 code chunks (repack.c) as bytes: W[i] values 4i..4i+3, W[4 + i]
- * values 16 + 4i .. 16 + 4i + 3 of every row. */
-static inline __attribute__((always_inline)) void nibble_codes(const uint8_t *codes, __m512i *W) {
-    const __m512i mask = _mm512_set1_epi8(0x0f);
-    for (int i = 0; i < 4; i++) {
-        const __m512i p = _mm512_loadu_si512(codes + 64 * i);
-        W[i] = _mm512_and_si512(p, mask);
-        W[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
-    }
-}
-#endif
 
 /* attention.c */
 #define HP_TILE 16             /* keys a tile, tiles aligned to absolute positions */
