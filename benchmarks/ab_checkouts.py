@@ -8,6 +8,10 @@ medians; --json writes them. --cpu-time: one thread (OMP_NUM_THREADS=1) and CPU 
 step's barriers wait on descheduled threads.
 
     .venv/bin/python benchmarks/ab_checkouts.py BASE NEW --rounds 5 [--mode int8] [--kv auto] [--model FILE.gguf]
+
+--base-env KEY=VALUE sets a variable in the base's processes only: one checkout against
+itself with a path switched off, e.g. `. . --base-env HOTPREFIX_NO_AMX=1` (AMX tiles off
+in base, on in new).
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ print(json.dumps({"ttft_s": ttft, "decode_tok_s": dec, "conc8_tok_s": conc}))
 '''
 
 
-def run(checkout: str, python: str, mode: str, kv: str, model: str, cpu_time: bool = False) -> dict:
-    child, env = CHILD, None
+def run(checkout: str, python: str, mode: str, kv: str, model: str, cpu_time: bool = False,
+        extra_env: dict[str, str] | None = None) -> dict:
+    child, env = CHILD, {**os.environ, **(extra_env or {})}
     if cpu_time:
-        child, env = CHILD.replace("time.perf_counter()", "time.process_time()"), {**os.environ, "OMP_NUM_THREADS": "1"}
+        child, env = CHILD.replace("time.perf_counter()", "time.process_time()"), {**env, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([python, "-c", child, mode, kv, model], cwd=checkout, capture_output=True, text=True,
                          check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -61,12 +66,15 @@ def main() -> None:
     ap.add_argument("--python", default=sys.executable, help="the interpreter (its hotprefix is each checkout's own: "
                                                                "the checkout is the working directory)")
     ap.add_argument("--cpu-time", action="store_true", help="one thread, CPU seconds (a loaded machine)")
+    ap.add_argument("--base-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable of the base's processes only (repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    envs = {"base": dict(kv.split("=", 1) for kv in a.base_env), "new": {}}
     got: dict[str, list[dict]] = {"base": [], "new": []}
     for r in range(a.rounds):
         for name, path in (("base", a.base), ("new", a.new)) if r % 2 == 0 else (("new", a.new), ("base", a.base)):
-            got[name].append(run(path, a.python, a.mode, a.kv, a.model, a.cpu_time))
+            got[name].append(run(path, a.python, a.mode, a.kv, a.model, a.cpu_time, envs[name]))
             print(r, name, got[name][-1], flush=True)
     med = {n: {k: statistics.median(x[k] for x in rows) for k in rows[0]} for n, rows in got.items()}
     for k in med["base"]:

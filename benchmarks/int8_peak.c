@@ -7,6 +7,9 @@
  *   avx2      vpmaddubsw + vpmaddwd + vpaddd ymm         32 in 3 instructions (widened to int32 each time)
  *   avx2_i16  vpmaddubsw + vpaddw ymm                    32 in 2 (summed in int16 while it fits; the
  *                                                           kernels widen every 2 to 8 of them)
+ *   amx       tdpbusd, AMX tiles 16 x 64 bytes            16384 (4 accumulator tiles, operands in 4 others;
+ *                                                          only where the kernel grants the tile data)
+ *   amx_k32   tdpbusd with 32-byte A rows                  8192 (the kernels' shape: one 32-value block a product)
  * Usage: int8_peak [seconds a run] [runs] [most threads]. Prints one line a (path,
  * threads): "path threads wall cpu", multiply-adds a second by the wall clock and by the
  * threads' CPU time (rate() says how), each the best of the runs.
@@ -84,6 +87,47 @@ KERNEL(avx2_i16, __m256i, I256, SA16, _mm256_add_epi16, 32,
        __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);)
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Tiles 0-3: C (16 x 16 int32); 4, 5: A (16 rows of kbytes); 6, 7: B (kbytes / 4 rows of 64). */
+static void amx_config(int kbytes) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    for (int t = 4; t < 6; t++) { c.rows[t] = 16; c.colsb[t] = (uint16_t)kbytes; }
+    for (int t = 6; t < 8; t++) { c.rows[t] = (uint8_t)(kbytes / 4); c.colsb[t] = 64; }
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));  /* gcc 12 drops the stores before _tile_loadconfig */
+}
+
+/* 4 independent accumulator tiles, each step 4 tdpbusd of 16 x 16 x kbytes. */
+static long run_amx_k(long iters, int kbytes) {
+    static uint8_t a[16 * 64] __attribute__((aligned(64)));
+    static int8_t b[16 * 64] __attribute__((aligned(64)));
+    static int32_t c[16 * 16] __attribute__((aligned(64)));
+    memset(a, 3, sizeof a);
+    memset(b, -2, sizeof b);
+    amx_config(kbytes);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, a, 64); _tile_loadd(5, a, 64); _tile_loadd(6, b, 64); _tile_loadd(7, b, 64);
+    for (long it = 0; it < iters * INNER; it++) {
+        _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 5, 7); _tile_dpbusd(2, 4, 7); _tile_dpbusd(3, 5, 6);
+    }
+    _tile_stored(0, c, 64);
+    sink = c[0];
+    _tile_release();
+    return iters * INNER * 4 * 16L * 16 * kbytes;
+}
+
+static long run_amx(long iters) { return run_amx_k(iters, 64); }
+static long run_amx_k32(long iters) { return run_amx_k(iters, 32); }
+
+/* Whether this process may use the tiles (the kernel grants them on request). */
+static int amx_granted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0; }
+#endif
+
 typedef long (*kernel)(long);
 
 static double cpu_now(void) {
@@ -134,7 +178,15 @@ int main(int argc, char **argv) {
         {"avx2", run_avx2},
         {"avx2_i16", run_avx2_i16},
 #endif
-        {NULL, NULL}};
+        {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
+    int n = 0;
+    while (paths[n].name) n++;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    if (amx_granted()) {
+        paths[n].name = "amx"; paths[n++].k = run_amx;
+        paths[n].name = "amx_k32"; paths[n++].k = run_amx_k32;
+    }
+#endif
     for (int p = 0; paths[p].name; p++)
         for (int t = 1; t <= maxthreads; t++) {
             double wall, cpu;

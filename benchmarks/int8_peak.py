@@ -1,7 +1,10 @@
-"""The machine's int8 dot-product peak (int8_peak.c: VNNI on 512 and 256 bits, AVX2's
-vpmaddubsw chains; 1 and 2 threads), and with --gguf the share of it that a prefill's
-int8 products reach: every layer's products of the file (q|k|v and gate|up fused, as the
-model runs them) on x [--tokens, K], through the kernel library (kernels/ops.qmatmul).
+"""The machine's int8 dot-product peak (int8_peak.c: AMX tiles where the CPU and kernel
+grant them, VNNI on 512 and 256 bits, AVX2's vpmaddubsw chains; 1 and 2 threads), and with
+--gguf the share of it that a prefill's int8 products reach: every layer's products of the
+file (q|k|v and gate|up fused, as the model runs them) on x [--tokens, K], through the
+kernel library (kernels/ops.qmatmul), against the best path and against VNNI's. The
+products run on AMX tiles where the library turned them on; HOTPREFIX_NO_AMX=1 runs them
+on the VNNI kernels (kernel_paths in the result says which).
 
 Each rate is given two ways: by the wall clock, and by CPU time (a thread's multiply-adds
 over the CPU time it ran; for the products, the process's CPU time over all its threads):
@@ -86,6 +89,28 @@ def prefill_rate(products: list, tokens: int, threads: int) -> dict[str, float]:
     return {"macs": macs, "seconds": wall, "cpu_seconds": cpu, "wall": macs / wall, "cpu": macs / cpu * threads}
 
 
+def per_product(products: list, tokens: int) -> dict[str, float]:
+    """Multiply-adds a CPU-second of each of the first layer's products on one thread
+    (best of 3 calls), by their parts' types: what each kernel reaches."""
+    import torch
+
+    from hotprefix.model.kernels.ops import qmatmul
+
+    torch.set_num_threads(1)
+    rates = {}
+    for name, w in zip(("qkv", "o", "gate_up", "down"), products[:4]):
+        x = torch.randn(tokens, w.k)
+        best = min(_cpu_seconds(qmatmul, x, w) for _ in range(3))
+        rates[f"{name} {'+'.join(p.type_name for p in w.parts)} K={w.k}"] = tokens * w.k * w.n / best
+    return rates
+
+
+def _cpu_seconds(fn, *args) -> float:
+    c0 = time.process_time()
+    fn(*args)
+    return time.process_time() - c0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", help="a GGUF file whose prefill products to time against the peak")
@@ -106,9 +131,12 @@ def main() -> None:
         for t in range(1, args.threads + 1):
             r = prefill_rate(products, args.tokens, t)
             full = max(v["cpu"] for k, v in result["peak_macs_per_s"].items() if k.endswith(f"/{t}"))
-            runs[t] = {**r, "share_cpu": r["cpu"] / full, "share_wall": r["wall"] / full}
+            vnni = result["peak_macs_per_s"].get(f"vnni512/{t}", {"cpu": full})["cpu"]
+            runs[t] = {**r, "share_cpu": r["cpu"] / full, "share_wall": r["wall"] / full,
+                       "share_vnni_cpu": r["cpu"] / vnni}
         result["prefill"] = {"file": args.gguf, "tokens": args.tokens, "products": len(products),
-                             "best_1_thread_peak": best, "by_threads": runs}
+                             "best_1_thread_peak": best, "by_threads": runs,
+                             "layer0_per_product_cpu": per_product(products, args.tokens)}
     report(result, args.json)
 
 

@@ -227,8 +227,9 @@ def test_the_flags_reported_with_benchmarks_are_the_ones_the_native_build_used(n
     """cpu_vector_flags (written into every benchmark result) says AVX2 or AVX-512 VNNI
     exactly when the native kernel build multiplies int8 on vector instructions."""
     flags = build.cpu_vector_flags()
-    assert set(flags) <= {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"} and flags == sorted(flags)
+    assert set(flags) <= {"amx_int8", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"} and flags == sorted(flags)
     assert bool(native_lib.hp_int8_vectorized()) == bool({"avx2", "avx512_vnni"} & set(flags))
+    assert ("amx_int8" in flags) == ("amx_int8" in build._cpu_flags_line().split())
 
 
 def test_a_struct_edited_on_one_side_is_refused_at_load(native_lib, monkeypatch):

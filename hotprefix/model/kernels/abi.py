@@ -86,6 +86,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_repacked_bytes": (c_long, [_i, _i, _i]),
     "hp_int8_vectorized": (_i, []),
     "hp_vector_paths": (_i, []),
+    "hp_amx": (_i, [_i]),
     "hp_attend": (_i, [POINTER(HpAtt), POINTER(HpPlan), _i]),
     "hp_silu_mul": (None, [_p, _i, _i, _p, _i]),
     "hp_gelu_tanh_mul": (None, [_p, _i, _i, _p, _i]),

@@ -45,9 +45,9 @@ def _cpu_signature() -> str:
 
 def cpu_vector_flags() -> list[str]:
     """The CPU flags that decide which kernels run (sorted; empty off Linux/x86), for
-    benchmark results: avx2, avx512f, avx512_vnni, avx_vnni, fma."""
+    benchmark results: amx_int8, avx2, avx512f, avx512_vnni, avx_vnni, fma."""
     have = set(_cpu_flags_line().split())
-    return sorted(have & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
+    return sorted(have & {"amx_int8", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"})
 
 
 def sources() -> list[Path]:
@@ -114,7 +114,8 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-PATH_NAMES = {1: "float AVX-512", 2: "float AVX2", 4: "int8 AVX-512 VNNI", 8: "int8 AVX2", 16: "simulated AVX-512"}
+PATH_NAMES = {1: "float AVX-512", 2: "float AVX2", 4: "int8 AVX-512 VNNI", 8: "int8 AVX2", 16: "simulated AVX-512",
+              32: "int8 AMX tiles"}
 
 
 def vector_paths(lib: ctypes.CDLL | None = None) -> list[str]:
@@ -122,6 +123,15 @@ def vector_paths(lib: ctypes.CDLL | None = None) -> list[str]:
     run or a benchmark exercised."""
     bits = need(lib).hp_vector_paths()
     return [name for bit, name in PATH_NAMES.items() if bits & bit] or ["plain C"]
+
+
+def amx(lib: ctypes.CDLL | None = None, on: bool | None = None) -> bool:
+    """Whether the int8 products of 16 or more rows of x run on AMX tiles (int8_amx.c):
+    on where this build compiled them (-march=native on a CPU with amx_int8), the kernel
+    granted the tile data and HOTPREFIX_NO_AMX=1 was not set when the library loaded.
+    `on` switches them for this process (True only where granted; the same bits either
+    way). Raises RuntimeError without a library."""
+    return bool(need(lib).hp_amx(-1 if on is None else int(on)))
 
 
 def need(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:

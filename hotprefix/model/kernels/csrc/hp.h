@@ -7,6 +7,7 @@
  *   int8.c       activations to int8, the product team loop, its entry points
  *   int8_q32.c   int8 group kernels of the 32-value block types
  *   int8_kq.c    int8 group kernels of the 256-value K-quant types
+ *   int8_amx.c   AMX tiles for 16 rows of x at a time, 32-value types (int8_amx_kq.c: K-quants)
  *   attention.c  paged attention over the KV pool
  *   ops.c        RMSNorm, RoPE, silu * up, KV writes (ops.h: their row functions)
  *   decode.c     every decoder layer of a decode step in one call
@@ -38,6 +39,12 @@
 #define HP_I512 1
 #elif defined(__AVX2__)
 #define HP_I256 1
+#endif
+/* AMX tiles for the int8 products of 16 rows of x at a time (int8_amx.c): compiled where
+ * the compiler targets them (-march=native on a CPU with amx_int8), unless HP_NO_AMX;
+ * used where the kernel grants them (hp_amx). */
+#if defined(HP_I512) && !defined(HP_SIM512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(HP_NO_AMX)
+#define HP_AMX 1
 #endif
 
 /* This build's float vector, for register tiles: VF_W lanes (none: plain C). */
@@ -132,6 +139,19 @@ static inline void store_half(float *yrow, int half, int nvalid, __m256 v) {
 }
 #endif
 
+#if defined(HP_I512)
+/* A 4-bit unit's 4 code chunks (repack.c) as bytes: W[i] values 4i..4i+3, W[4 + i]
+ * values 16 + 4i .. 16 + 4i + 3 of every row. */
+static inline __attribute__((always_inline)) void nibble_codes(const uint8_t *codes, __m512i *W) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        const __m512i p = _mm512_loadu_si512(codes + 64 * i);
+        W[i] = _mm512_and_si512(p, mask);
+        W[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+    }
+}
+#endif
+
 #define QK 32      /* values in a block of the 32-value types */
 #define QKK 256    /* values in a super-block of the K-quant types */
 #define G 16       /* weight rows per group of the regrouped (int8) layouts */
@@ -214,6 +234,20 @@ int parts_valid(const hp_part *parts, int nparts, int K);
  * m0..m1-1 of quantized x */
 void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y);
+
+/* int8_amx.c: whether AMX tiles are on (hp_amx); a group (as i8_group_rows) against the
+ * first rows of m0..m1-1 in whole tiles of 16, by AMX where it covers the group's type;
+ * returns the rows it did (0 when off or uncovered) */
+int amx_on(void);
+int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
+                   const xquant *xk, float *y);
+#if defined(HP_AMX)
+void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);  /* tile t: rows[t] x colsb[t] bytes */
+void amx_store(const float *acc, int tn, float *y, int ldy, int nvalid);
+/* int8_amx_kq.c: the K-quant group g of pt against nt tiles of xk's rows from m0 (y at row
+ * m0 and the group's first column); 0 for a type it does not cover */
+int amx_kq(const hp_part *pt, int g, int K, int m0, int nt, const xquant *xk, float *y, int ldy, int nvalid);
+#endif
 
 /* blocks.c: weight row `row` (its index n in y's columns) against rows m0 .. m0 + mt - 1
  * of float32 x [*, K] (mt <= F32_RM): y[m * N + n] = x[m] . w, a 16-lane dot product */

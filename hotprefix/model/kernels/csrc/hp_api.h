@@ -92,6 +92,7 @@ int hp_repack(int qtype, const uint8_t *w, int N, int K, uint8_t *out);
 long hp_repacked_bytes(int qtype, int N, int K);
 int hp_int8_vectorized(void);
 int hp_vector_paths(void);
+int hp_amx(int want);  /* int8_amx.c: AMX tiles on (1) or off (0) where granted, -1 asks; returns whether on */
 
 /* attention and the per-row operations (attention.c, ops.c) */
 int hp_attend(const hp_att *a, const hp_plan *plan, int nthreads);

@@ -22,7 +22,8 @@ int hp_int8_vectorized(void) {
 }
 
 /* The vector paths this build compiled, as bits: 1 float work on 512 bits, 2 on 256 bits,
- * 4 int8 products on AVX-512 VNNI, 8 on AVX2, 16 the simulated AVX-512 (tests); 0: plain C. */
+ * 4 int8 products on AVX-512 VNNI, 8 on AVX2, 16 the simulated AVX-512 (tests), 32 AMX
+ * tiles for 16 rows of x at a time (while on: hp_amx); 0: plain C. */
 int hp_vector_paths(void) {
     int bits = 0;
 #if defined(HP_F512)
@@ -38,15 +39,39 @@ int hp_vector_paths(void) {
 #if defined(HP_SIM512)
     bits |= 16;
 #endif
+    if (amx_on()) bits |= 32;
     return bits;
+}
+
+/* max |x[k]| over n values (a multiple of 16), NaN ignored as the scalar `a > m ? a : m`
+ * ignores it (max_ps returns its second operand when the first is a NaN): the same value
+ * on every path; on vectors, since the scalar loop's carried compare does not vectorize
+ * (it was most of quantizing x: ~4 cycles a value). */
+static float abs_max(const float *x, int n) {
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + k)), m);
+    return _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < n; k += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m);
+    float t[8], r = 0.0f;
+    _mm256_storeu_ps(t, m);
+    for (int i = 0; i < 8; i++) r = t[i] > r ? t[i] : r;
+    return r;
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < n; k++) { const float a = fabsf(x[k]); amax = a > amax ? a : amax; }
+    return amax;
+#endif
 }
 
 /* Per 32 values: xq, dx, xsum = sum of xq, sx = dx * sum of xq. */
 static void quantize_row(const float *x, int K, int8_t *xq, float *dx, int32_t *xsum, float *sx) {
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int k = 0; k < QK; k++) { const float a = fabsf(xb[k]); amax = a > amax ? a : amax; }
+        const float amax = abs_max(xb, QK);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t qs = 0;
         for (int k = 0; k < QK; k++) {
@@ -67,8 +92,7 @@ static void quantize_row_k(const float *x, int K, int8_t *xq, float *dx, int16_t
         const float *xb = x + (size_t)b * QKK;
         int8_t *qb = xq + (size_t)b * QKK;
         int16_t *s = bs + (size_t)b * KBS;
-        float amax = 0.0f;
-        for (int k = 0; k < QKK; k++) { const float a = fabsf(xb[k]); amax = a > amax ? a : amax; }
+        const float amax = abs_max(xb, QKK);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int k = 0; k < QKK; k++) {
             int q = (int)nearbyintf(xb[k] * id);
@@ -127,9 +151,11 @@ int parts_valid(const hp_part *parts, int nparts, int K) {
     return 1;
 }
 
-/* One group (16 rows of one part) against rows m0..m1 of x. */
+/* One group (16 rows of one part) against rows m0..m1 of x: whole tiles of 16 rows by AMX
+ * where it is on, the rest by the group kernels. */
 void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                        const xquant *xk, float *y) {
+    m0 += amx_group_rows(pt, g, col, ldy, K, m0, m1, x32, xk, y);
     const int nvalid = pt->n - g * G < G ? pt->n - g * G : G;
     float *yg = y + col + (size_t)g * G;
     if (k_family(pt->qtype)) {

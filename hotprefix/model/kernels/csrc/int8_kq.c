@@ -11,8 +11,8 @@
  * and does the float steps in this order with fused multiply-adds: the same bits.
  */
 #include "hp.h"
+#include "int8_kq.h"
 
-enum { K45_SC = 64, K45_MN = 192, K45_CODES = 320, K5_HI = 2368, K6_SC = 32, K6_LO = 288, K6_HI = 2336 };
 
 /* Row j of a unit: its 256 codes, sub-block scales and (Q4_K, Q5_K) mins, from the layout. */
 static void unit_row(int qtype, const uint8_t *u, int j, int *code, int *sc, int *mn) {
@@ -68,8 +68,6 @@ static __attribute__((unused)) void kgroup_c(int qtype, const uint8_t *gp, int n
     }
 }
 
-static inline int32_t load_i32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
-
 /* Part i of n of the unit at `next` (ub bytes) into the cache: called n times while the
  * current unit is multiplied, so the next one arrives before it is needed (from DRAM, the
  * hardware prefetcher alone left Q6_K at ~40 % of the read bandwidth). A prefetch past
@@ -85,7 +83,6 @@ static inline void prefetch_part(const uint8_t *next, int i, int n, int ub) {
 static inline __attribute__((always_inline)) void kq6_unit_vnni(
         const int MT, const uint8_t *u, int ub, const int8_t *xb, const int16_t *bsb, int nbk, int K,
         const int stream, __m512i *T) {
-    const __m512i mask = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int p = 0; p < 8; p++) {
         if (stream) prefetch_part(u + ub, p, 8, ub);
         const __m512i scp = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(u + K6_SC + 32 * p)));
@@ -96,19 +93,14 @@ static inline __attribute__((always_inline)) void kq6_unit_vnni(
         for (int e = 0; e < 2; e++) {
             const int sb = 2 * p + e;
             const __m512i sce = e ? _mm512_srai_epi32(scp, 16) : _mm512_srai_epi32(_mm512_slli_epi32(scp, 16), 16);
-            const __m512i p0 = _mm512_loadu_si512(u + K6_LO + 128 * sb), p1 = _mm512_loadu_si512(u + K6_LO + 128 * sb + 64);
-            const __m512i h = _mm512_loadu_si512(u + K6_HI + 64 * sb);
-            const __m512i v0 = _mm512_or_si512(_mm512_and_si512(p0, mask), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-            const __m512i v1 = _mm512_or_si512(_mm512_and_si512(p1, mask), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-            const __m512i v2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p0, 4), mask), _mm512_and_si512(h, m30));
-            const __m512i v3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p1, 4), mask),
-                                               _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+            __m512i v[4];
+            kq6_codes(u, sb, v);
             for (int m = 0; m < MT; m++) {
                 const int8_t *xs = xb + (size_t)m * K + 16 * sb;
-                __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_set1_epi32(load_i32(xs)));
-                S = _mm512_dpbusd_epi32(S, v1, _mm512_set1_epi32(load_i32(xs + 4)));
-                S = _mm512_dpbusd_epi32(S, v2, _mm512_set1_epi32(load_i32(xs + 8)));
-                S = _mm512_dpbusd_epi32(S, v3, _mm512_set1_epi32(load_i32(xs + 12)));
+                __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(load_i32(xs)));
+                S = _mm512_dpbusd_epi32(S, v[1], _mm512_set1_epi32(load_i32(xs + 4)));
+                S = _mm512_dpbusd_epi32(S, v[2], _mm512_set1_epi32(load_i32(xs + 8)));
+                S = _mm512_dpbusd_epi32(S, v[3], _mm512_set1_epi32(load_i32(xs + 12)));
                 T[m] = _mm512_add_epi32(T[m], _mm512_mullo_epi32(S, sce));
             }
         }
@@ -119,25 +111,15 @@ static inline __attribute__((always_inline)) void kq6_unit_vnni(
 static inline __attribute__((always_inline)) void kq45_unit_vnni(
         const int qtype, const int MT, const uint8_t *u, int ub, const int8_t *xb, int K, const int stream,
         __m512i *T) {
-    const __m512i mask = _mm512_set1_epi8(0x0f), lo16 = _mm512_set1_epi32(0xffff), m10 = _mm512_set1_epi8(0x10);
+    const __m512i lo16 = _mm512_set1_epi32(0xffff);
     for (int p = 0; p < 4; p++) {
         if (stream) prefetch_part(u + ub, p, 4, ub);
         const __m512i scp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(u + K45_SC + 32 * p)));
         for (int e = 0; e < 2; e++) {
             const int s = 2 * p + e;
             const __m512i sce = e ? _mm512_srli_epi32(scp, 16) : _mm512_and_si512(scp, lo16);
-            const uint8_t *cw = u + K45_CODES + 256 * s;
             __m512i W[8];
-            const __m512i hb = qtype == Q5_K ? _mm512_loadu_si512(u + K5_HI + 64 * s) : _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                const __m512i pc = _mm512_loadu_si512(cw + 64 * i);
-                W[i] = _mm512_and_si512(pc, mask);
-                W[i + 4] = _mm512_and_si512(_mm512_srli_epi16(pc, 4), mask);
-                if (qtype == Q5_K) {
-                    W[i] = _mm512_or_si512(W[i], _mm512_and_si512(_mm512_slli_epi16(hb, 4 - i), m10));
-                    W[i + 4] = _mm512_or_si512(W[i + 4], _mm512_and_si512(_mm512_srli_epi16(hb, i), m10));
-                }
-            }
+            kq45_codes(qtype, u, s, W);
             for (int m = 0; m < MT; m++) {
                 const int8_t *xs = xb + (size_t)m * K + 32 * s;
                 __m512i S = _mm512_setzero_si512();
@@ -148,30 +130,6 @@ static inline __attribute__((always_inline)) void kq45_unit_vnni(
                 T[m] = _mm512_add_epi32(T[m], _mm512_mullo_epi32(S, sce));
             }
         }
-    }
-}
-
-/* VNNI: a unit's sums T[m] scaled into acc[m] (d_w * d_x), and for Q4_K/Q5_K the mins'
- * term through the block sums of x. */
-static inline __attribute__((always_inline)) void kq_scale_vnni(
-        const int qtype, const int MT, const uint8_t *u, const __m512i *T, const float *dk, const int16_t *bsb,
-        int nbk, int b, __m512 *acc) {
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)u));
-    for (int m = 0; m < MT; m++) {
-        const __m512 dx = _mm512_set1_ps(dk[(size_t)m * nbk + b]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T[m]), _mm512_mul_ps(dw, dx), acc[m]);
-    }
-    if (qtype == Q6_K) return;
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u + 32)));
-    for (int m = 0; m < MT; m++) {
-        __m512i M = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) {
-            const __m512i mnp = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(u + K45_MN + 32 * p)));
-            M = _mm512_add_epi32(M, _mm512_madd_epi16(mnp, _mm512_set1_epi32(load_i32(bsb + (size_t)m * nbk * KBS + 16 + 2 * p))));
-        }
-        const __m512 dx = _mm512_set1_ps(dk[(size_t)m * nbk + b]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(), M)),
-                                 _mm512_mul_ps(dmin, dx), acc[m]);
     }
 }
 

@@ -72,12 +72,7 @@ static inline __attribute__((always_inline)) void group_vnni(
             const __m512i flip = _mm512_set1_epi8(signed_codes(qtype) ? (char)0x80 : 0);
             for (int i = 0; i < 8; i++) W[i] = _mm512_xor_si512(_mm512_loadu_si512(u + co + 64 * i), flip);
         } else {
-            const __m512i mask = _mm512_set1_epi8(0x0f);
-            for (int i = 0; i < 4; i++) {
-                const __m512i p = _mm512_loadu_si512(u + co + 64 * i);
-                W[i] = _mm512_and_si512(p, mask);
-                W[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
-            }
+            nibble_codes(u + co, W);
         }
         for (int m = 0; m < MT; m++) {
             const int8_t *xb = xq + (size_t)m * K + b * QK;

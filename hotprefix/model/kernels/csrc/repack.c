@@ -26,9 +26,8 @@
  */
 #include "hp.h"
 #include "hp_api.h"
+#include "int8_kq.h"
 
-/* offsets inside a K-quant unit */
-enum { K45_SC = 64, K45_MN = 192, K45_CODES = 320, K5_HI = 2368, K6_SC = 32, K6_LO = 288, K6_HI = 2336 };
 
 int unit_bytes(int qtype) {
     switch (qtype) {
