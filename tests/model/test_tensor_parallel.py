@@ -63,10 +63,14 @@ def run_scenario(llm: LLM) -> dict[str, tuple]:
 
 
 def logits_of(llm: LLM) -> torch.Tensor:
-    """Every position's logits of one 14-token prefill into blocks 0..3 (after the scenario:
-    what it writes there is never read again)."""
+    """Every position's logits of one 14-token prefill into blocks 0..3 (a grouped pool's
+    other groups: the next 4 blocks each; after the scenario: what it writes there is never
+    read again)."""
     ids = prompts(1)[0][:14]
-    sched = SchedulerOutput([ScheduledRequest("x", ids, 0, [0, 1, 2, 3], True, GREEDY, ids, [])])
+    groups = llm.engine.runner.kv_groups
+    tables = tuple(list(range(4 * g, 4 * g + 4)) for g in range(len(groups.windows))) if groups else ()
+    sched = SchedulerOutput([ScheduledRequest("x", ids, 0, [0, 1, 2, 3], True, GREEDY, ids, [],
+                                              group_block_ids=tables)])
     return llm.engine.runner.all_logits(sched)
 
 
@@ -77,15 +81,17 @@ def family_folder(request, tmp_path_factory):
     return d
 
 
-def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
+def compare_ranks(folder, grouped: bool, **options) -> None:
+    """The scenario and the logits with -tp 1, then -tp 2 (LLM `options`; `grouped`: the
+    pool is Gemma's grouped one): the same greedy tokens and cached tokens, logprobs and
+    logits within LOGIT_TOL."""
     results, logits = {}, {}
     for tp in (1, 2):
-        # one block table for every layer (Gemma's default is a grouped pool, which swap does not follow yet)
-        llm = LLM(model=str(family_folder), tensor_parallel_size=tp, block_size=4, num_blocks_override=14,
-                  max_num_batched_tokens=16, preemption_mode="swap", swap_space="1MiB", device="cpu",
-                  kv_cache_groups=False)
+        llm = LLM(model=str(folder), tensor_parallel_size=tp, block_size=4, max_num_batched_tokens=16, device="cpu",
+                  **options)
         try:
             assert llm.engine.runner.kv_cache.layers[0].k.shape[::2] == (2 // tp, llm.engine.arch.head_dim)
+            assert llm.engine.runner.kv_cache.grouped is grouped
             results[tp] = run_scenario(llm)
             llm.engine.kv.check_integrity()
             logits[tp] = logits_of(llm)
@@ -102,6 +108,20 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
         torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL)
     assert logits[2].shape == logits[1].shape == (14, 320)
     torch.testing.assert_close(logits[2], logits[1], rtol=0, atol=LOGIT_TOL)
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
+    # one block table for every layer, preempting by swap (Gemma's default is a grouped pool: the next test)
+    compare_ranks(family_folder, False, num_blocks_override=14, preemption_mode="swap", swap_space="1MiB",
+                  kv_cache_groups=False)
+
+
+def test_two_ranks_on_gemmas_grouped_pool(tmp_path):
+    """Gemma 3's default pool: a group per attention kind, the window layers' tables
+    releasing blocks behind the window (preempting by recompute: swap does not follow a
+    grouped pool yet)."""
+    build_tiny_model(tmp_path, "gemma3")
+    compare_ranks(tmp_path, True, num_blocks_override=60, preemption_mode="recompute")
 
 
 def resident_bytes(module: torch.nn.Module) -> int:
