@@ -19,6 +19,7 @@ from hotprefix.model.attention import BackendSpec, create_backend
 from hotprefix.model.build import build_model
 from hotprefix.model.loader import load_model
 from hotprefix.model.parallel import Parallel, Place, shard_arch
+from hotprefix.model.steps.fused_decode import FusedDecode
 from tests.conftest import build_tiny_model
 
 LOGIT_TOL = 1e-4  # float32 logits of the tiny models (|logit| < 10): tp 2 against tp 1
@@ -165,27 +166,93 @@ def test_a_model_whose_heads_do_not_split_is_refused_with_its_numbers(tmp_path):
     assert shard_arch(arch, 3).num_kv_heads == 1
 
 
-def test_a_gguf_file_over_two_ranks_in_int8_mode_gives_one_ranks_tokens(tmp_path):
-    """Q8_0 blocks split on whole rows (q/k/v, gate/up, the vocabulary) and on block
-    boundaries (o and down over K), served by the C kernels as they are (int8 mode: each
-    rank's regrouped parts; decode steps layer by layer, the fused step refused)."""
+def fused_calls(runner) -> list[int]:
+    """The sizes of the steps the runner's fused decode step takes from now on (appended)."""
+    fused, calls = runner.strategy(FusedDecode), []
+    forward = fused.forward
+    fused.forward = lambda batch, meta: calls.append(batch.num_tokens) or forward(batch, meta)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_0(tmp_path_factory):
+    """The tiny Llama as a Q8_0 GGUF file."""
     from transformers import AutoTokenizer
 
     from tests.gguf_util import write_gguf
 
-    model = build_tiny_model(tmp_path / "src", "llama")
-    path = write_gguf(tmp_path / "tiny-Q8_0.gguf", model, AutoTokenizer.from_pretrained(str(tmp_path / "src")), "Q8_0")
+    d = tmp_path_factory.mktemp("tp-gguf")
+    model = build_tiny_model(d / "src", "llama")
+    return write_gguf(d / "tiny-Q8_0.gguf", model, AutoTokenizer.from_pretrained(str(d / "src")), "Q8_0")
+
+
+def test_a_gguf_file_over_two_ranks_in_int8_mode_gives_one_ranks_tokens(tiny_q8_0):
+    """Q8_0 blocks split on whole rows (q/k/v, gate/up, the vocabulary) and on block
+    boundaries (o and down over K), served by the C kernels as they are (int8 mode: each
+    rank's regrouped parts). Decode steps take the fused step on both sizes (over 2 ranks
+    its o's and down's sums all-reduced between the C stages): -tp 1's tokens, and over 2
+    ranks the layer-by-layer step's logits bit for bit."""
+    from tests.model.test_fused_decode import LAYERED, decode_step
+
+    path = tiny_q8_0
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    got = {}
+    got, fused_steps = {}, {}
     for tp in (1, 2):
         llm = LLM(model=str(path), tensor_parallel_size=tp, quantized_matmul="int8", block_size=4,
                   num_blocks_override=64, max_num_batched_tokens=8, device="cpu")
         try:
+            runner = llm.engine.runner
+            assert runner.quantized_matmul.value == "int8"
+            calls = fused_calls(runner)
             got[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts(2)[:3], params)]
-            assert llm.engine.runner.quantized_matmul.value == "int8"
+            fused_steps[tp] = len(calls)
+            if tp == 2:  # a decode step of two sequences after their prefills (blocks 0..3 and 4..7)
+                p = [q[:12] for q in prompts(3)[:2]]
+                runner.all_logits(SchedulerOutput([ScheduledRequest(f"p{i}", q[:-1], 0, list(range(4 * i, 4 * i + 4)),
+                                                                     False, GREEDY, q, []) for i, q in enumerate(p)]))
+                step = decode_step(p, [list(range(4 * i, 4 * i + 4)) for i in range(2)])
+                layered = runner.all_logits(step, LAYERED)
+                assert runner.all_logits(step).equal(layered)
+                assert len(calls) == fused_steps[2] + 1  # (the fused step did take it)
         finally:
             llm.close()
     assert got[2] == got[1]
+    assert fused_steps[1] == fused_steps[2] > 0  # every decode step fused, on both sizes
+
+
+def reduce_with(stack, reducer) -> None:
+    """The stack's hp_stack.reduce made `reducer` (what DecodeStack(..., reducer) sets)."""
+    stack.reducer, stack.stack.reduce = reducer, reducer.c
+
+
+def test_the_fused_steps_reducer_is_called_after_each_row_parallel_product_and_carries_its_error(tiny_q8_0):
+    """hp_stack.reduce (kernels/reduce.Reducer) on one rank with a stand-in all-reduce: it
+    sees o's and then down's [M, E] products, every layer (the identity changes no bit); an
+    error inside it skips the later calls and is raised after the C call."""
+    from hotprefix.errors import PeerLostError
+    from hotprefix.model.kernels.reduce import Reducer
+    from tests.model.test_fused_decode import decode_step, prefill, runner_for
+
+    runner = runner_for(tiny_q8_0)
+    p = [q[:12] for q in prompts(4)[:3]]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
+    prefill(runner, p, tables)
+    fused = runner.strategy(FusedDecode)
+    want = runner.all_logits(decode_step(p, tables))
+    sizes = []
+    reduce_with(fused.stack, Reducer(lambda t: sizes.append(t.numel())))
+    assert runner.all_logits(decode_step(p, tables)).equal(want)
+    assert sizes == [3 * runner.arch.hidden_size] * (2 * runner.arch.num_layers)
+
+    def lost(t: torch.Tensor) -> None:
+        sizes.append(t.numel())
+        raise PeerLostError("tensor parallel: a peer rank is gone (all-reduce: stand-in)")
+
+    sizes.clear()
+    reduce_with(fused.stack, Reducer(lost))
+    with pytest.raises(PeerLostError, match=r"^tensor parallel: a peer rank is gone \(all-reduce: stand-in\)$"):
+        runner.all_logits(decode_step(p, tables))
+    assert sizes == [3 * runner.arch.hidden_size]
 
 
 def test_gguf_blocks_split_on_rows_and_on_block_boundaries_only():

@@ -14,7 +14,10 @@ gate/up fused, their parts of any types), q/k norms only on rows of D in C (Gemm
 Qwen3's run in torch), at most two attention windows (Gemma's local and global layers:
 each kind its rotary tables and plans), the cpu backend's float32 or fp8 pool, and a step
 of single-token decodes (any other step takes the layer-by-layer path). The family's
-layers say which norms they have (`decode_norms`: Gemma's sandwich norms).
+layers say which norms they have (`decode_norms`: Gemma's sandwich norms). Over
+tensor-parallel ranks each rank runs its shard, and the C call hands o's and down's
+partial products to the group's all-reduce between its stages (kernels/reduce.Reducer:
+the same sums as the layer-by-layer path's RowParallelLinear, so the same bits).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from hotprefix.model.attention.base import AttentionPaths, StepBatch
 from hotprefix.model.attention.cpu import CpuAttention, CpuMeta
 from hotprefix.model.kernels import ops
+from hotprefix.model.kernels.reduce import Reducer
 from hotprefix.model.kv_cache import KVCache
 
 
@@ -34,8 +38,6 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
         return "the attention backend is not the cpu one with the C kernels"
     if model.arch.num_experts:
         return "mixture-of-experts layers"
-    if model.parallel.size > 1:
-        return "tensor parallelism (the fused step has no all-reduce)"
     if ops.kv_type(pool) is None:
         return "not a float32 or fp8 CPU pool"
     if kv.grouped:
@@ -79,9 +81,10 @@ class FusedDecode:
         self.windows = backend.spec.windows  # the attention kinds, in hp_step's order
         layers = [_layer(layer, lkv, self.windows.index(backend.spec.window_of(lkv)))
                   for layer, lkv in zip(model.model.layers, kv.layers)]
+        reducer = Reducer(model.parallel.all_reduce) if model.parallel.size > 1 else None  # (o's and down's sums)
         shape = ops.StackShape(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                arch.intermediate_size, float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)
-        self.stack = ops.DecodeStack(layers, shape)
+        self.stack = ops.DecodeStack(layers, shape, reducer)
 
     def refusal(self, batch: StepBatch, meta: CpuMeta, paths: AttentionPaths) -> str | None:
         """Serves a step of single-token decodes only, attended by the C kernel."""
