@@ -269,3 +269,47 @@ def test_gguf_blocks_split_on_rows_and_on_block_boundaries_only():
     torch.testing.assert_close(dequantize_rows(rows), torch.cat([whole[2:], torch.zeros(1, 64)]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="Q8_0 blocks of 32 values do not split columns 16..48"):
         w.part(1, 16, 48)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_k_quants_the_kernels_do_not_multiply_split_on_block_boundaries(tmp_path, qtype):
+    """Q2_K / Q3_K tensors (kept as their bytes, widened to float32 in float32 mode) split
+    like the other K-quants: each rank's part dequantizes to exactly its slice of the whole
+    (q/k: whole heads of llama.cpp's permuted rows; o/down: 256-value blocks of K), and
+    -tp 2 gives -tp 1's greedy tokens and its logits within LOGIT_TOL."""
+    from transformers import AutoTokenizer
+
+    from hotprefix.model.gguf_loader import load_gguf_weights, read_gguf_arch, shard_gguf_weights
+    from hotprefix.model.parallel import ShardPlan
+    from tests.gguf_util import write_gguf
+
+    model = build_tiny_model(tmp_path / "src", "llama", hidden_size=512, intermediate_size=1024)
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, AutoTokenizer.from_pretrained(str(tmp_path / "src")),
+                      qtype)
+    arch, reader = read_gguf_arch(path)
+    whole = load_gguf_weights(path, arch, reader, keep_blocks=True)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight",
+             "model.embed_tokens.weight"]
+    assert all(whole.deferred[n].type_name == qtype for n in names)
+    for rank in (0, 1):
+        plan = ShardPlan.of(arch, Place(rank, 2))
+        part = shard_gguf_weights(whole, plan, path)
+        for n in names:
+            dim, start, stop = plan.part(n, whole.deferred[n].shape)
+            want = whole.deferred[n].dequantize().narrow(dim, start, stop - start)
+            assert torch.equal(part.deferred[n].dequantize(), want), n
+            assert tuple(part.tensors[n].shape) == tuple(want.shape)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(path), tensor_parallel_size=tp, quantized_matmul="float32", block_size=4,
+                  num_blocks_override=32, device="cpu")
+        try:
+            got[tp] = [(o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs])
+                       for o in llm.generate([q[:12] for q in prompts(5)[:2]], params)]
+        finally:
+            llm.close()
+    assert [t for t, _ in got[2]] == [t for t, _ in got[1]]
+    torch.testing.assert_close(torch.tensor([lp for _, lp in got[2]]), torch.tensor([lp for _, lp in got[1]]),
+                               rtol=0, atol=LOGIT_TOL)
