@@ -225,16 +225,38 @@ class Parallel:
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
         """Logits [N, vocab] on rank 0 from each rank's [N, rows] (size 1: local as it is);
         other ranks get their own part back. Raises PeerLostError."""
+        out = self.gather(local, -1, self.group, "logits gather")
+        return out[:, :vocab] if self.size > 1 and self.rank == 0 else out
+
+    def gather(self, local: torch.Tensor, dim: int, group: Any = None, what: str = "gather") -> torch.Tensor:
+        """Rank 0: every rank's `local` joined along dim, in rank order (size 1: local);
+        other ranks get local back. `group`: the control group's gloo unless given (host
+        tensors). Raises PeerLostError."""
         if self.size == 1:
             return local
         import torch.distributed as dist
 
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         try:
-            dist.gather(local.contiguous(), parts, dst=0, group=self.group)
+            dist.gather(local.contiguous(), parts, dst=0, group=self.control if group is None else group)
         except Exception as e:
-            raise _lost("logits gather", e) from None
-        return torch.cat(parts, dim=-1)[:, :vocab] if parts is not None else local
+            raise _lost(what, e) from None
+        return torch.cat(parts, dim=dim) if parts is not None else local
+
+    def scatter(self, whole: torch.Tensor | None, like: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rank r's part (the r-th of `size` along dim) of rank 0's host tensor `whole`, in
+        a new tensor shaped like `like` (size 1: whole). Raises PeerLostError."""
+        if self.size == 1:
+            return whole
+        import torch.distributed as dist
+
+        out = torch.empty_like(like)
+        parts = [p.contiguous() for p in whole.chunk(self.size, dim)] if self.rank == 0 else None
+        try:
+            dist.scatter(out, parts, src=0, group=self.control)
+        except Exception as e:
+            raise _lost("scatter", e) from None
+        return out
 
     def min_int(self, n: int) -> int:
         """The least n over the ranks (the pool's blocks). Raises PeerLostError."""

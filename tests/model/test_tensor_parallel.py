@@ -313,3 +313,31 @@ def test_k_quants_the_kernels_do_not_multiply_split_on_block_boundaries(tmp_path
     assert [t for t, _ in got[2]] == [t for t, _ in got[1]]
     torch.testing.assert_close(torch.tensor([lp for _, lp in got[2]]), torch.tensor([lp for _, lp in got[1]]),
                                rtol=0, atol=LOGIT_TOL)
+
+
+def test_the_disk_tier_over_two_ranks_gives_one_ranks_tokens(tiny_llama, tmp_path):
+    """-tp 2 with --kv-disk-dir: rank 0 writes whole blocks (every rank's heads gathered:
+    files of -tp 1's size) and a restarted engine reads them back, scattering each rank its
+    heads before the blocks enter the pool: the prompt's 7 full blocks come from disk, and
+    the tokens and logprobs are -tp 1's."""
+    from hotprefix.engine.kv_disk import SUFFIX
+
+    prompt = prompts(6)[0]  # 30 tokens: 7 full blocks of 4 before the last token
+    got = {}
+    for tp in (1, 2):
+        for attempt in ("write", "read"):
+            llm = LLM(model=str(tiny_llama[0]), tensor_parallel_size=tp, block_size=4, num_blocks_override=64,
+                      device="cpu", kv_disk_dir=str(tmp_path / f"tp{tp}"))
+            try:
+                (o,) = llm.generate([prompt], GREEDY)
+            finally:
+                llm.close()
+            got[tp, attempt] = (o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs],
+                                o.num_cached_tokens, llm.engine.disk.stats.read_blocks)
+        assert got[tp, "write"][2:] == (0, 0) and got[tp, "read"][2:] == (28, 7)
+    assert got[2, "read"][0] == got[2, "write"][0] == got[1, "write"][0] == got[1, "read"][0]
+    for attempt in ("write", "read"):
+        torch.testing.assert_close(torch.tensor(got[2, attempt][1]), torch.tensor(got[1, attempt][1]),
+                                   rtol=0, atol=LOGIT_TOL)
+    sizes = {tp: {f.stat().st_size for f in (tmp_path / f"tp{tp}").glob("*/*" + SUFFIX)} for tp in (1, 2)}
+    assert len(sizes[1]) == 1 and sizes[2] == sizes[1]
