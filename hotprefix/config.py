@@ -397,7 +397,3 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
-
-    def __post_init__(self) -> None:
-        if self.model.tensor_parallel_size > 1 and self.cache.kv_disk_dir:  # (each rank would write its part)
-            raise ConfigError("--kv-disk-dir is not served with --tensor-parallel-size > 1 yet")

@@ -103,9 +103,9 @@ class LLMEngine:
             return None
         identity = model_identity(weights=weights_fingerprint(loaded.source), name=loaded.name,
                                   arch=repr(self.runner.arch), dtype=str(self.runner.dtype),
-                                  kv=str(arena.data.dtype), block_shape=arena.block_shape,
+                                  kv=str(arena.data.dtype), block_shape=arena.file_shape,
                                   matmul=str(self.runner.quantized_matmul), hash=cc.prefix_caching_hash_algo)
-        return DiskStore(cc.kv_disk_dir, identity, cc.kv_disk_size, arena.block_bytes, arena.slot_bytes,
+        return DiskStore(cc.kv_disk_dir, identity, cc.kv_disk_size, arena.file_bytes, arena.slot_bytes,
                          cc.kv_disk_insecure)
 
     def _tiers(self) -> KVTiers | None:
@@ -323,7 +323,7 @@ class LLMEngine:
             outs = self._process(self.scheduler.fail_step(sched, f"the model step failed: {e}"))
         else:
             if sched.persist and self.disk is not None:  # their KV is computed now: the disk tier keeps it
-                self.disk.persist(self.runner.host_tier.copied_out(sched.persist))
+                self.disk.persist(self.runner.copied_out(sched.persist))
             outs = self._process(self.scheduler.update(sched, result))
         self.publish_kv_events()
         return outs

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hotprefix.config import ConfigError, EngineConfig, LoadFormat, ModelConfig
@@ -68,13 +68,13 @@ def load_rank(mc: ModelConfig, place: Place) -> LoadedModel:
     return load_model(mc.model, mc.revision, mc.tokenizer, mc.download_dir, place)
 
 
-def _join(launch: Launch, mc: ModelConfig) -> Parallel:
+def _join(launch: Launch, mc: ModelConfig, watch: Callable[[], str | None] = lambda: None) -> Parallel:
     device = resolve_device(mc.device)
     if device.type == "cuda":
         import torch
 
         torch.cuda.set_device(launch.place.rank % torch.cuda.device_count())  # rank r on cuda:r
-    return Parallel.join(launch.place, launch.address, launch.port, device)
+    return Parallel.join(launch.place, launch.address, launch.port, device, watch=watch)
 
 
 class Ranks:
@@ -97,12 +97,16 @@ class Ranks:
                 log.info("tensor parallel: rank %d of %d started (pid %d)", r, launch.place.size, p.pid)
                 self.procs.append(p)
         try:
-            self.parallel = _join(launch, config.model)
-        except PeerLostError as e:
-            gone = [f"rank {r} exited with status {p.exitcode}" for r, p in enumerate(self.procs, 1)
-                    if p.exitcode is not None]
+            self.parallel = _join(launch, config.model, self.exited)
+        except PeerLostError:
             self.close()
-            raise PeerLostError("; ".join([str(e), *gone])) from None
+            raise
+
+    def exited(self) -> str | None:
+        """Which spawned ranks have exited, and with what status (None: none has)."""
+        gone = [f"rank {r} of {len(self.procs) + 1} exited with status {p.exitcode}"
+                for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+        return "; ".join(gone) or None
 
     @property
     def pids(self) -> list[int]:

@@ -169,6 +169,22 @@ class DeferredRows:
             w = _unpermute(w, self.permute_heads)
         return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
+    def part(self, dim: int, start: int, stop: int, rows: int | None = None) -> DeferredRows:
+        """Rows [start, stop) (dim 0: whole heads of a permuted Q/K, padded with zero blocks
+        to `rows`) or columns [start, stop) (dim 1, on block boundaries) of a 2-D tensor, a
+        copy owning only those bytes (kernels.weights.split_blocks). Raises ValueError for
+        columns off block boundaries."""
+        import torch
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from hotprefix.model.kernels.weights import split_blocks
+
+        n, k = self.shape
+        raw = split_blocks(torch.from_numpy(self.raw), self.type_name,
+                           GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]], dim, start, stop, rows).numpy()
+        heads = self.permute_heads and (self.permute_heads * (stop - start) // n if dim == 0 else self.permute_heads)
+        return DeferredRows(self.type_name, raw, (raw.shape[0], k) if dim == 0 else (n, stop - start), heads)
+
 
 @dataclass
 class GGUFWeights:
@@ -269,9 +285,9 @@ def _keep_blocks(out: GGUFWeights, name: str, ttype: str, raw: np.ndarray, shape
 def shard_gguf_weights(w: GGUFWeights, plan: ShardPlan, path: Path) -> GGUFWeights:
     """The rank's part of each weight (ShardPlan): float tensors cut; blocks split on whole
     rows (column-parallel, vocabulary rows padded with zero blocks) or on block boundaries
-    (row-parallel), each part a copy, so a rank keeps only its bytes of the map. Raises
-    ModelLoadError for blocks that do not split (columns off block boundaries, a type the
-    kernels do not read)."""
+    (row-parallel), each part a copy, so a rank keeps only its bytes of the map; the same
+    for the types the kernels do not read (DeferredRows: Q2_K, Q3_K). Raises ModelLoadError
+    for blocks that do not split (columns off block boundaries)."""
     import torch
 
     from hotprefix.model.parallel import ShardKind, vocab_rows
@@ -284,17 +300,14 @@ def shard_gguf_weights(w: GGUFWeights, plan: ShardPlan, path: Path) -> GGUFWeigh
             if name in w.packed:
                 out.packed[name] = w.packed[name]
             continue
-        p = w.packed.get(name)
-        if p is None:
-            raise ModelLoadError(f"{path.name}: {name} is {w.deferred[name].type_name}, which is not split over "
-                                 f"{plan.place.size} ranks")
         rows = vocab_rows(t.shape[0], plan.place.size) if plan.kind(name) is ShardKind.VOCAB else None
         try:
-            part = p.part(*where, rows=rows)
+            part = (w.packed.get(name) or w.deferred[name]).part(*where, rows=rows)
         except ValueError as e:
             raise ModelLoadError(f"{path.name}: {name} does not split over {plan.place.size} ranks ({e})") from None
-        out.packed[name] = part
-        out.tensors[name] = torch.empty((part.n, part.k), device="meta")
+        (out.deferred if isinstance(part, DeferredRows) else out.packed)[name] = part
+        out.tensors[name] = torch.empty(part.shape if isinstance(part, DeferredRows) else (part.n, part.k),
+                                        device="meta")
     return out
 
 

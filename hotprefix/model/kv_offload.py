@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hotprefix.model.kv_cache import KVCache
+from hotprefix.model.parallel import SINGLE, Parallel
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -23,18 +24,29 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 class HostArena:
     """num_slots blocks of host memory shaped for `kv`. Allocated lazily by the OS
-    (torch.empty): resident memory grows with the blocks written."""
+    (torch.empty): resident memory grows with the blocks written.
 
-    def __init__(self, kv: KVCache, num_slots: int) -> None:
+    Over tensor-parallel ranks (`parallel`) each rank's arena holds its KV heads of each
+    block, while the disk tier, on rank 0, reads and writes whole blocks (file_shape:
+    every rank's heads, in rank order, as one rank's arena would hold them): a block
+    written to disk is gathered from the ranks (`copied_out`, every rank in step), and a
+    block read from disk waits whole on rank 0 (`staged`, by slot) until the step that
+    loads its slot into the pool scatters each rank its heads first (`unstage`)."""
+
+    def __init__(self, kv: KVCache, num_slots: int, parallel: Parallel = SINGLE) -> None:
         layer = kv.layers[0]
         self.kv = kv
+        self.parallel = parallel
         self.num_slots = num_slots
         self.block_size = kv.block_size
         kvh, _, hd = layer.k.shape
         dtype = _raw(layer.k).dtype
         self.block_shape = (len(kv.pages), 2, kvh, kv.block_size, hd)
+        self.file_shape = (len(kv.pages), 2, kvh * parallel.size, kv.block_size, hd)
         self.data = torch.empty((num_slots, *self.block_shape), dtype=dtype, pin_memory=layer.k.is_cuda)
         self.block_bytes = self.data[0].numel() * self.data.element_size() if num_slots else 0
+        self.file_bytes = self.block_bytes * parallel.size
+        self.staged: dict[int, np.ndarray] = {}  # rank 0 over several ranks: whole blocks read from disk
 
     def _blocks(self, t: torch.Tensor) -> torch.Tensor:
         """A layer's K or V as [kv_heads, num_blocks, block_size, head_dim] (a view)."""
@@ -54,6 +66,8 @@ class HostArena:
         """(pool block, host slot): copy each block out (one gather and one scatter a layer)."""
         if not copies:
             return
+        for _, s in copies:
+            self.staged.pop(s, None)  # (a slot written again: what was read into it is gone)
         ids = torch.tensor([b for b, _ in copies], dtype=torch.long, device=self.kv.layers[0].k.device)
         slots = torch.tensor([s for _, s in copies], dtype=torch.long)
         for i, layer in enumerate(self.kv.pages):
@@ -72,14 +86,37 @@ class HostArena:
                 self._blocks(t)[:, ids] = self.data[slots, i, j].permute(1, 0, 2, 3).to(dev, non_blocking=True)
 
     def copied_out(self, blocks: list[tuple[int, bytes]]) -> list[tuple[bytes, memoryview]]:
-        """(pool block, hash) -> (hash, a copy of the block's bytes): what the disk tier
-        writes (copied, because the pool block may be reused before the write)."""
-        data = self.gather([b for b, _ in blocks])
-        return [(h, block_bytes(data, i)) for i, (_, h) in enumerate(blocks)]
+        """(pool block, hash) -> (hash, a copy of the whole block's bytes): what the disk
+        tier writes (copied, because the pool block may be reused before the write). Over
+        several ranks every rank calls it in step, and rank 0 gets the blocks joined from
+        every rank's heads (the others: []). Raises PeerLostError."""
+        data = self.parallel.gather(self.gather([b for b, _ in blocks]), 3)
+        return [(h, block_bytes(data, i)) for i, (_, h) in enumerate(blocks)] if self.parallel.rank == 0 else []
 
     def slot_bytes(self, slot: int) -> np.ndarray:
-        """A writable uint8 view of one slot (the disk loader fills it)."""
-        return self.data[slot].view(torch.uint8).reshape(-1).numpy()
+        """A writable uint8 array of one slot's whole block (the disk loader fills it): a
+        view of the slot alone, else the block staged for it."""
+        if self.parallel.size == 1:
+            return self.data[slot].view(torch.uint8).reshape(-1).numpy()
+        self.staged[slot] = np.empty(self.file_bytes, dtype=np.uint8)
+        return self.staged[slot]
+
+    def staged_among(self, loads: list[tuple[int, int]]) -> list[int]:
+        """Rank 0: the slots of these (host slot, pool block) loads that hold a whole block
+        read from disk, not yet scattered."""
+        return [s for s, _ in loads if s in self.staged]
+
+    def unstage(self, slots: list[int]) -> None:
+        """Every rank, in step (`slots`: rank 0's staged_among): each staged block's heads
+        of this rank into its slot. Raises PeerLostError."""
+        if not slots:
+            return
+        whole = None
+        if self.parallel.rank == 0:
+            raw = torch.from_numpy(np.stack([self.staged.pop(s) for s in slots]))
+            whole = raw.view(self.data.dtype).view(len(slots), *self.file_shape)
+        like = self.data[:len(slots)]
+        self.data[torch.tensor(slots, dtype=torch.long)] = self.parallel.scatter(whole, like, 3)
 
 
 def block_bytes(blocks: torch.Tensor, i: int) -> memoryview:

@@ -4,14 +4,14 @@ collectives in the same order (model/parallel.Parallel.send / receive; docs/para
 Rank 0 alone schedules (the scheduler, the KV-cache manager, prefix caching, tiers) and
 samples; each step it sends the step's plain-data SchedulerOutput (RunCopies when the
 step copies blocks; RunStep: the forward pass, each rank over its heads of the same block
-tables), then, for each
-set of rows whose logits it needs (sampling, drafts, prompt logprobs), RunLogits: every
-rank computes its vocabulary part of those rows, gathered on rank 0. Stop ends a rank's loop.
+tables), then, for each set of rows whose logits it needs (sampling, drafts, prompt
+logprobs), RunLogits: every rank computes its vocabulary part of those rows, gathered on
+rank 0; RunPersist after a step whose blocks the disk tier writes. Stop ends a rank's loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hotprefix.core.outputs import SchedulerOutput
 from hotprefix.model.attention import AttentionPaths
@@ -19,9 +19,19 @@ from hotprefix.model.attention import AttentionPaths
 
 @dataclass(frozen=True)
 class RunCopies:
-    """The step's block copies (tier offloads, swaps, tier loads), each rank its part of a block."""
+    """The step's block copies (tier offloads, swaps, tier loads), each rank its part of a
+    block; `staged`: the loaded host slots whose whole blocks rank 0 read from disk, whose
+    heads it scatters first (kv_offload.HostArena.unstage)."""
 
     sched: SchedulerOutput
+    staged: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunPersist:
+    """(pool block, hash) pairs the disk tier writes: every rank's heads gathered on rank 0."""
+
+    blocks: list[tuple[int, bytes]]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ not, PeerLostError when a peer is gone (its collective fails, or it cannot be re
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -32,6 +33,8 @@ __all__ = ["ALONE", "SINGLE", "Parallel", "Place", "ShardKind", "ShardPlan", "sh
 
 STEP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective inside a step: a peer that long silent is lost
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # waiting for rank 0's next step: as long as the server idles
+JOIN_POLL = datetime.timedelta(seconds=1)  # rank 0 asks whether a spawned rank exited this often while it waits
+JOINED = "hotprefix/joined/"  # + rank: the store key each other rank sets when it has come
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,33 @@ class ShardPlan:
         return t if t.is_meta else self.cut(name, tuple(t.shape), lambda i: t if i is None else t[i])
 
 
+def _meet(place: Place, address: str, port: int, timeout: datetime.timedelta,
+          watch: Callable[[], str | None]) -> Any:
+    """The group's store at address:port once every rank has come: rank 0 hosts it (unless
+    torchrun's agent does, as torch's own tcp:// rendezvous decides) and waits for each
+    other rank's mark, asking `watch` between waits. Raises PeerLostError when watch says
+    why a peer will not come, DistStoreError (or RuntimeError) when `timeout` passes."""
+    from torch.distributed import DistStoreError, TCPStore
+
+    host = place.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = TCPStore(address, port, place.size, is_master=host, timeout=timeout, wait_for_workers=False,
+                     multi_tenant=True)
+    if place.rank:
+        store.set(f"{JOINED}{place.rank}", "1")
+        return store
+    marks, waited = [f"{JOINED}{r}" for r in range(1, place.size)], datetime.timedelta()
+    while True:
+        try:
+            store.wait(marks, JOIN_POLL)
+            return store
+        except DistStoreError:
+            waited += JOIN_POLL
+            if (why := watch()) is not None:
+                raise PeerLostError(f"tensor parallel: {why} before it joined rank 0 at {address}:{port}") from None
+            if waited >= timeout:
+                raise
+
+
 def _lost(what: str, e: BaseException) -> PeerLostError:
     return PeerLostError(f"tensor parallel: a peer rank is gone ({what}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})")
@@ -149,21 +179,27 @@ class Parallel:
 
     @classmethod
     def join(cls, place: Place, address: str, port: int, device: torch.device,
-             timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> Parallel:
+             timeout: datetime.timedelta = datetime.timedelta(seconds=120),
+             watch: Callable[[], str | None] = lambda: None) -> Parallel:
         """Join the group at address:port (rank 0 hosts it): gloo on the CPU, NCCL on CUDA.
-        Raises PeerLostError, one line, when the peers do not all come within `timeout`."""
+        Rank 0 asks `watch` each JOIN_POLL while it waits: why a peer will not come (a spawned
+        rank that exited), or None. Raises PeerLostError, one line, when watch says why, or
+        when the peers do not all come within `timeout`."""
         import torch.distributed as dist
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         try:
-            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=place.rank,
-                                    world_size=place.size, timeout=timeout)
+            store = _meet(place, address, port, timeout, watch)
+            dist.init_process_group(backend, store=store, rank=place.rank, world_size=place.size, timeout=timeout)
             control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
             group = dist.new_group(backend=backend, timeout=STEP_TIMEOUT)
+        except PeerLostError:
+            raise
         except Exception as e:  # torch raises several types (DistStoreError, RuntimeError) for an absent peer
+            why = watch()
             raise PeerLostError(f"tensor parallel: rank {place.rank} of {place.size} could not reach its peers at "
                                 f"{address}:{port} within {timeout.total_seconds():.0f}s ({type(e).__name__})"
-                                ) from None
+                                + (f"; {why}" if why else "")) from None
         return cls(place, group, control)
 
     @property
@@ -189,16 +225,38 @@ class Parallel:
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
         """Logits [N, vocab] on rank 0 from each rank's [N, rows] (size 1: local as it is);
         other ranks get their own part back. Raises PeerLostError."""
+        out = self.gather(local, -1, self.group, "logits gather")
+        return out[:, :vocab] if self.size > 1 and self.rank == 0 else out
+
+    def gather(self, local: torch.Tensor, dim: int, group: Any = None, what: str = "gather") -> torch.Tensor:
+        """Rank 0: every rank's `local` joined along dim, in rank order (size 1: local);
+        other ranks get local back. `group`: the control group's gloo unless given (host
+        tensors). Raises PeerLostError."""
         if self.size == 1:
             return local
         import torch.distributed as dist
 
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         try:
-            dist.gather(local.contiguous(), parts, dst=0, group=self.group)
+            dist.gather(local.contiguous(), parts, dst=0, group=self.control if group is None else group)
         except Exception as e:
-            raise _lost("logits gather", e) from None
-        return torch.cat(parts, dim=-1)[:, :vocab] if parts is not None else local
+            raise _lost(what, e) from None
+        return torch.cat(parts, dim=dim) if parts is not None else local
+
+    def scatter(self, whole: torch.Tensor | None, like: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rank r's part (the r-th of `size` along dim) of rank 0's host tensor `whole`, in
+        a new tensor shaped like `like` (size 1: whole). Raises PeerLostError."""
+        if self.size == 1:
+            return whole
+        import torch.distributed as dist
+
+        out = torch.empty_like(like)
+        parts = [p.contiguous() for p in whole.chunk(self.size, dim)] if self.rank == 0 else None
+        try:
+            dist.scatter(out, parts, src=0, group=self.control)
+        except Exception as e:
+            raise _lost("scatter", e) from None
+        return out
 
     def min_int(self, n: int) -> int:
         """The least n over the ranks (the pool's blocks). Raises PeerLostError."""

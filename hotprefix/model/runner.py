@@ -25,7 +25,7 @@ from hotprefix.model.kernels.build import packable, resolve_matmul
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
 from hotprefix.model.loader import LoadedModel
-from hotprefix.model.lockstep import RunCopies, RunLogits, RunStep, Stop
+from hotprefix.model.lockstep import RunCopies, RunLogits, RunPersist, RunStep, Stop
 from hotprefix.model.parallel import SINGLE, Parallel, shard_arch
 from hotprefix.model.sampler import Sampler, SampleRow, score_rows
 from hotprefix.model.structured import GrammarMatchers, StepMasks
@@ -36,11 +36,10 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([25
 
 
 class ModelRunner:
-    """Runs one step. `execute` mutates the KV tensors and the per-request
-    generators; finished request ids in the SchedulerOutput drop their state.
-    eos_token_ids: suppressed before a request's min_tokens. Over several ranks
-    (`parallel`), rank 0's runner sends each step to the others (model/lockstep.py), whose
-    runners `follow()`; each holds its heads of the pool, with the same block ids."""
+    """Runs one step. `execute` mutates the KV tensors and the per-request generators;
+    finished request ids in the SchedulerOutput drop their state. eos_token_ids: suppressed
+    before a request's min_tokens. Over several ranks (`parallel`), rank 0's runner sends each step
+    to the others (model/lockstep.py), whose runners `follow()`; each holds its heads of the pool."""
 
     def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  sched_cfg: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
@@ -87,10 +86,11 @@ class ModelRunner:
         what moves; engine/kv_disk.py may sit behind it). In a grouped pool both hold pages (every group's
         blocks: model/kv_cache.py)."""
         swap = sched_cfg.preemption_mode is PreemptionMode.SWAP
-        self.num_host_blocks = cache_cfg.swap_space // self.plan.bytes_per_block if swap else 0
+        per = self.plan.bytes_per_block
+        self.num_host_blocks = cache_cfg.swap_space // per if swap else 0
         self.host_kv: list = self.kv_cache.make_host_copy(self.num_host_blocks) if swap else []
-        self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // self.plan.bytes_per_block) \
-            if cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching else None
+        tier = cache_cfg.host_tier_bytes and cache_cfg.enable_prefix_caching
+        self.host_tier = HostArena(self.kv_cache, cache_cfg.host_tier_bytes // per, self.parallel) if tier else None
 
     def _step_runners(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, int8: bool) -> list:
         """The whole-step strategies this runner may take (model/steps): the fused decode
@@ -213,7 +213,9 @@ class ModelRunner:
             if isinstance(msg, RunLogits):
                 self._logits(hidden, msg.rows)
             elif isinstance(msg, RunCopies):
-                self._copy_blocks(msg.sched)
+                self._copy_blocks(msg.sched, msg.staged)
+            elif isinstance(msg, RunPersist):
+                self.copied_out(msg.blocks)
             else:
                 hidden = self._forward(msg.sched, msg.paths)
 
@@ -236,8 +238,7 @@ class ModelRunner:
         return g
 
     def forget_step_state(self) -> None:
-        """After a failed step: drop what was kept for the next step (the backend's), which
-        the failed step may have left half made."""
+        """After a failed step: drop what was kept for the next step (the backend's), perhaps half made."""
         self.backend.forget_step_state()
 
     def _sample_rows(self, sched: SchedulerOutput, out: ModelRunnerOutput, masks: StepMasks
@@ -274,18 +275,25 @@ class ModelRunner:
             return StepMasks()
         return self.matchers.compute(constrained)
 
-    def _copy_blocks(self, sched: SchedulerOutput) -> None:
+    def _copy_blocks(self, sched: SchedulerOutput, staged: list[int] | None = None) -> None:
         """The step's block copies, in SchedulerOutput's order: tier offloads, swaps, tier loads
-        (on every rank: each copies its heads of the blocks)."""
+        (on every rank: each copies its heads of the blocks; `staged`: rank 0's, sent)."""
+        staged = self.host_tier.staged_among(sched.tier_load) if staged is None and self.host_tier else staged or []
         if sched.tier_offload or sched.swap_out or sched.swap_in or sched.tier_load:
-            self.parallel.send(RunCopies(sched))
+            self.parallel.send(RunCopies(sched, staged))
         if self.host_tier is not None:
             self.host_tier.save(sched.tier_offload)
         if sched.swap_out or sched.swap_in:
             self.kv_cache.swap(self.host_kv, sched.swap_out, sched.swap_in)
             self.num_swapped_blocks_total += len(sched.swap_out)
         if self.host_tier is not None:
+            self.host_tier.unstage(staged)
             self.host_tier.restore(sched.tier_load)
+
+    def copied_out(self, blocks: list[tuple[int, bytes]]) -> list[tuple[bytes, memoryview]]:
+        """HostArena.copied_out for the disk tier, every rank in step. Raises PeerLostError."""
+        self.parallel.send(RunPersist(blocks))
+        return self.host_tier.copied_out(blocks)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

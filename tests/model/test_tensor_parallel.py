@@ -19,6 +19,7 @@ from hotprefix.model.attention import BackendSpec, create_backend
 from hotprefix.model.build import build_model
 from hotprefix.model.loader import load_model
 from hotprefix.model.parallel import Parallel, Place, shard_arch
+from hotprefix.model.steps.fused_decode import FusedDecode
 from tests.conftest import build_tiny_model
 
 LOGIT_TOL = 1e-4  # float32 logits of the tiny models (|logit| < 10): tp 2 against tp 1
@@ -63,11 +64,12 @@ def run_scenario(llm: LLM) -> dict[str, tuple]:
 
 
 def logits_of(llm: LLM) -> torch.Tensor:
-    """Every position's logits of one 14-token prefill into blocks 0..3 (after the scenario:
-    what it writes there is never read again)."""
+    """Every position's logits of one 14-token prefill into blocks 0..3 (a grouped pool's
+    other groups: the next 4 blocks each; after the scenario: what it writes there is never
+    read again)."""
     ids = prompts(1)[0][:14]
-    groups = len(llm.engine.kv.windows.windows) + 1 if llm.engine.kv.windows is not None else 0
-    tables = tuple(list(range(4 * g, 4 * g + 4)) for g in range(groups))  # a grouped pool: each group its own
+    groups = llm.engine.runner.kv_groups
+    tables = tuple(list(range(4 * g, 4 * g + 4)) for g in range(len(groups.windows))) if groups else ()
     sched = SchedulerOutput([ScheduledRequest("x", ids, 0, [0, 1, 2, 3], True, GREEDY, ids, [],
                                               group_block_ids=tables)])
     return llm.engine.runner.all_logits(sched)
@@ -80,19 +82,19 @@ def family_folder(request, tmp_path_factory):
     return d
 
 
-def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
+def compare_ranks(folder, grouped: bool, **options) -> None:
+    """The scenario and the logits with -tp 1, then -tp 2 (LLM `options`; `grouped`: the
+    pool is Gemma's grouped one): the same greedy tokens and cached tokens, logprobs and
+    logits within LOGIT_TOL."""
     results, logits = {}, {}
     for tp in (1, 2):
-        # Gemma's grouped pool: pages of one layer, window groups' blocks beside the full group's
-        grouped = family_folder.name.startswith("tp-gemma3")
-        llm = LLM(model=str(family_folder), tensor_parallel_size=tp, block_size=4,
-                  num_blocks_override=64 if grouped else 14, max_num_batched_tokens=16, preemption_mode="swap",
-                  swap_space="1MiB", device="cpu")
+        llm = LLM(model=str(folder), tensor_parallel_size=tp, block_size=4, max_num_batched_tokens=16, device="cpu",
+                  **options)
         try:
             assert llm.engine.runner.kv_cache.layers[0].k.shape[::2] == (2 // tp, llm.engine.arch.head_dim)
-            assert (llm.engine.kv.windows is not None) == grouped
+            assert llm.engine.runner.kv_cache.grouped is grouped
             results[tp] = run_scenario(llm)
-            assert llm.engine.runner.num_swapped_blocks_total > 0
+            assert (llm.engine.runner.num_swapped_blocks_total > 0) == (options.get("preemption_mode") == "swap")
             llm.engine.kv.check_integrity()
             logits[tp] = logits_of(llm)
         finally:
@@ -108,6 +110,21 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
         torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL)
     assert logits[2].shape == logits[1].shape == (14, 320)
     torch.testing.assert_close(logits[2], logits[1], rtol=0, atol=LOGIT_TOL)
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logits(family_folder):
+    # preempting by swap; Gemma on its default grouped pool (pages of one layer, the window groups'
+    # blocks beside the full group's: more of them)
+    grouped = family_folder.name.startswith("tp-gemma3")
+    compare_ranks(family_folder, grouped, num_blocks_override=64 if grouped else 14, preemption_mode="swap",
+                  swap_space="1MiB")
+
+
+def test_two_ranks_on_gemmas_grouped_pool_preempting_by_recompute(tmp_path):
+    """Gemma 3's default pool: a group per attention kind, the window layers' tables
+    releasing blocks behind the window, preempting by recompute (swap: the test above)."""
+    build_tiny_model(tmp_path, "gemma3")
+    compare_ranks(tmp_path, True, num_blocks_override=60, preemption_mode="recompute")
 
 
 def resident_bytes(module: torch.nn.Module) -> int:
@@ -151,27 +168,93 @@ def test_a_model_whose_heads_do_not_split_is_refused_with_its_numbers(tmp_path):
     assert shard_arch(arch, 3).num_kv_heads == 1
 
 
-def test_a_gguf_file_over_two_ranks_in_int8_mode_gives_one_ranks_tokens(tmp_path):
-    """Q8_0 blocks split on whole rows (q/k/v, gate/up, the vocabulary) and on block
-    boundaries (o and down over K), served by the C kernels as they are (int8 mode: each
-    rank's regrouped parts; decode steps layer by layer, the fused step refused)."""
+def fused_calls(runner) -> list[int]:
+    """The sizes of the steps the runner's fused decode step takes from now on (appended)."""
+    fused, calls = runner.strategy(FusedDecode), []
+    forward = fused.forward
+    fused.forward = lambda batch, meta: calls.append(batch.num_tokens) or forward(batch, meta)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_0(tmp_path_factory):
+    """The tiny Llama as a Q8_0 GGUF file."""
     from transformers import AutoTokenizer
 
     from tests.gguf_util import write_gguf
 
-    model = build_tiny_model(tmp_path / "src", "llama")
-    path = write_gguf(tmp_path / "tiny-Q8_0.gguf", model, AutoTokenizer.from_pretrained(str(tmp_path / "src")), "Q8_0")
+    d = tmp_path_factory.mktemp("tp-gguf")
+    model = build_tiny_model(d / "src", "llama")
+    return write_gguf(d / "tiny-Q8_0.gguf", model, AutoTokenizer.from_pretrained(str(d / "src")), "Q8_0")
+
+
+def test_a_gguf_file_over_two_ranks_in_int8_mode_gives_one_ranks_tokens(tiny_q8_0):
+    """Q8_0 blocks split on whole rows (q/k/v, gate/up, the vocabulary) and on block
+    boundaries (o and down over K), served by the C kernels as they are (int8 mode: each
+    rank's regrouped parts). Decode steps take the fused step on both sizes (over 2 ranks
+    its o's and down's sums all-reduced between the C stages): -tp 1's tokens, and over 2
+    ranks the layer-by-layer step's logits bit for bit."""
+    from tests.model.test_fused_decode import LAYERED, decode_step
+
+    path = tiny_q8_0
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    got = {}
+    got, fused_steps = {}, {}
     for tp in (1, 2):
         llm = LLM(model=str(path), tensor_parallel_size=tp, quantized_matmul="int8", block_size=4,
                   num_blocks_override=64, max_num_batched_tokens=8, device="cpu")
         try:
+            runner = llm.engine.runner
+            assert runner.quantized_matmul.value == "int8"
+            calls = fused_calls(runner)
             got[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts(2)[:3], params)]
-            assert llm.engine.runner.quantized_matmul.value == "int8"
+            fused_steps[tp] = len(calls)
+            if tp == 2:  # a decode step of two sequences after their prefills (blocks 0..3 and 4..7)
+                p = [q[:12] for q in prompts(3)[:2]]
+                runner.all_logits(SchedulerOutput([ScheduledRequest(f"p{i}", q[:-1], 0, list(range(4 * i, 4 * i + 4)),
+                                                                     False, GREEDY, q, []) for i, q in enumerate(p)]))
+                step = decode_step(p, [list(range(4 * i, 4 * i + 4)) for i in range(2)])
+                layered = runner.all_logits(step, LAYERED)
+                assert runner.all_logits(step).equal(layered)
+                assert len(calls) == fused_steps[2] + 1  # (the fused step did take it)
         finally:
             llm.close()
     assert got[2] == got[1]
+    assert fused_steps[1] == fused_steps[2] > 0  # every decode step fused, on both sizes
+
+
+def reduce_with(stack, reducer) -> None:
+    """The stack's hp_stack.reduce made `reducer` (what DecodeStack(..., reducer) sets)."""
+    stack.reducer, stack.stack.reduce = reducer, reducer.c
+
+
+def test_the_fused_steps_reducer_is_called_after_each_row_parallel_product_and_carries_its_error(tiny_q8_0):
+    """hp_stack.reduce (kernels/reduce.Reducer) on one rank with a stand-in all-reduce: it
+    sees o's and then down's [M, E] products, every layer (the identity changes no bit); an
+    error inside it skips the later calls and is raised after the C call."""
+    from hotprefix.errors import PeerLostError
+    from hotprefix.model.kernels.reduce import Reducer
+    from tests.model.test_fused_decode import decode_step, prefill, runner_for
+
+    runner = runner_for(tiny_q8_0)
+    p = [q[:12] for q in prompts(4)[:3]]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
+    prefill(runner, p, tables)
+    fused = runner.strategy(FusedDecode)
+    want = runner.all_logits(decode_step(p, tables))
+    sizes = []
+    reduce_with(fused.stack, Reducer(lambda t: sizes.append(t.numel())))
+    assert runner.all_logits(decode_step(p, tables)).equal(want)
+    assert sizes == [3 * runner.arch.hidden_size] * (2 * runner.arch.num_layers)
+
+    def lost(t: torch.Tensor) -> None:
+        sizes.append(t.numel())
+        raise PeerLostError("tensor parallel: a peer rank is gone (all-reduce: stand-in)")
+
+    sizes.clear()
+    reduce_with(fused.stack, Reducer(lost))
+    with pytest.raises(PeerLostError, match=r"^tensor parallel: a peer rank is gone \(all-reduce: stand-in\)$"):
+        runner.all_logits(decode_step(p, tables))
+    assert sizes == [3 * runner.arch.hidden_size]
 
 
 def test_gguf_blocks_split_on_rows_and_on_block_boundaries_only():
@@ -188,3 +271,75 @@ def test_gguf_blocks_split_on_rows_and_on_block_boundaries_only():
     torch.testing.assert_close(dequantize_rows(rows), torch.cat([whole[2:], torch.zeros(1, 64)]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="Q8_0 blocks of 32 values do not split columns 16..48"):
         w.part(1, 16, 48)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_k_quants_the_kernels_do_not_multiply_split_on_block_boundaries(tmp_path, qtype):
+    """Q2_K / Q3_K tensors (kept as their bytes, widened to float32 in float32 mode) split
+    like the other K-quants: each rank's part dequantizes to exactly its slice of the whole
+    (q/k: whole heads of llama.cpp's permuted rows; o/down: 256-value blocks of K), and
+    -tp 2 gives -tp 1's greedy tokens and its logits within LOGIT_TOL."""
+    from transformers import AutoTokenizer
+
+    from hotprefix.model.gguf_loader import load_gguf_weights, read_gguf_arch, shard_gguf_weights
+    from hotprefix.model.parallel import ShardPlan
+    from tests.gguf_util import write_gguf
+
+    model = build_tiny_model(tmp_path / "src", "llama", hidden_size=512, intermediate_size=1024)
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, AutoTokenizer.from_pretrained(str(tmp_path / "src")),
+                      qtype)
+    arch, reader = read_gguf_arch(path)
+    whole = load_gguf_weights(path, arch, reader, keep_blocks=True)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight",
+             "model.embed_tokens.weight"]
+    assert all(whole.deferred[n].type_name == qtype for n in names)
+    for rank in (0, 1):
+        plan = ShardPlan.of(arch, Place(rank, 2))
+        part = shard_gguf_weights(whole, plan, path)
+        for n in names:
+            dim, start, stop = plan.part(n, whole.deferred[n].shape)
+            want = whole.deferred[n].dequantize().narrow(dim, start, stop - start)
+            assert torch.equal(part.deferred[n].dequantize(), want), n
+            assert tuple(part.tensors[n].shape) == tuple(want.shape)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(path), tensor_parallel_size=tp, quantized_matmul="float32", block_size=4,
+                  num_blocks_override=32, device="cpu")
+        try:
+            got[tp] = [(o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs])
+                       for o in llm.generate([q[:12] for q in prompts(5)[:2]], params)]
+        finally:
+            llm.close()
+    assert [t for t, _ in got[2]] == [t for t, _ in got[1]]
+    torch.testing.assert_close(torch.tensor([lp for _, lp in got[2]]), torch.tensor([lp for _, lp in got[1]]),
+                               rtol=0, atol=LOGIT_TOL)
+
+
+def test_the_disk_tier_over_two_ranks_gives_one_ranks_tokens(tiny_llama, tmp_path):
+    """-tp 2 with --kv-disk-dir: rank 0 writes whole blocks (every rank's heads gathered:
+    files of -tp 1's size) and a restarted engine reads them back, scattering each rank its
+    heads before the blocks enter the pool: the prompt's 7 full blocks come from disk, and
+    the tokens and logprobs are -tp 1's."""
+    from hotprefix.engine.kv_disk import SUFFIX
+
+    prompt = prompts(6)[0]  # 30 tokens: 7 full blocks of 4 before the last token
+    got = {}
+    for tp in (1, 2):
+        for attempt in ("write", "read"):
+            llm = LLM(model=str(tiny_llama[0]), tensor_parallel_size=tp, block_size=4, num_blocks_override=64,
+                      device="cpu", kv_disk_dir=str(tmp_path / f"tp{tp}"))
+            try:
+                (o,) = llm.generate([prompt], GREEDY)
+            finally:
+                llm.close()
+            got[tp, attempt] = (o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs],
+                                o.num_cached_tokens, llm.engine.disk.stats.read_blocks)
+        assert got[tp, "write"][2:] == (0, 0) and got[tp, "read"][2:] == (28, 7)
+    assert got[2, "read"][0] == got[2, "write"][0] == got[1, "write"][0] == got[1, "read"][0]
+    for attempt in ("write", "read"):
+        torch.testing.assert_close(torch.tensor(got[2, attempt][1]), torch.tensor(got[1, attempt][1]),
+                                   rtol=0, atol=LOGIT_TOL)
+    sizes = {tp: {f.stat().st_size for f in (tmp_path / f"tp{tp}").glob("*/*" + SUFFIX)} for tp in (1, 2)}
+    assert len(sizes[1]) == 1 and sizes[2] == sizes[1]

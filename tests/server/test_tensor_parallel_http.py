@@ -108,3 +108,27 @@ def test_a_start_that_cannot_reach_its_peers_says_so_in_one_line():
     (line,) = done.stdout.splitlines()
     assert line.startswith("tensor parallel: rank 0 of 2 could not reach its peers at 127.0.0.1:") and \
         line.endswith("within 2s (DistStoreError)")
+
+
+def test_a_spawned_rank_that_dies_before_joining_fails_the_start_at_once():
+    """Rank 1 exits with status 3 as it starts (its config unpickles to os._exit(3)): rank 0
+    sees the exit while it waits for its peers and says so in one line, long before the 120 s
+    join limit (the subprocess's 60 s limit would end a wait for it)."""
+    code = ("import os\n"
+            "from hotprefix.config import EngineConfig, ModelConfig\n"
+            "from hotprefix.engine.ranks import Ranks, launch_of\n"
+            "from hotprefix.errors import PeerLostError\n"
+            "class DiesInTheChild(str):\n"
+            "    def __reduce__(self):\n"
+            "        return os._exit, (3,)\n"
+            "if __name__ == '__main__':\n"
+            "    launch = launch_of(2, {})\n"
+            "    try:\n"
+            "        Ranks(EngineConfig(ModelConfig(DiesInTheChild('tiny'), tensor_parallel_size=2)), launch)\n"
+            "    except PeerLostError as e:\n"
+            "        print(e)\n"
+            "        print(launch.port)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    line, port = done.stdout.splitlines()
+    assert line == f"tensor parallel: rank 1 of 2 exited with status 3 before it joined rank 0 at 127.0.0.1:{port}"

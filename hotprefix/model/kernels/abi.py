@@ -16,6 +16,7 @@ from ctypes import POINTER, c_float, c_int, c_int64, c_long, c_void_p
 from pathlib import Path
 
 _p = c_void_p
+REDUCE = ctypes.CFUNCTYPE(None, _p, c_int64)  # hp_stack.reduce: x [n] float32, summed over the ranks in place
 
 
 class HpPart(ctypes.Structure):
@@ -38,7 +39,7 @@ class HpStack(ctypes.Structure):
 
     _fields_ = [("layers", POINTER(HpLayer)), ("nlayers", c_int), ("E", c_int), ("H", c_int), ("KVH", c_int),
                 ("D", c_int), ("I", c_int), ("eps", c_float), ("scale", c_float), ("head_stride", c_int64),
-                ("kv_type", c_int)]
+                ("kv_type", c_int), ("reduce", REDUCE)]
 
 
 class HpPlan(ctypes.Structure):

@@ -26,6 +26,7 @@ from hotprefix.model.kernels.abi import (
     HpStep,
 )
 from hotprefix.model.kernels.build import need
+from hotprefix.model.kernels.reduce import Reducer
 from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, FusedWeight, PackedWeight
 
 Lib = ctypes.CDLL | None
@@ -281,12 +282,12 @@ class StackShape:
 
 
 class DecodeStack:
-    """The C structs of every decoder layer (hp_stack), built once: they hold the
-    addresses of the layers' tensors, which must outlive it and stay where they are.
-    Raises ValueError for a projection of more parts than the struct has room for."""
+    """The C structs of every decoder layer (hp_stack), built once: they hold the addresses of the layers'
+    tensors, which must outlive it and stay where they are, and `reducer` (tensor parallelism: o's and down's
+    products summed over the ranks). Raises ValueError for a projection of more parts than the struct holds."""
 
-    def __init__(self, layers: list[DecodeLayer], shape: StackShape) -> None:
-        self._keep = layers
+    def __init__(self, layers: list[DecodeLayer], shape: StackShape, reducer: Reducer | None = None) -> None:
+        self._keep, self.reducer = layers, reducer or Reducer()
         self.layers = (HpLayer * len(layers))()
         for spec, layer in zip(self.layers, layers):
             _fill_layer(spec, layer)
@@ -295,7 +296,8 @@ class DecodeStack:
         if kind is None:
             raise ValueError(f"hp_decode_layers reads float32 or fp8 CPU pools, not {pool.dtype}")
         self.stack = HpStack(self.layers, len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                             shape.intermediate, shape.eps, shape.scale, pool.shape[1] * shape.head_dim, kind)
+                             shape.intermediate, shape.eps, shape.scale, pool.shape[1] * shape.head_dim, kind,
+                             self.reducer.c)
 
 
 def _fill_layer(spec: HpLayer, layer: DecodeLayer) -> None:
@@ -335,7 +337,7 @@ def decode_layers(stack: DecodeStack, x: torch.Tensor, ropes: list[tuple[torch.T
     every layer of `stack`; per attention kind (a layer's DecodeLayer.kind indexes them):
     ropes' cos, sin [M, 1, D], slots [M] where each row's key and value go, and plans'
     (own, shared): the plans over each row's keys and the cascades' shared prefixes (run
-    first). Raises RuntimeError if the kernel fails or refuses a plan."""
+    first). Raises RuntimeError if the kernel fails or refuses a plan; what the stack's reducer raised."""
     lib = need(lib)
     if not 1 <= len(ropes) == len(slots) == len(plans) <= KINDS:
         raise ValueError(f"decode_layers takes 1 to {KINDS} attention kinds, each its ropes, slots and plans")
@@ -348,6 +350,7 @@ def decode_layers(stack: DecodeStack, x: torch.Tensor, ropes: list[tuple[torch.T
         if shared is not None:
             step.shared[k] = shared.c
     rc = lib.hp_decode_layers(ctypes.byref(stack.stack), ctypes.byref(step), torch.get_num_threads())
+    stack.reducer.check()
     if rc:
         raise RuntimeError(f"hp_decode_layers failed ({rc})")
 

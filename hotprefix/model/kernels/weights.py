@@ -27,6 +27,23 @@ BLOCK_VALUES = {t: 256 if t >= 12 else 32 for t in BLOCK_BYTES}  # values per bl
 TYPE_NAMES = {v: k for k, v in QTYPES.items()} | {F32: "F32"}
 
 
+def split_blocks(raw: torch.Tensor, type_name: str, block: tuple[int, int], dim: int, start: int, stop: int,
+                 rows: int | None = None) -> torch.Tensor:
+    """Rows [start, stop) of GGUF block rows raw [N, bytes a row] (dim 0; padded with zero
+    blocks, which are zeros in every type, to `rows`) or columns [start, stop) (dim 1, on
+    the boundaries of blocks of block = (values, bytes)): a copy owning only those bytes.
+    Raises ValueError for columns off block boundaries."""
+    if dim == 0:
+        part = raw[start:stop].clone()
+        if rows is not None and rows > part.shape[0]:
+            part = torch.cat([part, part.new_zeros((rows - part.shape[0], part.shape[1]))])
+        return part
+    values, nbytes = block
+    if start % values or stop % values:
+        raise ValueError(f"{type_name} blocks of {values} values do not split columns {start}..{stop}")
+    return raw[:, start // values * nbytes:stop // values * nbytes].contiguous()
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A [N, K] weight kept as its GGUF blocks: `raw` is uint8 [N, K / block values *
@@ -84,16 +101,9 @@ class PackedWeight:
         only those bytes. Raises ValueError for columns off block boundaries or regrouped rows."""
         if self.int8:
             raise ValueError("regrouped rows are not split")
-        if dim == 0:
-            raw = self.raw[start:stop].clone()
-            if rows is not None and rows > raw.shape[0]:
-                raw = torch.cat([raw, raw.new_zeros((rows - raw.shape[0], raw.shape[1]))])
-            return PackedWeight(self.qtype, raw, raw.shape[0], self.k)
-        bv, bb = BLOCK_VALUES[self.qtype], BLOCK_BYTES[self.qtype]
-        if start % bv or stop % bv:
-            raise ValueError(f"{TYPE_NAMES[self.qtype]} blocks of {bv} values do not split columns {start}..{stop}")
-        return PackedWeight(self.qtype, self.raw[:, start // bv * bb:stop // bv * bb].contiguous(), self.n,
-                            stop - start)
+        raw = split_blocks(self.raw, self.type_name, (BLOCK_VALUES[self.qtype], BLOCK_BYTES[self.qtype]), dim, start,
+                           stop, rows)
+        return PackedWeight(self.qtype, raw, raw.shape[0], self.k if dim == 0 else stop - start)
 
     def rows(self, ids: torch.Tensor) -> PackedWeight:
         """Rows `ids` ([T]) of these GGUF rows, as a weight of T rows (an embedding lookup)."""

@@ -17,7 +17,10 @@ decodes (any other step takes the layer-by-layer path). Each of the backend's pl
 with one block table, each window (Gemma's local and global layers); in a grouped pool,
 each KV-cache group, whose layers write its slots and read its tables within its window,
 as its layers do layer by layer. A kind's rotary tables are its window's. The family's
-layers say which norms they have (`decode_norms`: Gemma's sandwich norms).
+layers say which norms they have (`decode_norms`: Gemma's sandwich norms). Over
+tensor-parallel ranks each rank runs its shard, and the C call hands o's and down's
+partial products to the group's all-reduce between its stages (kernels/reduce.Reducer:
+the same sums as the layer-by-layer path's RowParallelLinear, so the same bits).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from hotprefix.model.attention.base import AttentionPaths, StepBatch
 from hotprefix.model.attention.cpu import CpuAttention, CpuMeta
 from hotprefix.model.kernels import ops
+from hotprefix.model.kernels.reduce import Reducer
 from hotprefix.model.kv_cache import KVCache
 
 
@@ -37,8 +41,6 @@ def unfusable(model, kv: KVCache, backend) -> str | None:
         return "the attention backend is not the cpu one with the C kernels"
     if model.arch.num_experts:
         return "mixture-of-experts layers"
-    if model.parallel.size > 1:
-        return "tensor parallelism (the fused step has no all-reduce)"
     if ops.kv_type(pool) is None:
         return "not a float32 or fp8 CPU pool"
     if len(backend.spec.plan_keys) > ops.KINDS:
@@ -82,9 +84,10 @@ class FusedDecode:
         self.windows = [spec.key_window(k) for k in self.keys]  # each kind's rotary tables
         layers = [_layer(layer, lkv, self.keys.index(spec.key_of(lkv)))
                   for layer, lkv in zip(model.model.layers, kv.layers)]
+        reducer = Reducer(model.parallel.all_reduce) if model.parallel.size > 1 else None  # (o's and down's sums)
         shape = ops.StackShape(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                arch.intermediate_size, float(arch.rms_norm_eps), model.model.layers[0].self_attn.scale)
-        self.stack = ops.DecodeStack(layers, shape)
+        self.stack = ops.DecodeStack(layers, shape, reducer)
 
     def refusal(self, batch: StepBatch, meta: CpuMeta, paths: AttentionPaths) -> str | None:
         """Serves a step of single-token decodes only, attended by the C kernel."""

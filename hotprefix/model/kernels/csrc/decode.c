@@ -34,7 +34,7 @@ int hp_struct_layout(int which, int64_t *out) {
                 F(hp_layer, kind); break;
         case 2: out[n++] = sizeof(hp_stack); F(hp_stack, layers); F(hp_stack, nlayers); F(hp_stack, E);
                 F(hp_stack, H); F(hp_stack, KVH); F(hp_stack, D); F(hp_stack, I); F(hp_stack, eps);
-                F(hp_stack, scale); F(hp_stack, head_stride); F(hp_stack, kv_type); break;
+                F(hp_stack, scale); F(hp_stack, head_stride); F(hp_stack, kv_type); F(hp_stack, reduce); break;
         case 3: out[n++] = sizeof(hp_step); F(hp_step, x); F(hp_step, cos_); F(hp_step, sin_); F(hp_step, wslots);
                 F(hp_step, own); F(hp_step, shared); F(hp_step, M); break;
         case 4: out[n++] = sizeof(hp_plan); F(hp_plan, rows); F(hp_plan, lims); F(hp_plan, task); F(hp_plan, slots);
@@ -120,6 +120,17 @@ static void residual_row(float *xr, float *tr, const float *bias, const float *p
     else for (int e = 0; e < E; e++) xr[e] = xr[e] + tr[e];
 }
 
+/* A row-parallel product's out [M, E] (each rank's partial sums) summed over the
+ * tensor-parallel ranks by the stack's reduce (none alone): the thread that entered
+ * hp_decode_layers calls it (the caller's own thread, as the callback may need) after the
+ * product's barrier, the others wait at the next. */
+static void reduce_team(const hp_stack *s, float *out, int64_t n) {
+    if (!s->reduce) return;
+    #pragma omp master
+    s->reduce(out, n);
+    #pragma omp barrier
+}
+
 /* One layer for a thread of the step's parallel region (every thread runs it: its
  * work-sharing loops end in barriers). */
 static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st, const step_buf *b, xquant *x32,
@@ -133,6 +144,7 @@ static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st,
     for (int m = 0; m < M; m++) qkv_row(s, ly, st, b, m);
     attention_team(s, ly, st, b, scr, ok);
     qmm_i8_team(&ly->o, 1, b->o, M, HD, b->tmp, x32, xk);
+    reduce_team(s, b->tmp, (int64_t)M * E);
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         float *xr = x + (size_t)m * E;
@@ -146,6 +158,7 @@ static void layer_team(const hp_stack *s, const hp_layer *ly, const hp_step *st,
         else silu_mul_row(b->gu + (size_t)m * 2 * I, I, b->act + (size_t)m * I);
     }
     qmm_i8_team(&ly->down, 1, b->act, M, I, b->tmp, x32, xk);
+    reduce_team(s, b->tmp, (int64_t)M * E);
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) residual_row(x + (size_t)m * E, b->tmp + (size_t)m * E, NULL, ly->post2, E, s->eps);
 }

@@ -36,6 +36,8 @@ typedef struct {
     float eps, scale;
     int64_t head_stride;                            /* values between KV heads of a pool: S * D */
     int kv_type;                                    /* KV_F32, KV_E4M3, KV_E5M2 (ops.h) */
+    void (*reduce)(float *x, int64_t n);            /* over tensor-parallel ranks: x [n] summed over them in
+                                                       place (o's and down's partial products); NULL alone */
 } hp_stack;
 
 /* An attention plan (attention.c): ntasks tasks of T_FIELDS int64 each, (first entry of
