@@ -174,8 +174,8 @@ def test_a_replay_peer_sending_an_oversized_frame_is_dropped_and_others_are_answ
     from hotprefix.engine.kv_publisher import REPLAY_MAX_BYTES
 
     r = Rig(str(tiny_llama[0]), events_config(buffer_steps=64))
-    hostile = r.sub.ctx.socket(zmq.DEALER)
-    hostile.setsockopt(zmq.RECONNECT_IVL, -1)  # once dropped, it stays dropped
+    ctx = zmq.Context()  # its own: the subscriber's context ends with the subscriber
+    hostile = ctx.socket(zmq.DEALER)
     try:
         r.run(prompt(0, 50))
         hostile.connect(local(r.cfg.replay_endpoint))
@@ -187,7 +187,7 @@ def test_a_replay_peer_sending_an_oversized_frame_is_dropped_and_others_are_answ
         assert hostile.poll(0) == 0  # the hostile peer's valid request, sent first, got nothing
         r.check()
     finally:
-        hostile.close(linger=0)
+        ctx.destroy(linger=0)
         r.close()
 
 
