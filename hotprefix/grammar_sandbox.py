@@ -57,7 +57,13 @@ def _worker_main(conn: Any, cfg: SandboxConfig) -> None:  # in the worker proces
 
     tok = llguidance.LLTokenizer(cfg.tokenizer_json, n_vocab=cfg.vocab_size, eos_token=list(cfg.eos) or None)
     conn.send(("ready", ""))
-    while (msg := conn.recv()) is not None:
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent went away without saying so (it exited): nothing to report
+            return
+        if msg is None:
+            return
         kind, spec = msg
         try:
             compiled = build(StructuredKind(kind), spec, tok, cfg.vocab_size)

@@ -146,3 +146,18 @@ def test_a_tenant_holds_at_most_half_of_the_preprocessing_workers(tiny_llama):
         await ae.shutdown()
 
     asyncio.run(go())
+
+
+def test_a_worker_whose_parent_went_away_exits_quietly(tokenizer):
+    """A process that exits without closing its sandbox (a script's LLM) leaves its workers a
+    pipe at its end: they exit with status 0 and no traceback (they printed EOFError's)."""
+    import multiprocessing as mp
+
+    from hotprefix.grammar_sandbox import _Worker
+
+    cfg = SandboxConfig(tokenizer.backend_tokenizer.to_str(), 320, (tokenizer.eos_token_id,), 5.0, workers=1)
+    w = _Worker(mp.get_context("spawn"), cfg)
+    w.wait_ready()
+    w.conn.close()  # as the parent's exit closes it
+    w.proc.join(60)
+    assert w.proc.exitcode == 0
