@@ -2,7 +2,7 @@
 llama-server, ...): benchmarks/kv_groups.py's workload measured through a server's own
 prefix cache instead of the engine's Scheduler in process.
 
-16 chat sessions share a 2,000-word system prompt and take 6 turns each: a 150-word user
+kv_groups.Workload: 16 chat sessions share a 2,000-word system prompt and take 6 turns each: a 150-word user
 turn, then a 50-token answer (`max_tokens` 50 with `ignore_eos`, greedy), the answer text
 the server returned kept in the history. Each turn's prompt is the whole conversation so
 far, sent to /v1/completions as plain text (one tokenization of one string on every
@@ -19,6 +19,7 @@ hit rate overall and per turn.
 
     .venv/bin/python benchmarks/collapse_http.py http://127.0.0.1:8000 --label hotprefix \\
         --json docs/bench/collapse/hotprefix.json [--note "how the server was started"]
+    .venv/bin/python benchmarks/collapse_http.py --table docs/bench/collapse/*.json
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kv_groups import Workload  # the collapse case's shape, one owner for both benchmarks
 
 # Common English words, each a single token (with its leading space) in SmolLM2's vocabulary.
 WORDS = tuple("""time year people way day man thing woman life child world school state family student
@@ -51,17 +54,7 @@ doctor wall patient worker news test movie north love support technology step ba
 attention film tree source organization hair window evidence population""".split())
 
 
-@dataclass(frozen=True)
-class Workload:
-    """The collapse case's shape (kv_groups.py's, in words for the text)."""
-
-    sessions: int = 16
-    turns: int = 6
-    system_words: int = 2000
-    user_words: int = 150
-    answer_tokens: int = 50
-    concurrency: int = 4
-    seed: int = 41
+SEED = 41  # of the text: every server gets the same words
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -69,14 +62,14 @@ def words(rng: random.Random, n: int) -> str:
     return "".join(" " + rng.choice(WORDS) for _ in range(n))
 
 
-def system_text(w: Workload) -> str:
-    """The shared system prompt."""
-    return "System:" + words(random.Random(w.seed), w.system_words)
+def system_text(w: Workload, seed: int = SEED) -> str:
+    """The shared system prompt: w.system_tokens words."""
+    return "System:" + words(random.Random(seed), w.system_tokens)
 
 
-def user_text(w: Workload, session: int, turn: int) -> str:
-    """Session's user turn: its own seed, so every server gets the same text."""
-    return words(random.Random(w.seed * 1_000_003 + session * 1_000 + turn), w.user_words)
+def user_text(w: Workload, session: int, turn: int, seed: int = SEED) -> str:
+    """Session's user turn (w.user_tokens words): its own seed, so every server gets the same text."""
+    return words(random.Random(seed * 1_000_003 + session * 1_000 + turn), w.user_tokens)
 
 
 def prompt(system: str, history: list[tuple[str, str]], user: str) -> str:
@@ -152,7 +145,7 @@ def run(url: str, w: Workload, model: str | None = None, timeout: float = 3600.0
         history[s].append((user, answer))  # only this session's thread touches history[s] in turn t
         return Record(s, t, p, c, body["usage"]["completion_tokens"], src, secs, answer)
 
-    with ThreadPoolExecutor(w.concurrency) as pool:
+    with ThreadPoolExecutor(w.max_running) as pool:
         for t in range(w.turns):
             turn = list(pool.map(one, range(w.sessions), [t] * w.sessions))
             records += turn
@@ -162,18 +155,37 @@ def run(url: str, w: Workload, model: str | None = None, timeout: float = 3600.0
     return records
 
 
+def table(paths: list[Path]) -> str:
+    """A Markdown table of results files: each server's hit rate overall and per turn."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    turns = sorted({int(t) for r in runs for t in r["hit_rate"]["per_turn"]})
+    rows = ["| server | prompt tokens | cached | overall | " + " | ".join(f"turn {t}" for t in turns) + " |",
+            "|---|---|---|---|" + "---|" * len(turns)]
+    for r in runs:
+        h = r["hit_rate"]
+        rows.append(f"| {r['label']} | {h['prompt_tokens']:,} | {h['cached_tokens']:,} | {h['overall']:.1%} | "
+                    + " | ".join(f"{h['per_turn'][str(t)]:.1%}" for t in turns) + " |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--label", required=True, help="the server's name in the results")
+    ap.add_argument("url", nargs="?", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--table", type=Path, nargs="+", help="print a Markdown table of these results files instead")
+    ap.add_argument("--label", help="the server's name in the results")
     ap.add_argument("--json", type=Path, help="write the results (every request's record) here")
     ap.add_argument("--model", help="the request's model field (default: none sent)")
     ap.add_argument("--note", default="", help="how the server was started, kept in the results")
     ap.add_argument("--sessions", type=int, default=Workload.sessions)
     ap.add_argument("--turns", type=int, default=Workload.turns)
-    ap.add_argument("--concurrency", type=int, default=Workload.concurrency)
+    ap.add_argument("--concurrency", type=int, default=Workload.max_running, help="requests in flight at once")
     a = ap.parse_args(argv)
-    w = Workload(sessions=a.sessions, turns=a.turns, concurrency=a.concurrency)
+    if a.table:
+        print(table(a.table))
+        return 0
+    if not (a.url and a.label):
+        ap.error("a URL and --label are needed to run the workload")
+    w = Workload(sessions=a.sessions, turns=a.turns, max_running=a.concurrency)
     t0 = time.time()
     records = run(a.url, w, a.model)
     rates = hit_rates(records)
@@ -182,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({
-            "label": a.label, "url": a.url, "note": a.note, "workload": asdict(w),
+            "label": a.label, "url": a.url, "note": a.note, "workload": asdict(w), "seed": SEED,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "seconds": round(time.time() - t0, 1),
             "hit_rate": rates, "requests": [asdict(r) for r in records]}, indent=1) + "\n")
     return 0

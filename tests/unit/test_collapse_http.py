@@ -4,35 +4,26 @@ from hotprefix's and llama-server's responses, and the hit-rate arithmetic."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-
-def _bench():
-    path = Path(__file__).parents[2] / "benchmarks" / "collapse_http.py"
-    spec = importlib.util.spec_from_file_location("collapse_http_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))  # the script and kv_groups.py beside it
+import collapse_http as bench  # noqa: E402
 
 
 def test_text_is_fixed_by_the_seed_and_has_the_stated_words():
     w = bench.Workload()
     system = bench.system_text(w)
     assert system == bench.system_text(bench.Workload())
-    assert system.startswith("System: ") and len(system.split()) == 1 + w.system_words
+    assert system.startswith("System: ") and len(system.split()) == 1 + w.system_tokens
     assert all(word in bench.WORDS for word in system.split()[1:])
     user = bench.user_text(w, 3, 2)
-    assert user == bench.user_text(w, 3, 2) and len(user.split()) == w.user_words
+    assert user == bench.user_text(w, 3, 2) and len(user.split()) == w.user_tokens
     assert user != bench.user_text(w, 3, 1) and user != bench.user_text(w, 2, 2)
-    assert bench.system_text(bench.Workload(seed=7)) != system
+    assert bench.system_text(w, seed=7) != system
 
 
 def test_each_turn_extends_the_previous_prompt_with_the_answer_returned():
@@ -64,3 +55,12 @@ def test_hit_rates_weigh_requests_by_prompt_tokens():
     assert rates["per_turn"] == {0: 1500 / 4000, 1: 1.0}
     assert (rates["prompt_tokens"], rates["cached_tokens"]) == (6000, 3500)
     assert bench.hit_rates([]) == {"overall": 0.0, "per_turn": {}, "prompt_tokens": 0, "cached_tokens": 0}
+
+
+def test_table_has_a_row_per_results_file(tmp_path):
+    records = [_record(0, 1000, 0), _record(1, 1000, 500)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"label": "a", "hit_rate": bench.hit_rates(records)}))
+    assert bench.table([path]).splitlines() == [
+        "| server | prompt tokens | cached | overall | turn 0 | turn 1 |", "|---|---|---|---|---|---|",
+        "| a | 2,000 | 500 | 25.0% | 0.0% | 50.0% |"]
