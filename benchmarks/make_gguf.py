@@ -9,7 +9,9 @@ Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, FFN 14336), rope theta 5e5, un
 output, SmolLM2's vocabulary, tokenizer and chat template (copied from the bundled
 default model, so that both servers tokenize alike); Gemma 3 270M, 1B and 4B
 (`gemma3-270m` ...: model/presets.py's shapes as llama.cpp's converter writes them,
-tied output, windows of 512 / 512 / 1024, the 4B's linear RoPE scaling x8, norms stored
+tied output, windows of 512 / 512 / 1024; `gemma3-tiny`: 270M's 18 layers and window at
+hidden 128, 2/1 heads of 64, FFN 256, for cache benchmarks (`gemma3-tiny-49k`: with
+SmolLM2's 49,152 tokens unpadded), the 4B's linear RoPE scaling x8, norms stored
 as w + 1 = 1), with SmolLM2's tokenizer padded to Gemma's 262,144 entries (the extra
 ones never tokenized: the output product has Gemma's size); `a3b`: Qwen3-30B-A3B's layers
 (qwen3moe: hidden 2048, 32/4 heads of 128 with q/k norms, 128 experts of FFN 768, 8 a
@@ -42,6 +44,15 @@ SHAPES = {
                       window=512, vocab=262144, ctx=32768),
     "gemma3-4b": dict(arch="gemma3", hidden=2560, layers=34, heads=8, kv_heads=4, ffn=10240, head_dim=256,
                       window=1024, vocab=262144, ctx=131072, scale=8.0),
+    # Gemma 3 270M's layer pattern (18 layers, five local with a window of 512 to one global),
+    # vocabulary and tied output at a small width: for cache-policy benchmarks (collapse_http.py)
+    # where a server recomputes ~250k prompt tokens
+    "gemma3-tiny": dict(arch="gemma3", hidden=128, layers=18, heads=2, kv_heads=1, ffn=256, head_dim=64,
+                        window=512, vocab=262144, ctx=32768),
+    # the same with SmolLM2's own 49,152 tokens: no unused [PAD] entries for random weights to
+    # sample (llama.cpp drops them from the text it returns; hotprefix returns "[PAD123]")
+    "gemma3-tiny-49k": dict(arch="gemma3", hidden=128, layers=18, heads=2, kv_heads=1, ffn=256, head_dim=64,
+                            window=512, vocab=49152, ctx=32768),
     "a3b": dict(arch="qwen3moe", hidden=2048, layers=24, heads=32, kv_heads=4, head_dim=128, ffn=6144,
                 experts=128, experts_used=8, expert_ffn=768, vocab=151936, rope_theta=1e6, eps=1e-6, source="Q8_0"),
 }
