@@ -30,6 +30,8 @@ PARTS = ("normalizer", "pre_tokenizer", "post_processor", "decoder")
 # the BPE fields tokenizer.json stores beside vocab and merges (BPE()'s keyword arguments)
 BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
                "byte_fallback", "ignore_merges")
+BPE_FIELDS = frozenset(("type", "vocab", "merges", *BPE_OPTIONS))
+ADDED_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
 def _assemble(model: models.Model, parts: Tokenizer, added: list[AddedToken]) -> Tokenizer:
@@ -45,20 +47,25 @@ def _assemble(model: models.Model, parts: Tokenizer, added: list[AddedToken]) ->
 
 
 def _added_token(spec: dict[str, Any]) -> AddedToken:
-    """An added_tokens entry of tokenizer.json, with serde's defaults for missing flags."""
-    return AddedToken(spec["content"], single_word=bool(spec.get("single_word", False)),
-                      lstrip=bool(spec.get("lstrip", False)), rstrip=bool(spec.get("rstrip", False)),
-                      normalized=bool(spec.get("normalized", True)), special=bool(spec.get("special", False)))
+    """An added_tokens entry of tokenizer.json, every flag as the file spells it. Raises
+    KeyError or TypeError for an entry tokenizer.json's writer would not make (then
+    from_str reads the file, and decides)."""
+    flags = {k: spec[k] for k in ADDED_FLAGS}
+    if not isinstance(spec["content"], str) or not all(isinstance(v, bool) for v in flags.values()):
+        raise TypeError(f"an added token as tokenizer.json does not write one: {spec!r}")
+    return AddedToken(spec["content"], **flags)
 
 
 def _build_bpe(spec: dict[str, Any]) -> Tokenizer | None:
     """tokenizer.json's BPE tokenizer built part by part, or None for one this does not
     build (another model, padding, truncation, another version). Raises what the
-    tokenizers library raises for a malformed BPE."""
+    tokenizers library raises for a malformed BPE (and KeyError, TypeError: _added_token)."""
     model = spec.get("model")
     if (spec.get("version") != "1.0" or not isinstance(model, dict) or model.get("type") != "BPE"
+            or not BPE_FIELDS.issuperset(model)  # a field this does not know: from_str's to read
             or spec.get("padding") is not None or spec.get("truncation") is not None
-            or not isinstance(model.get("vocab"), dict) or not isinstance(model.get("merges"), list)):
+            or not isinstance(model.get("vocab"), dict) or not isinstance(model.get("merges"), list)
+            or not all(type(i) is int for i in model["vocab"].values())):  # (bools are ints to Python)
         return None
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     bpe = models.BPE(model["vocab"], merges, **{k: model[k] for k in BPE_OPTIONS if model.get(k) is not None})

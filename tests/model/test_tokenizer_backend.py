@@ -83,8 +83,9 @@ def test_the_twin_shares_the_model_and_splits_as_a_full_copy(tokenizer_json):
 
 
 def test_other_files_are_read_by_from_str(tmp_path):
-    """A model other than BPE (here WordLevel) and a file with padding set take
-    from_str's path, and a malformed file raises from_str's error."""
+    """A model other than BPE (here WordLevel), a file with padding set, a BPE field or
+    an added token's flags not as tokenizer.json writes them take from_str's path, and a
+    malformed file raises from_str's error."""
     from tokenizers import models
 
     wl = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
@@ -96,6 +97,17 @@ def test_other_files_are_read_by_from_str(tmp_path):
     (tmp_path / "padded.json").write_text(padded.to_str())
     assert load_backend(tmp_path / "padded.json").to_str() == padded.to_str()
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert _build_bpe(spec) is not None
+    model = spec["model"]
+    assert _build_bpe({**spec, "model": {**model, "cache_capacity": 5}}) is None  # a field it does not know
+    assert _build_bpe({**spec, "model": {**model, "vocab": {**model["vocab"], "x": True}}}) is None
+    bare = {**spec, "added_tokens": [{"id": 0, "content": "<|endoftext|>", "special": True}]}  # no other flags
+    with pytest.raises(KeyError):
+        _build_bpe(bare)
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    for read in (load_backend, lambda p: Tokenizer.from_file(str(p))):  # refused alike
+        with pytest.raises(Exception, match="missing field `single_word`"):
+            read(tmp_path / "bare.json")
     spec["model"]["merges"] = [["no-such-token", "x"]]
     (tmp_path / "bad.json").write_text(json.dumps(spec))
     with pytest.raises(Exception, match="no-such-token"):
