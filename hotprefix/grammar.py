@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from hotprefix.errors import InvalidRequestError
@@ -124,17 +125,20 @@ def compiler_for(hf_tokenizer: Any, vocab_size: int, eos: set[int], sc: Structur
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if sc.max_grammar_compile_seconds <= 0 or backend is None:
         return GrammarCompiler(hf_tokenizer, vocab_size, limits)
-    sandbox = CompileSandbox(SandboxConfig(tokenizer_json(hf_tokenizer), vocab_size, tuple(sorted(eos)),
-                                           sc.max_grammar_compile_seconds))
+    sandbox = CompileSandbox(SandboxConfig(vocab_size, tuple(sorted(eos)), sc.max_grammar_compile_seconds),
+                             partial(tokenizer_json, hf_tokenizer))
     return GrammarCompiler(hf_tokenizer, vocab_size, limits, sandbox)
 
 
 def tokenizer_json(tokenizer: Any) -> str:
     """A fast tokenizer's Rust model as JSON, without padding or truncation (what
-    llguidance reads; as llguidance.hf makes it, without importing transformers)."""
+    llguidance reads; as llguidance.hf makes it, without importing transformers). The
+    tokenizer is copied (a second vocabulary, for a moment) only when it pads or truncates."""
     from copy import copy
 
-    b = copy(tokenizer.backend_tokenizer)
-    b.no_padding()
-    b.no_truncation()
+    b = tokenizer.backend_tokenizer
+    if b.padding is not None or b.truncation is not None:
+        b = copy(b)
+        b.no_padding()
+        b.no_truncation()
     return b.to_str()

@@ -5,7 +5,8 @@ thread can interrupt, and a hostile spec (a schema of 15,000 properties, a regex
 nested repetitions) kept a preprocessing thread for a minute after its request had
 been answered, starving every other tenant. So a spec is first compiled, and its first
 token mask built, in a worker process (spawned, so it imports neither torch nor
-transformers; about 0.5 s to start, with the model's tokenizer given as its JSON). A
+transformers; about 0.5 s to start, with the model's tokenizer given as its JSON, made for
+each start and never kept: 11 MiB at a 262,144-token vocabulary). A
 worker that spends more CPU time on one spec than the budget (--max-grammar-compile-seconds,
 measured from /proc; four times as long in wall-clock time on a machine too loaded to
 say) is killed and replaced, and the request gets a 400; one that runs out of its
@@ -22,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +38,10 @@ START_TIMEOUT_S = 120.0  # a worker's start-up (interpreter, llguidance, the tok
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    """tokenizer_json: the model's tokenizer (tokenizers' JSON); vocab_size: its logits;
-    eos: its end-of-sequence ids; budget_s: CPU seconds one spec may take; workers: at
-    most this many processes; max_memory: each one's address space in bytes (0: no cap)."""
+    """vocab_size: the model's logits; eos: its end-of-sequence ids; budget_s: CPU seconds
+    one spec may take; workers: at most this many processes; max_memory: each one's
+    address space in bytes (0: no cap)."""
 
-    tokenizer_json: str
     vocab_size: int
     eos: tuple[int, ...]
     budget_s: float = 5.0
@@ -48,14 +49,14 @@ class SandboxConfig:
     max_memory: int = 4 << 30
 
 
-def _worker_main(conn: Any, cfg: SandboxConfig) -> None:  # in the worker process
+def _worker_main(conn: Any, cfg: SandboxConfig, tokenizer_json: str) -> None:  # in the worker process
     if cfg.max_memory:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (cfg.max_memory, cfg.max_memory))
     import llguidance
 
-    tok = llguidance.LLTokenizer(cfg.tokenizer_json, n_vocab=cfg.vocab_size, eos_token=list(cfg.eos) or None)
+    tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=cfg.vocab_size, eos_token=list(cfg.eos) or None)
     conn.send(("ready", ""))
     while True:
         try:
@@ -87,9 +88,10 @@ def _cpu_seconds(pid: int) -> float | None:
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx: Any, cfg: SandboxConfig) -> None:
+    def __init__(self, ctx: Any, cfg: SandboxConfig, tokenizer_json: str) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, cfg), daemon=True, name="hotprefix-grammar")
+        self.proc = ctx.Process(target=_worker_main, args=(child, cfg, tokenizer_json), daemon=True,
+                                name="hotprefix-grammar")
         self.proc.start()
         child.close()
         self.ready = False
@@ -110,10 +112,12 @@ class _Worker:
 
 class CompileSandbox:
     """Thread-safe: each call takes a free worker (starting one while fewer than
-    cfg.workers exist, else waiting for one)."""
+    cfg.workers exist, else waiting for one). `tokenizer_json` gives the model's tokenizer
+    as tokenizers' JSON, called at each worker's start (the text is not kept)."""
 
-    def __init__(self, cfg: SandboxConfig) -> None:
+    def __init__(self, cfg: SandboxConfig, tokenizer_json: Callable[[], str]) -> None:
         self.cfg = cfg
+        self.tokenizer_json = tokenizer_json
         self._ctx = mp.get_context("spawn")
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -168,7 +172,7 @@ class CompileSandbox:
                 start = self._count < self.cfg.workers
                 self._count += start
             if start:
-                return _Worker(self._ctx, self.cfg)
+                return _Worker(self._ctx, self.cfg, self.tokenizer_json())
 
     def _discard(self, w: _Worker) -> None:
         """A worker over its budget (or broken): killed; the next call starts another."""

@@ -14,8 +14,10 @@ template sees exactly what it sees under transformers; that module is imported a
 first render, or ahead of it by preload_renderer() once the server is up.
 
 Thread safety: the Rust tokenizers are never changed after they are made (text that must
-not become special tokens goes through a second one, made at first use under a lock), so
-one FastTokenizer serves every thread; copying it returns itself.
+not become special tokens goes through a second one, made at first use under a lock and
+sharing the first one's model: tokenizers/backend.py), so one FastTokenizer serves every
+thread; copying it returns itself. tokenizer.json is read by tokenizers/backend.py too,
+in less memory than Tokenizer.from_file.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 
 from tokenizers import AddedToken as RustAddedToken
 from tokenizers import Tokenizer
+
+from hotprefix.tokenizers.backend import load_backend, special_text_twin
 
 # tokenizer_config.json's tokenizer_class values whose transformers class is the tokenizers
 # model and nothing more (the GGUF conversions are saved so); other classes are left to it
@@ -135,7 +139,7 @@ class FastTokenizer:
             config = _read_json(folder / "tokenizer_config.json")
             if config.get("tokenizer_class") not in GENERIC_CLASSES:
                 return None  # a class with code of its own (LlamaTokenizerFast...): transformers runs it
-            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            backend = load_backend(folder / "tokenizer.json")
             specials = _read_json(folder / "special_tokens_map.json")
         except Exception as e:  # OSError, JSON errors, and the tokenizers library's own Exception
             raise ValueError(f"cannot read the tokenizer in {folder}: {e}") from None
@@ -168,9 +172,7 @@ class FastTokenizer:
     def _splitter(self) -> Tokenizer:
         with self._lock:
             if self._splitting is None:
-                tok = Tokenizer.from_str(self.backend_tokenizer.to_str())
-                tok.encode_special_tokens = True
-                self._splitting = tok
+                self._splitting = special_text_twin(self.backend_tokenizer)
             return self._splitting
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:

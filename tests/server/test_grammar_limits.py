@@ -78,7 +78,7 @@ def tokenizer(tmp_path_factory):
 
 
 def sandbox_for(tok, budget: float) -> CompileSandbox:
-    return CompileSandbox(SandboxConfig(tok.backend_tokenizer.to_str(), 320, (tok.eos_token_id,), budget, workers=1))
+    return CompileSandbox(SandboxConfig(320, (tok.eos_token_id,), budget, workers=1), tok.backend_tokenizer.to_str)
 
 
 def test_a_compile_over_its_cpu_budget_is_killed_and_the_next_one_works(tokenizer):
@@ -155,9 +155,24 @@ def test_a_worker_whose_parent_went_away_exits_quietly(tokenizer):
 
     from hotprefix.grammar_sandbox import _Worker
 
-    cfg = SandboxConfig(tokenizer.backend_tokenizer.to_str(), 320, (tokenizer.eos_token_id,), 5.0, workers=1)
-    w = _Worker(mp.get_context("spawn"), cfg)
+    cfg = SandboxConfig(320, (tokenizer.eos_token_id,), 5.0, workers=1)
+    w = _Worker(mp.get_context("spawn"), cfg, tokenizer.backend_tokenizer.to_str())
     w.wait_ready()
     w.conn.close()  # as the parent's exit closes it
     w.proc.join(60)
     assert w.proc.exitcode == 0
+
+
+def test_tokenizer_json_leaves_out_padding_and_truncation_and_changes_nothing(tmp_path):
+    """The JSON the sandbox's workers get: the tokenizer's own when it neither pads nor
+    truncates; else a copy's without them, the tokenizer itself still padding."""
+    from hotprefix.grammar import tokenizer_json
+
+    tok = build_tokenizer(tmp_path)
+    b = tok.backend_tokenizer
+    assert tokenizer_json(tok) == b.to_str()
+    plain = b.to_str()
+    b.enable_padding(length=8)
+    b.enable_truncation(16)
+    assert tokenizer_json(tok) == plain
+    assert b.padding is not None and b.truncation is not None
