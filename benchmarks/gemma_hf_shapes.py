@@ -32,6 +32,10 @@ SHAPES = {
                  num_key_value_heads=1),
     "1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
                num_key_value_heads=1),
+    "4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+               num_key_value_heads=4, sliding_window=1024,
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 COMMON = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=512, vocab_size=262144,
               max_position_embeddings=32768, initializer_range=0.02, layer_types=None,
@@ -39,30 +43,64 @@ COMMON = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=512, vocab
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
 
+def write_bf16(folder: Path, shape: str) -> None:
+    """The shape's folder in bfloat16, built without a float32 copy (the 4B's is 8.6 GB
+    where float32 would need 17 GB of this machine's 24): no reference run."""
+    import transformers
+
+    from tests.conftest import TINY, build_tokenizer
+    torch.manual_seed(5)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        cfg = transformers.Gemma3TextConfig(**{**TINY, **COMMON, **SHAPES[shape], "tie_word_embeddings": True})
+        model = transformers.Gemma3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("norm.weight"):
+                w.normal_(0, 0.3)
+    model.save_pretrained(str(folder))
+    build_tokenizer(folder)
+
+
+def prompt_of(n: int) -> list[int]:
+    """n token ids of the tests' tokenizer, from a fixed seed."""
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def serve(folder: Path, mode: str, prompt_len: int, tokens: int) -> list[int]:
+    """hotprefix's greedy tokens from the folder in `mode`."""
+    llm = LLM(model=str(folder), quantized_matmul=mode)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    return llm.generate([prompt_of(prompt_len)], params)[0].outputs[0].token_ids
+
+
 def run(shape: str, prompt_len: int, tokens: int) -> dict:
-    """One shape: write the folder, run transformers and hotprefix on the same prompt."""
+    """One shape: write the folder, run transformers and hotprefix on the same prompt
+    (hotprefix alone, serving a bfloat16 folder, for the 4B)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / f"gemma3-{shape}"
+        if shape == "4b":
+            write_bf16(folder, shape)
+            return {"shape": shape, "dtype": "bfloat16", "prompt_tokens": prompt_len,
+                    **{mode: {"tokens": serve(folder, mode, prompt_len, tokens)} for mode in ("int8",)}}
         hf = build_tiny_model(folder, "gemma3", seed=5, **SHAPES[shape], **COMMON)
-        prompt = torch.randint(3, 320, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens,
+            ref = hf.generate(torch.tensor([prompt_of(prompt_len)]), max_new_tokens=tokens, min_new_tokens=tokens,
                               do_sample=False)[0, prompt_len:].tolist()
         del hf
         out: dict = {"shape": shape, "prompt_tokens": prompt_len, "transformers": ref}
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         for mode in ("float32", "int8"):
-            llm = LLM(model=str(folder), quantized_matmul=mode)
-            got = llm.generate([prompt], params)[0].outputs[0].token_ids
-            out[mode] = {"tokens": got, "equal": got == ref,
-                         "agree": sum(a == b for a, b in zip(got, ref))}
-            del llm
+            got = serve(folder, mode, prompt_len, tokens)
+            out[mode] = {"tokens": got, "equal": got == ref, "agree": sum(a == b for a, b in zip(got, ref))}
         return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", nargs="+", default=["270m", "1b"], choices=sorted(SHAPES))
+    ap.add_argument("--shape", nargs="+", default=["270m", "1b"], choices=sorted(SHAPES),
+                    help="4b: written in bfloat16 and served without a reference run")
     ap.add_argument("--prompt", type=int, default=700)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--json")
