@@ -7,7 +7,7 @@ the scheduler's Speculator), one request at a time, greedy.
 Workloads on the bundled model (real weights):
   quote   a ~1,500-token document (docs/engine.md's opening) and "repeat the paragraph about ..."
   edit    a 122-line Python file (hotprefix/core/fairness.py) and "rename X to Y, output the file"
-  json    a schema-constrained extraction (a grammar: speculation is off for such requests)
+  json    a schema-constrained extraction (a grammar: drafts cut where it stops taking them)
   unique  a story, nothing to copy
 Each workload runs once first (untimed), so every timed run finds its prompt cached. Prints,
 per workload and mode, the median decode tokens/s over rounds (tokens after the first over

@@ -15,8 +15,12 @@ Adaptive, per request: the draft length follows acceptance (a draft taken whole 
 the next be one longer, up to k; one taken in part proposes one more than was taken
 next time); a draft of which nothing is taken makes the next one a single token, after
 the request waits 1, 2, 4 ... up to MAX_BACKOFF steps, and a request that has taken nothing after
-GIVE_UP drafts stops proposing. Requests with an output constraint (a grammar) never
-propose: their tokens must pass the grammar one at a time.
+GIVE_UP drafts stops proposing.
+
+A request with an output constraint (a grammar) drafts as any other, its draft cut before
+the first token its grammar would reject next (`GrammarPrefix`: the runner's matchers, not
+moved); the runner samples each drafted position under the grammar's mask there
+(model/drafts.py), so the tokens are those constrained decoding gives one at a time.
 
 Tokens are kept per request as 4-byte words in a bytearray (suffix_table.encode: a
 marked first byte, so whole words match only on word boundaries), so a search is one
@@ -25,6 +29,7 @@ bytes.rfind (C speed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hotprefix.config import SpecMethod, SpeculativeConfig
@@ -33,6 +38,10 @@ from hotprefix.core.suffix_table import WORD, SuffixTable, decode, encode
 
 MAX_BACKOFF = 64  # the most steps a request that took nothing waits before it proposes again
 GIVE_UP = 8  # drafts after which a request that never took a token stops proposing
+
+GrammarPrefix = Callable[[str, list[int]], int]
+"""(request id, draft) -> how many of the draft's first tokens the request's grammar
+accepts next, its matcher not moved (model/structured.GrammarMatchers.accepted_prefix)."""
 
 
 def latest(haystack: bytes | bytearray, pattern: bytes, end: int) -> int:
@@ -96,8 +105,9 @@ class Speculator:
     """Proposes drafts (`propose`) and learns from their verification (`observe`).
     Mutates only its own per-request state, counters and suffix table; `finished` drops a request's state."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, grammar_prefix: GrammarPrefix | None = None) -> None:
         self.config = config
+        self.grammar_prefix = grammar_prefix  # None: requests with an output constraint do not draft
         self._states: dict[str, _Draft] = {}
         self.table = SuffixTable(config.suffix_decoding_max_cached_requests) \
             if config.method is SpecMethod.SUFFIX else None  # earlier requests' tokens, per cache scope
@@ -105,9 +115,10 @@ class Speculator:
 
     def propose(self, req: Request) -> list[int]:
         """The draft for a running request that decodes next (its last token is its only
-        uncomputed one), within its max_tokens and max_model_len: [] when it may not or
-        need not propose."""
-        if req.sampling_params.structured is not None or req.num_output_tokens == 0 \
+        uncomputed one), within its max_tokens and max_model_len, and within what its
+        grammar accepts: [] when it may not or need not propose."""
+        constrained = req.sampling_params.structured is not None
+        if (constrained and self.grammar_prefix is None) or req.num_output_tokens == 0 \
                 or req.num_computed_tokens != req.num_tokens - 1:
             return []
         st = self._states.get(req.request_id)
@@ -125,7 +136,8 @@ class Speculator:
             return []
         self._extend(st, req)
         table = self.table.words(req.cache_scope.salt) if self.table is not None else b""
-        return find_draft(st.words, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k, table)
+        draft = find_draft(st.words, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k, table)
+        return draft[:self.grammar_prefix(req.request_id, draft)] if constrained and draft else draft
 
     @staticmethod
     def _extend(st: _Draft, req: Request) -> None:

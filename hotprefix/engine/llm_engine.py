@@ -69,7 +69,8 @@ class LLMEngine:
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
                                  cc.kv_disk_write is DiskWritePolicy.REUSED, plan.windows, cc.kv_window_retain_interval)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks)
+        m = self.runner.matchers  # (a constrained request's draft is cut where its grammar stops taking it)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks, m and m.accepted_prefix)
         self.kv_events = self._kv_events()  # --kv-events-config; None when off
         self.publish_kv_events()  # (the first batch: AllBlocksCleared)
         self.preparer = RequestPreparer(self.encoder, self.grammars, self.arch.vocab_size, self.max_model_len,
@@ -91,9 +92,8 @@ class LLMEngine:
                  str(self.runner.dtype).removeprefix("torch."), seconds, plan.num_blocks, plan.block_size,
                  plan.num_tokens, plan.dtype_name, plan.num_blocks * plan.bytes_per_block / 2**20)
         if (spec := self.config.scheduler.speculative_config) is not None:
-            log.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d-%d), not for requests with an "
-                     "output constraint", spec.method.value, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                     spec.prompt_lookup_max)
+            log.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d-%d)", spec.method.value,
+                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _disk_tier(self, loaded: LoadedModel) -> DiskStore | None:
         """The disk tier --kv-disk-dir asks for, in a directory named by what makes the

@@ -21,6 +21,7 @@ from hotprefix.model import steps
 from hotprefix.model.attention import ALL_PATHS, AttentionPaths, BackendSpec, create_backend, resolve_backend
 from hotprefix.model.attention.base import SeqSpan, StepBatch
 from hotprefix.model.build import build_model, kv_groups_of, log_weights, plan_kv_pool, resolve_device, resolve_dtype
+from hotprefix.model.drafts import Drafting, verify_drafts
 from hotprefix.model.kernels.build import packable, resolve_matmul
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
@@ -237,6 +238,13 @@ class ModelRunner:
             self.generators[r.request_id] = g
         return g
 
+    def _row(self, r: ScheduledRequest, history: list[int], forbidden: torch.Tensor | None) -> SampleRow:
+        """The row that samples r's next token after `history` (its output tokens, and a
+        draft's before the position); raises if its generator cannot be made."""
+        p = r.sampling_params
+        stop_ids = (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
+        return SampleRow(p, r.prompt_token_ids, history, tuple(stop_ids), self._generator(r), forbidden)
+
     def forget_step_state(self) -> None:
         """After a failed step: drop what was kept for the next step (the backend's), perhaps half made."""
         self.backend.forget_step_state()
@@ -251,14 +259,11 @@ class ModelRunner:
         for r in sched.requests:
             end += len(r.token_ids)
             if not r.sample or r.sampling_params.max_tokens == 0 or r.draft_token_ids:  # (0: the prompt only;
-                continue  # a draft: _verify_drafts)
-            p = r.sampling_params
-            stop_ids = () if p.ignore_eos else self.eos_token_ids
+                continue  # a draft: model/drafts.py)
             try:
                 if r.request_id in masks.failed:
                     raise RuntimeError(masks.failed[r.request_id])
-                row = SampleRow(p, r.prompt_token_ids, r.output_token_ids, tuple(stop_ids) + p.stop_token_ids,
-                                self._generator(r), masks.forbidden.get(r.request_id))
+                row = self._row(r, r.output_token_ids, masks.first(r.request_id))
             except Exception as e:
                 out.failed[r.request_id] = f"sampling could not start: {e}"
                 continue
@@ -268,8 +273,8 @@ class ModelRunner:
         return ends, rids, rows
 
     def _masks(self, sched: SchedulerOutput) -> StepMasks:
-        """The structured outputs' masks of this step's sampled rows."""
-        constrained = [(r.request_id, r.sampling_params.structured) for r in sched.requests
+        """The structured outputs' masks of this step's sampled rows (a draft's too)."""
+        constrained = [(r.request_id, r.sampling_params.structured, r.draft_token_ids) for r in sched.requests
                        if r.sample and r.sampling_params.structured is not None]
         if not constrained or self.matchers is None:
             return StepMasks()
@@ -309,8 +314,10 @@ class ModelRunner:
             return out
         hidden = self.forward(sched, self.paths)
         self._prompt_logprobs(sched, hidden, out)
-        self._verify_drafts(sched, hidden, out)
-        ends, rids, rows = self._sample_rows(sched, out, self._masks(sched))
+        masks = self._masks(sched)
+        verify_drafts(sched, masks, out, Drafting(self.sampler, self.matchers, lambda rows: self._logits(hidden, rows),
+                                                  self._row))
+        ends, rids, rows = self._sample_rows(sched, out, masks)
         if not rows:
             return out
         try:
@@ -322,41 +329,13 @@ class ModelRunner:
         for rid, tok, lp, row in zip(rids, tokens, lps, rows):
             if tok is None:
                 continue
-            if row.forbidden is not None and (why := self.matchers.consume(rid, tok)) is not None:
+            if row.forbidden is not None and (why := self.matchers.consume(rid, [tok])) is not None:
                 out.failed[rid] = why
                 continue
             out.sampled_token_ids[rid] = tok
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
-
-    def _verify_drafts(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """Speculative decoding: each request with a draft samples its last len(draft) + 1
-        positions in order (Sampler.verify); the draft tokens it keeps go to
-        out.accepted_token_ids, the last token to out.sampled_token_ids. A request whose
-        sampling raises lands in out.failed. hidden: [T, E]."""
-        end = 0
-        for r in sched.requests:
-            end += len(r.token_ids)
-            draft, p = r.draft_token_ids, r.sampling_params
-            if not draft:
-                continue
-            try:
-                stop_ids = (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
-                gen = self._generator(r)
-                rows = [SampleRow(p, r.prompt_token_ids, r.output_token_ids + draft[:j], tuple(stop_ids), gen)
-                        for j in range(len(draft) + 1)]
-                logits = self._logits(hidden, slice(end - len(draft) - 1, end))  # [k + 1, V]
-                tokens, lps = self.sampler.verify(logits, rows, draft)
-            except PeerLostError:
-                raise
-            except Exception as e:
-                log.warning("request %s: sampling failed: %s", r.request_id, e)
-                out.failed[r.request_id] = f"sampling failed: {e}"
-                continue
-            out.accepted_token_ids[r.request_id], out.sampled_token_ids[r.request_id] = tokens[:-1], tokens[-1]
-            if p.logprobs is not None:
-                out.accepted_logprobs[r.request_id], out.logprobs[r.request_id] = lps[:-1], lps[-1]
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """The prompt tokens' logprobs of the requests that ask for them: position p's

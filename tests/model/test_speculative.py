@@ -9,12 +9,14 @@ KV-cache manager's integrity is checked after every step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hotprefix.core import speculation
 from hotprefix.core.suffix_table import decode
 from hotprefix.model.steps.fused_decode import FusedDecode
-from hotprefix.sampling_params import SamplingParams
+from hotprefix.sampling_params import SamplingParams, StructuredKind, StructuredOutput
 from tests.model.test_batch_invariance import loaded, make_engine  # noqa: F401 (a fixture)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -108,3 +110,43 @@ def test_the_ngram_proposers_rejected_drafts_change_nothing(loaded):  # noqa: F8
     engine = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
     assert outputs(run(engine, requests)) == want
     assert engine.scheduler.make_stats().spec.num_drafts > 0
+
+
+SCHEMA = json.dumps({"type": "object", "properties": {
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+    "required": ["name", "tags"]})
+
+
+def _json(**kw) -> SamplingParams:
+    return SamplingParams(**{"logprobs": 5, "structured": StructuredOutput(StructuredKind.JSON_SCHEMA, SCHEMA), **kw})
+
+
+JSON_REQUESTS = [
+    ([11, 12, 13, 14] * 5, _json(temperature=0.0, max_tokens=40)),
+    (list(range(40, 63)), _json(temperature=0.9, seed=3, max_tokens=40)),
+    ([7, 8, 9] * 6, _json(temperature=0.0, max_tokens=30, repetition_penalty=1.2)),
+    (list(range(90, 110)), _json(temperature=1.0, seed=11, n=2, max_tokens=36)),
+]
+
+
+@pytest.mark.parametrize("cut_by", ["scheduler", "runner"])
+def test_drafts_under_a_grammar_give_the_tokens_of_constrained_decoding(loaded, monkeypatch, cut_by):  # noqa: F811
+    """Oracle drafts (the constrained answer with one token changed: one the grammar
+    rejects, or one it takes that the model does not say) under a JSON schema: each drafted
+    position is sampled under its grammar's mask, so greedy and seeded answers are the
+    constrained ones token for token, logprobs included. The scheduler cuts a draft where
+    the grammar stops taking it; with that cut off, the runner's masks cut it alike."""
+    want = outputs(run(make_engine(loaded, "int8", caching=True), JSON_REQUESTS))
+    reference = {tuple(p): [o[0] for o in want[i]] for i, (p, _) in enumerate(JSON_REQUESTS)}
+    calls: list[int] = []
+    monkeypatch.setattr(speculation, "find_draft", oracle(reference, calls))
+    engine = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
+    if cut_by == "runner":
+        monkeypatch.setattr(engine.scheduler.spec, "grammar_prefix", lambda rid, draft: len(draft))
+    assert outputs(run(engine, JSON_REQUESTS)) == want
+    stats = engine.scheduler.make_stats().spec
+    assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[3] > 0  # some drafts were kept whole
+    cut = sum(calls) - stats.num_draft_tokens  # draft tokens the grammar took off before the step
+    assert cut > 0 if cut_by == "scheduler" else cut == 0
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks

@@ -80,3 +80,32 @@ def test_the_spec_decode_metrics_and_no_block_held(servers):
         plain.metric("spec_decode_num_drafts_total")  # only with --speculative-config, as in vLLM
     for s in servers:
         s.check_drained()
+
+
+SCHEMA = {"type": "object", "properties": {"lighthouse": {"type": "string"}, "built": {"type": "integer"},
+                                           "fuels": {"type": "array", "items": {"type": "string"}}},
+          "required": ["lighthouse", "built", "fuels"]}
+EXTRACT = [{"role": "user", "content": f"{DOCUMENT}\n\nExtract the lighthouse's name, the year it was built and "
+            "every fuel its lamp burned, as JSON."}]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, seed=5)], ids=["greedy", "seeded"])
+def test_a_json_schema_answer_drafts_and_is_the_same_as_without_speculation(servers, kw):
+    """Drafts under a grammar: cut where the grammar stops taking them, each position
+    sampled under its mask; the answer is token for token the constrained one."""
+    plain, spec = servers
+    drafts, accepted = spec.metric("spec_decode_num_drafts_total"), spec.metric("spec_decode_num_accepted_tokens_total")
+    fmt = {"type": "json_schema", "json_schema": {"name": "lighthouse", "schema": SCHEMA}}
+
+    def extract(server) -> list:
+        client = openai.OpenAI(base_url=server.v1, api_key="unused")
+        r = client.chat.completions.create(model="tiny", messages=EXTRACT, max_tokens=60, logprobs=True,
+                                           top_logprobs=3, response_format=fmt, **kw)
+        return [(c.message.content, c.finish_reason, _lps(c.logprobs.content)) for c in r.choices]
+
+    want = extract(plain)
+    assert extract(spec) == want
+    assert spec.metric("spec_decode_num_drafts_total") > drafts
+    if kw["temperature"] == 0.0:
+        assert '"lighthouse": "Carrow Point"' in want[0][0]  # copied from the prompt: drafts are taken
+        assert spec.metric("spec_decode_num_accepted_tokens_total") > accepted

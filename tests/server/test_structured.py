@@ -337,7 +337,7 @@ def test_a_matcher_failing_mid_request_is_the_requests_own_400(srv, monkeypatch)
 
     def failing(self, requests):
         masks = real(self, requests)
-        for rid, _ in requests:
+        for rid, *_ in requests:  # (request id, constraint, draft)
             seen[rid] = seen.get(rid, 0) + 1
             if seen[rid] >= 3:
                 masks.forbidden.pop(rid, None)

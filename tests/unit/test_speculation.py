@@ -338,3 +338,13 @@ def test_the_scheduler_feeds_finished_requests_to_their_scopes_suffix_table():
         assert s.schedule().requests[0].draft_token_ids == want
         s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
         s.check_integrity()
+
+
+def test_a_constrained_requests_draft_is_cut_where_its_grammar_stops_taking_it():
+    seen = []
+    spec = Speculator(SPEC, lambda rid, draft: seen.append((rid, draft)) or 1)  # the grammar takes one token
+    json = StructuredOutput(StructuredKind.JSON_OBJECT)
+    assert spec.propose(decoding([1, 2], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5], structured=json)) == [3]
+    assert seen == [("r", [3, 4, 5])]
+    assert spec.propose(decoding([1, 2], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5])) == [3, 4, 5]  # unconstrained: whole
+    assert seen == [("r", [3, 4, 5])]
