@@ -114,34 +114,53 @@ static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const 
     }
 }
 
-/* The tile's weights of one row (lanes [jlo, jhi) are its keys): scales its scores, turns
- * them into exp_nonpos(s - m_new) in place (0 on other lanes), and rescales its state.
- * Every lane is computed alike (fixed trip counts: the loops vectorize); the max is exact
- * in any order; the sum is a fixed tree over the 16 lanes. */
-static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, float *l, float *acc, int D) {
-    float t[HP_TILE];
-    #pragma omp simd
-    for (int j = 0; j < HP_TILE; j++) {
-        sr[j] *= scale;
-        t[j] = j >= jlo && j < jhi ? sr[j] : -INFINITY;
+/* The tile's weights of its R rows (row r's keys: lanes [jlo_r, jhi_r); a row with none is
+ * left alone): scales each row's scores, turns them into exp_nonpos(s - m_new) in place (0 on
+ * other lanes), and rescales its state. Every lane is computed alike (fixed trip counts: the
+ * loops vectorize); the max is exact in any order; the sum is a fixed tree over the 16 lanes.
+ * In three passes over the rows (new maxima, weights, state), so that the rows' exponentials,
+ * which do not depend on each other, are in flight together: each row's operations are
+ * those of one row alone, in its order. */
+static void tile_softmax(float *s, const int *jlo, const int *jhi, int R, float scale, float *mx, float *l,
+                         float *acc, int D) {
+    float m_new[HP_MAX_TASK_ROWS];
+    for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;
+        float *sr = s + (size_t)r * HP_TILE, t[HP_TILE];
+        #pragma omp simd
+        for (int j = 0; j < HP_TILE; j++) {
+            sr[j] *= scale;
+            t[j] = j >= jlo[r] && j < jhi[r] ? sr[j] : -INFINITY;
+        }
+        const float tmax = tree16_max(t);
+        m_new[r] = tmax > mx[r] ? tmax : mx[r];
     }
-    const float tmax = tree16_max(t);
-    const float m_new = tmax > *m ? tmax : *m;
-    #pragma omp simd
-    for (int j = 0; j < HP_TILE; j++) {
-        const float e = exp_nonpos(sr[j] - m_new);
-        sr[j] = j >= jlo && j < jhi ? e : 0.0f;
-        t[j] = sr[j];
+    for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;
+        float *sr = s + (size_t)r * HP_TILE;
+        const float m = m_new[r];
+        const int lo = jlo[r], hi = jhi[r];
+        #pragma omp simd
+        for (int j = 0; j < HP_TILE; j++) {
+            const float e = exp_nonpos(sr[j] - m);
+            sr[j] = j >= lo && j < hi ? e : 0.0f;
+        }
     }
-    /* the running max unchanged and finite: corr = exp_nonpos(0) = 1 exactly, and l * 1 and
-     * acc * 1 are l and acc, so the rescale is skipped (most tiles: the same bits, less work) */
-    const int same = m_new == *m && isfinite(m_new);
-    const float corr = same ? 1.0f : exp_nonpos(*m - m_new);  /* the first tile: acc and l are 0 */
-    *l = *l * corr + tree16_sum(t);
-    *m = m_new;
-    if (same) return;
-    #pragma omp simd
-    for (int d = 0; d < D; d++) acc[d] *= corr;
+    for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;
+        /* the running max unchanged and finite: corr = exp_nonpos(0) = 1 exactly, and l * 1 and
+         * acc * 1 are l and acc, so the rescale is skipped (most tiles: the same bits, less work) */
+        const int same = m_new[r] == mx[r] && isfinite(m_new[r]);
+        const float corr = same ? 1.0f : exp_nonpos(mx[r] - m_new[r]);  /* the first tile: acc and l are 0 */
+        float t[HP_TILE];  /* (the plain C trees work in place) */
+        memcpy(t, s + (size_t)r * HP_TILE, sizeof t);
+        l[r] = l[r] * corr + tree16_sum(t);
+        mx[r] = m_new[r];
+        if (same) continue;
+        float *ar = acc + (size_t)r * D;
+        #pragma omp simd
+        for (int d = 0; d < D; d++) ar[d] *= corr;
+    }
 }
 
 /* The tile's value rows: pointers to float32 rows of the pool, or fp8 rows dequantized
@@ -321,10 +340,7 @@ void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *s
             jhi[r] = a1 > a0 ? (int)(a1 - p0) : jlo[r];
         }
         for (int r0 = 0; r0 < R; r0 += RB) tile_scores(a->q, rw, r0, R - r0 < RB ? R - r0 : RB, scr->kt, D, scr->s);
-        for (int r = 0; r < R; r++)
-            if (jhi[r] > jlo[r])
-                tile_softmax(scr->s + (size_t)r * HP_TILE, jlo[r], jhi[r], a->scale, scr->mx + r, scr->l + r,
-                             scr->acc + (size_t)r * D, D);
+        tile_softmax(scr->s, jlo, jhi, R, a->scale, scr->mx, scr->l, scr->acc, D);
         tile_values(vh, a->kv_type, scr->lut + 256, scr->vrow, sl, (int)p0, jlo, jhi, R, scr->s, scr->acc, D);
     }
     task_end(a, rw, R, flags, scr);
