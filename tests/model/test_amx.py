@@ -1,6 +1,7 @@
 """The AMX tiles of the int8 products (csrc/int8_amx.c, int8_amx_kq.c) against the VNNI
 kernels, bit for bit: every int8 block type, fused parts of mixed types, rows of x in
-whole tiles of 16 and a tail, a padded last group, outliers and zero blocks. Collected
+whole tiles of 16 and a partial tile (from 16 rows on) or a tail (VNNI: fewer than 16),
+a padded last group, outliers and zero blocks. Collected
 only where the CPU has amx_int8 (decided from /proc/cpuinfo); elsewhere the VNNI or AVX2
 kernels are what runs and test_block_kernels.py compares every build's bits."""
 
@@ -36,7 +37,8 @@ def both(x: torch.Tensor, w, lib) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("m", [16, 37, 64, 130])  # one tile; 2 and a tail; a chunk; 2 chunks and a tail
+@pytest.mark.parametrize("m", [16, 17, 30, 37, 64, 130])  # one tile; one and a 1-row partial tile; one and a
+# 14-row one (a warm prefix's 30-token question); 2 and a partial one; a chunk; 2 chunks and a 2-row tail (VNNI)
 def test_amx_products_are_the_vnni_bits(type_name, m, lib):
     k = 768 if type_name in K_TYPES else 1088  # 3 super-blocks; 34 blocks: more than a slice of 16, odd tail
     g = packed(type_name, 200, k, seed=m)[0].regrouped(lib)  # 200 rows: the last group padded

@@ -11,7 +11,7 @@ from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.model.loader import default_model_path, load_model
 from hotprefix.model.runner import AttentionPaths, ModelRunner
-from hotprefix.model.steps.fused_decode import FusedDecode
+from hotprefix.model.steps.fused_decode import MAX_TOKENS, FusedDecode
 from hotprefix.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
 from tests.gguf_util import write_gguf
@@ -132,13 +132,23 @@ def test_gemma3_fused_step_on_a_grouped_pool_is_the_layered_step_bit_for_bit(tmp
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])
 def test_default_model_fused_step_is_the_layered_step_bit_for_bit(kv):
     """SmolLM2 (Q4_1 and Q8_0 blocks): one sequence, then four of different lengths; with a
-    float32 pool and with fp8 ones (written and read in C by both paths)."""
+    float32 pool and with fp8 ones (written and read in C by both paths); then a warm prefix's
+    question, a 30-token prefill chunk after 35 cached positions (a partial AMX tile where
+    the CPU has them), and a step of two prefill chunks and a decode."""
     runner = runner_for(default_model_path(), block_size=16, blocks=64, kv=kv)
     prompts = [[(7 * i + 3 * j) % 4000 + 100 for j in range(n)] for i, n in enumerate((9, 30, 17, 64))]
     tables = [[4 * i + b for b in range(4)] for i in range(4)]
     prefill(runner, prompts, tables)
     check_same_bits(runner, decode_step(prompts[:1], tables[:1]))
     check_same_bits(runner, decode_step(prompts, tables))
+    q = [(11 * j) % 4000 + 100 for j in range(65)]
+    table = [16, 17, 18, 19, 20]
+    runner.all_logits(SchedulerOutput([ScheduledRequest("w", q[:35], 0, table, False, GREEDY, q, [])]))
+    check_same_bits(runner, SchedulerOutput([ScheduledRequest("w", q[35:], 35, table, False, GREEDY, q, [])]))
+    fresh = [(13 * j) % 4000 + 100 for j in range(20)]  # on blocks no step wrote before
+    check_same_bits(runner, SchedulerOutput([ScheduledRequest("a", fresh, 0, [21, 22], False, GREEDY, fresh, []),
+                                             ScheduledRequest("b", q[35:50], 35, table, False, GREEDY, q, []),
+                                             *decode_step(prompts[3:], tables[3:]).requests]))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M"])
@@ -188,7 +198,7 @@ def test_cascade_steps_fused_are_the_layered_and_the_plain_steps_bit_for_bit():
         assert runner.all_logits(SchedulerOutput([r])).equal(got[i:i + 1])
 
 
-def test_only_decode_steps_take_the_fused_path():
+def test_decode_steps_and_small_steps_take_the_fused_path():
     runner = runner_for(default_model_path(), block_size=16, blocks=64)
     calls = []
     fused = runner.strategy(FusedDecode)
@@ -205,10 +215,12 @@ def test_only_decode_steps_take_the_fused_path():
     runner.all_logits(SchedulerOutput([ScheduledRequest("s", shared, 0, tables[0], False, GREEDY, shared, [])]))
     runner.all_logits(SchedulerOutput([ScheduledRequest("t", [301, 302], 32, tables[1], False, GREEDY, prompts[1],
                                                         [])]))
-    assert calls == []  # prefills: layered (a one-token chunk would be fused: its attention is a decode's)
+    assert calls == [32, 2]  # prefill steps of at most MAX_TOKENS tokens: fused
     runner.all_logits(decode_step(prompts[:1], tables[:1]))  # one decode: fused
-    assert calls == [1]
+    assert calls == [32, 2, 1]
     runner.all_logits(decode_step(prompts, tables))  # two decodes sharing two blocks: a cascade, fused too
-    assert calls == [1, 2]
+    assert calls == [32, 2, 1, 2]
     runner.all_logits(decode_step(prompts, tables), AttentionPaths(fused_decode=False))  # asked layered
-    assert calls == [1, 2]
+    big = [(7 * j) % 3000 + 90 for j in range(MAX_TOKENS + 1)]
+    runner.all_logits(SchedulerOutput([ScheduledRequest("u", big, 0, [4, 5, 6, 7, 8], False, GREEDY, big, [])]))
+    assert calls == [32, 2, 1, 2]  # a larger prefill step: layered

@@ -11,7 +11,7 @@ from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.model.arch import ModelLoadError
 from hotprefix.model.loader import load_model
-from hotprefix.model.runner import ModelRunner
+from hotprefix.model.runner import ALL_PATHS, AttentionPaths, ModelRunner
 from hotprefix.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
 from tests.gguf_util import write_gguf
@@ -29,12 +29,12 @@ def hf_pair(tmp_path_factory):
     return d, model, AutoTokenizer.from_pretrained(str(d))
 
 
-def ours_logits(path, ids, quantized_matmul="float32"):
+def ours_logits(path, ids, quantized_matmul="float32", paths: AttentionPaths = ALL_PATHS):
     runner = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul=quantized_matmul),
                          CacheConfig(block_size=8, num_blocks_override=16),
                          SchedulerConfig())
     so = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(16)), True, SamplingParams(), ids, [])])
-    return runner.all_logits(so)
+    return runner.all_logits(so, paths)
 
 
 def hf_gguf_logits(path, ids):
@@ -228,7 +228,7 @@ def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pai
         return real(x, w, lib)
 
     monkeypatch.setattr(ops, "qmatmul", spy)
-    ours = ours_logits(path, ids, "int8")
+    ours = ours_logits(path, ids, "int8", AttentionPaths(fused_decode=False))  # layer by layer: each product a call
     monkeypatch.undo()
     layers = 2  # the tiny model's
     assert calls == [(21, True)] * (4 * layers) + [(21, True)]  # qkv, o, gate_up, down per layer; logits

@@ -75,7 +75,7 @@ class AttentionPaths:
     """Which paths a forward pass may take (all by default; tests and benchmarks turn
     them off to compare the paths on one step). cascade: on the cpu backend, decodes
     sharing leading blocks attend to them once for the group; fused_decode: in int8 mode,
-    a step of decodes only runs every layer in one C call (model/steps/fused_decode.py)."""
+    a step of decodes (or of a few tokens) runs every layer in one C call (model/steps/fused_decode.py)."""
 
     cascade: bool = True
     fused_decode: bool = True

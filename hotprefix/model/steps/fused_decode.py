@@ -12,7 +12,10 @@ the embedding, the final norm and the logits stay in Python.
 It serves only what it was built for: int8 blocks for every projection (q/k/v and
 gate/up fused, their parts of any types), q/k norms only on rows of D in C (Gemma's;
 Qwen3's run in torch), the cpu backend's float32 or fp8 pool, and a step of single-token
-decodes (any other step takes the layer-by-layer path). Each of the backend's plan keys
+decodes or of at most MAX_TOKENS tokens (a warm prefix's question: its prefill chunk's
+attention is plan tasks as a decode's is, and on 2 cores the layer-by-layer path's calls
+were a quarter of its time); a larger step takes the layer-by-layer path, whose overhead
+its work amortizes. Each of the backend's plan keys
 (BackendSpec.plan_keys) is an attention kind of the C step, at most ops.KINDS of them:
 with one block table, each window (Gemma's local and global layers); in a grouped pool,
 each KV-cache group, whose layers write its slots and read its tables within its window,
@@ -32,6 +35,8 @@ from hotprefix.model.attention.cpu import CpuAttention, CpuMeta
 from hotprefix.model.kernels import ops
 from hotprefix.model.kernels.reduce import Reducer
 from hotprefix.model.kv_cache import KVCache
+
+MAX_TOKENS = 64  # a step with a prefill chunk takes the fused path up to this many tokens (a product's M_CHUNK)
 
 
 def unfusable(model, kv: KVCache, backend) -> str | None:
@@ -90,10 +95,12 @@ class FusedDecode:
         self.stack = ops.DecodeStack(layers, shape, reducer)
 
     def refusal(self, batch: StepBatch, meta: CpuMeta, paths: AttentionPaths) -> str | None:
-        """Serves a step of single-token decodes only, attended by the C kernel."""
+        """Serves a step of single-token decodes, or of at most MAX_TOKENS tokens, attended by the C kernel."""
         if not paths.fused_decode:
             return "turned off for this step"
-        return None if batch.decode_only else "not every sequence decodes one token"
+        if batch.decode_only or batch.num_tokens <= MAX_TOKENS:
+            return None
+        return f"a prefill step of more than {MAX_TOKENS} tokens"
 
     def forward(self, batch: StepBatch, meta: CpuMeta) -> torch.Tensor:
         x = self.model.embed(batch.input_ids).contiguous()  # [T, E], updated in place below

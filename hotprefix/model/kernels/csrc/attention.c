@@ -27,8 +27,10 @@
 
 #if defined(HP_F512)
 #define RB 8  /* query rows a pass over a tile's transposed keys takes at once (their scores in registers) */
+#define RV 4  /* query rows a pass over a tile's value rows takes at once (4 vectors of each's sums in registers) */
 #else
 #define RB 4
+#define RV 2
 #endif
 
 enum { T_ROW0, T_NROWS, T_SLOT0, T_BASE, T_HEAD, T_FLAGS, T_FIELDS };
@@ -112,30 +114,53 @@ static void tile_scores(const float *q, const int64_t *rw, int r0, int n, const 
     }
 }
 
-/* The tile's weights of one row (lanes [jlo, jhi) are its keys): scales its scores, turns
- * them into exp_nonpos(s - m_new) in place (0 on other lanes), and rescales its state.
- * Every lane is computed alike (fixed trip counts: the loops vectorize); the max is exact
- * in any order; the sum is a fixed tree over the 16 lanes. */
-static void tile_softmax(float *sr, int jlo, int jhi, float scale, float *m, float *l, float *acc, int D) {
-    float t[HP_TILE];
-    #pragma omp simd
-    for (int j = 0; j < HP_TILE; j++) {
-        sr[j] *= scale;
-        t[j] = j >= jlo && j < jhi ? sr[j] : -INFINITY;
+/* The tile's weights of its R rows (row r's keys: lanes [jlo_r, jhi_r); a row with none is
+ * left alone): scales each row's scores, turns them into exp_nonpos(s - m_new) in place (0 on
+ * other lanes), and rescales its state. Every lane is computed alike (fixed trip counts: the
+ * loops vectorize); the max is exact in any order; the sum is a fixed tree over the 16 lanes.
+ * In three passes over the rows (new maxima, weights, state), so that the rows' exponentials,
+ * which do not depend on each other, are in flight together: each row's operations are
+ * those of one row alone, in its order. */
+static void tile_softmax(float *s, const int *jlo, const int *jhi, int R, float scale, float *mx, float *l,
+                         float *acc, int D) {
+    float m_new[HP_MAX_TASK_ROWS];
+    for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;
+        float *sr = s + (size_t)r * HP_TILE, t[HP_TILE];
+        #pragma omp simd
+        for (int j = 0; j < HP_TILE; j++) {
+            sr[j] *= scale;
+            t[j] = j >= jlo[r] && j < jhi[r] ? sr[j] : -INFINITY;
+        }
+        const float tmax = tree16_max(t);
+        m_new[r] = tmax > mx[r] ? tmax : mx[r];
     }
-    const float tmax = tree16_max(t);
-    const float m_new = tmax > *m ? tmax : *m;
-    const float corr = exp_nonpos(*m - m_new);  /* the first tile: acc and l are 0 */
-    #pragma omp simd
-    for (int j = 0; j < HP_TILE; j++) {
-        const float e = exp_nonpos(sr[j] - m_new);
-        sr[j] = j >= jlo && j < jhi ? e : 0.0f;
-        t[j] = sr[j];
+    for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;
+        float *sr = s + (size_t)r * HP_TILE;
+        const float m = m_new[r];
+        const int lo = jlo[r], hi = jhi[r];
+        #pragma omp simd
+        for (int j = 0; j < HP_TILE; j++) {
+            const float e = exp_nonpos(sr[j] - m);
+            sr[j] = j >= lo && j < hi ? e : 0.0f;
+        }
     }
-    *l = *l * corr + tree16_sum(t);
-    *m = m_new;
-    #pragma omp simd
-    for (int d = 0; d < D; d++) acc[d] *= corr;
+    for (int r = 0; r < R; r++) {
+        if (jhi[r] <= jlo[r]) continue;
+        /* the running max unchanged and finite: corr = exp_nonpos(0) = 1 exactly, and l * 1 and
+         * acc * 1 are l and acc, so the rescale is skipped (most tiles: the same bits, less work) */
+        const int same = m_new[r] == mx[r] && isfinite(m_new[r]);
+        const float corr = same ? 1.0f : exp_nonpos(mx[r] - m_new[r]);  /* the first tile: acc and l are 0 */
+        float t[HP_TILE];  /* (the plain C trees work in place) */
+        memcpy(t, s + (size_t)r * HP_TILE, sizeof t);
+        l[r] = l[r] * corr + tree16_sum(t);
+        mx[r] = m_new[r];
+        if (same) continue;
+        float *ar = acc + (size_t)r * D;
+        #pragma omp simd
+        for (int d = 0; d < D; d++) ar[d] *= corr;
+    }
 }
 
 /* The tile's value rows: pointers to float32 rows of the pool, or fp8 rows dequantized
@@ -155,43 +180,63 @@ static void tile_value_rows(const void *vh, int kv_type, const float *lut, float
 }
 
 /* acc[d] += p_j v_j[d] for the keys j in [jlo, jhi), one fused multiply-add a value, j in
- * order; 4 vectors of acc (then 1 for what is left of D) stay in registers over the keys. */
-static void row_values(const float *const *rows, int jlo, int jhi, const float *p, float *acc, int D) {
+ * order, for n rows (p and acc RV-strided: HP_TILE and D floats a row) that take the same
+ * keys: each value row loaded once for the n rows, and 4 n independent chains of vectors in
+ * registers (one row's 4 chains wait on the FMA latency). Each row's sums are the one-row
+ * sums: the same operations in the same order. Inlined for each constant n (row_values). */
+static inline __attribute__((always_inline)) void row_values_n(const float *const *rows, int jlo, int jhi,
+                                                               const float *p, float *acc, int D, const int n) {
 #if defined(VF_W)
     if (D % VF_W == 0) {
         int d0 = 0;
         for (; d0 + 4 * VF_W <= D; d0 += 4 * VF_W) {
-            vf a0 = vf_load(acc + d0), a1 = vf_load(acc + d0 + VF_W), a2 = vf_load(acc + d0 + 2 * VF_W),
-               a3 = vf_load(acc + d0 + 3 * VF_W);
+            vf a[RV][4];
+            for (int r = 0; r < n; r++)
+                for (int u = 0; u < 4; u++) a[r][u] = vf_load(acc + (size_t)r * D + d0 + u * VF_W);
             for (int j = jlo; j < jhi; j++) {
-                const vf pj = vf_set1(p[j]);
                 const float *vj = rows[j] + d0;
-                a0 = vf_fma(pj, vf_load(vj), a0);
-                a1 = vf_fma(pj, vf_load(vj + VF_W), a1);
-                a2 = vf_fma(pj, vf_load(vj + 2 * VF_W), a2);
-                a3 = vf_fma(pj, vf_load(vj + 3 * VF_W), a3);
+                vf v[4];
+                for (int u = 0; u < 4; u++) v[u] = vf_load(vj + u * VF_W);
+                for (int r = 0; r < n; r++) {
+                    const vf pj = vf_set1(p[(size_t)r * HP_TILE + j]);
+                    for (int u = 0; u < 4; u++) a[r][u] = vf_fma(pj, v[u], a[r][u]);
+                }
             }
-            vf_store(acc + d0, a0);
-            vf_store(acc + d0 + VF_W, a1);
-            vf_store(acc + d0 + 2 * VF_W, a2);
-            vf_store(acc + d0 + 3 * VF_W, a3);
+            for (int r = 0; r < n; r++)
+                for (int u = 0; u < 4; u++) vf_store(acc + (size_t)r * D + d0 + u * VF_W, a[r][u]);
         }
-        for (; d0 < D; d0 += VF_W) {
-            vf a = vf_load(acc + d0);
-            for (int j = jlo; j < jhi; j++) a = vf_fma(vf_set1(p[j]), vf_load(rows[j] + d0), a);
-            vf_store(acc + d0, a);
-        }
+        for (; d0 < D; d0 += VF_W)
+            for (int r = 0; r < n; r++) {
+                vf a = vf_load(acc + (size_t)r * D + d0);
+                for (int j = jlo; j < jhi; j++) a = vf_fma(vf_set1(p[(size_t)r * HP_TILE + j]), vf_load(rows[j] + d0), a);
+                vf_store(acc + (size_t)r * D + d0, a);
+            }
         return;
     }
 #endif
-    for (int j = jlo; j < jhi; j++) {
-        const float pj = p[j], *vj = rows[j];
-        #pragma omp simd
-        for (int d = 0; d < D; d++) acc[d] = fmaf(pj, vj[d], acc[d]);
+    for (int r = 0; r < n; r++)
+        for (int j = jlo; j < jhi; j++) {
+            const float pj = p[(size_t)r * HP_TILE + j], *vj = rows[j];
+            float *ar = acc + (size_t)r * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) ar[d] = fmaf(pj, vj[d], ar[d]);
+        }
+}
+
+static void row_values(const float *const *rows, int jlo, int jhi, const float *p, float *acc, int D, int n) {
+    switch (n) {
+#define RVN(k) case k: row_values_n(rows, jlo, jhi, p, acc, D, k); break;
+        RVN(1) RVN(2)
+#if RV > 2
+        RVN(3) RVN(4)
+#endif
+#undef RVN
+        default: row_values_n(rows, jlo, jhi, p, acc, D, n);
     }
 }
 
-/* acc[r] += p_rj v_j for the keys j of each row r of the tile (lanes [jlo_r, jhi_r)). */
+/* acc[r] += p_rj v_j for the keys j of each row r of the tile (lanes [jlo_r, jhi_r)): runs of
+ * up to RV consecutive rows with the same lanes together. */
 static void tile_values(const void *vh, int kv_type, const float *lut, float *vt, const int64_t *sl, int j0,
                         const int *jlo, const int *jhi, int R, const float *s, float *acc, int D) {
     int lo = HP_TILE, hi = 0;
@@ -202,8 +247,11 @@ static void tile_values(const void *vh, int kv_type, const float *lut, float *vt
     }
     const float *rows[HP_TILE];
     tile_value_rows(vh, kv_type, lut, vt, sl, j0, lo, hi, D, rows);
-    for (int r = 0; r < R; r++)
-        if (jhi[r] > jlo[r]) row_values(rows, jlo[r], jhi[r], s + (size_t)r * HP_TILE, acc + (size_t)r * D, D);
+    for (int r = 0, n; r < R; r += n) {
+        for (n = 1; n < RV && r + n < R && jlo[r + n] == jlo[r] && jhi[r + n] == jhi[r]; n++) {}
+        if (jhi[r] > jlo[r])
+            row_values(rows, jlo[r], jhi[r], s + (size_t)r * HP_TILE, acc + (size_t)r * D, D, n);
+    }
 }
 
 /* The task's rows start from zero or (ATT_INIT) from their saved state. */
@@ -292,10 +340,7 @@ void attend_task(const hp_att *a, const hp_plan *pl, int t, const att_scratch *s
             jhi[r] = a1 > a0 ? (int)(a1 - p0) : jlo[r];
         }
         for (int r0 = 0; r0 < R; r0 += RB) tile_scores(a->q, rw, r0, R - r0 < RB ? R - r0 : RB, scr->kt, D, scr->s);
-        for (int r = 0; r < R; r++)
-            if (jhi[r] > jlo[r])
-                tile_softmax(scr->s + (size_t)r * HP_TILE, jlo[r], jhi[r], a->scale, scr->mx + r, scr->l + r,
-                             scr->acc + (size_t)r * D, D);
+        tile_softmax(scr->s, jlo, jhi, R, a->scale, scr->mx, scr->l, scr->acc, D);
         tile_values(vh, a->kv_type, scr->lut + 256, scr->vrow, sl, (int)p0, jlo, jhi, R, scr->s, scr->acc, D);
     }
     task_end(a, rw, R, flags, scr);

@@ -236,17 +236,18 @@ void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
                    const xquant *xk, float *y);
 
 /* int8_amx.c: whether AMX tiles are on (hp_amx); a group (as i8_group_rows) against the
- * first rows of m0..m1-1 in whole tiles of 16, by AMX where it covers the group's type;
- * returns the rows it did (0 when off or uncovered) */
+ * rows m0..m1-1 in tiles of 16 (the last one partial) by AMX where it covers the group's
+ * type and there are at least 16 rows; returns the rows it did (0 when off, uncovered or
+ * fewer than 16) */
 int amx_on(void);
 int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y);
 #if defined(HP_AMX)
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);  /* tile t: rows[t] x colsb[t] bytes */
-void amx_store(const float *acc, int tn, float *y, int ldy, int nvalid);
+void amx_store(const float *acc, int tn, int rows, float *y, int ldy, int nvalid);
 /* int8_amx_kq.c: the K-quant group g of pt against nt tiles of xk's rows from m0 (y at row
  * m0 and the group's first column); 0 for a type it does not cover */
-int amx_kq(const hp_part *pt, int g, int K, int m0, int nt, const xquant *xk, float *y, int ldy, int nvalid);
+int amx_kq(const hp_part *pt, int g, int K, int m0, int nt, int mr, const xquant *xk, float *y, int ldy, int nvalid);
 #endif
 
 /* blocks.c: weight row `row` (its index n in y's columns) against rows m0 .. m0 + mt - 1

@@ -131,13 +131,15 @@ void xquant_rows(const float *x, const int *src, int M, int K, int need32, int n
     for (int m = 0; m < M; m++) xquant_row(x + (size_t)(src ? src[m] : m) * K, K, m, need32, needk, x32, xk);
 }
 
+/* Scratch for M rows of K values, and 15 rows of zeros past them: a partial AMX tile
+ * (amx_group_rows) reads up to 15 rows past the last row it stores. */
 int xquant_alloc(xquant *x, int M, int K) {
-    const size_t rows = (size_t)(M > 0 ? M : 1), nb = (size_t)K / QK + 1, nbk = (size_t)K / QKK + 1;
-    x->q = malloc(rows * (size_t)K + 1);
-    x->d = malloc(sizeof(float) * rows * nb);
-    x->sum = malloc(sizeof(int32_t) * rows * nb);
-    x->sd = malloc(sizeof(float) * rows * nb);
-    x->bs = malloc(sizeof(int16_t) * rows * nbk * KBS);
+    const size_t rows = (size_t)(M > 0 ? M : 1) + 15, nb = (size_t)K / QK + 1, nbk = (size_t)K / QKK + 1;
+    x->q = calloc(rows * (size_t)K + 1, 1);
+    x->d = calloc(rows * nb, sizeof(float));
+    x->sum = calloc(rows * nb, sizeof(int32_t));
+    x->sd = calloc(rows * nb, sizeof(float));
+    x->bs = calloc(rows * nbk * KBS, sizeof(int16_t));
     return x->q && x->d && x->sum && x->sd && x->bs;
 }
 
@@ -151,8 +153,8 @@ int parts_valid(const hp_part *parts, int nparts, int K) {
     return 1;
 }
 
-/* One group (16 rows of one part) against rows m0..m1 of x: whole tiles of 16 rows by AMX
- * where it is on, the rest by the group kernels. */
+/* One group (16 rows of one part) against rows m0..m1 of x: by AMX tiles where it is on and
+ * there are at least 16 rows (amx_group_rows), else by the group kernels. */
 void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                        const xquant *xk, float *y) {
     m0 += amx_group_rows(pt, g, col, ldy, K, m0, m1, x32, xk, y);

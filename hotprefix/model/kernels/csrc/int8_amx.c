@@ -2,7 +2,8 @@
  * of 16 rows of x by a block of a group's 16 weight rows, in exact int32 sums, and a
  * vector epilogue applies the block's scales as the VNNI kernels do (int8_q32.c,
  * int8_kq.c): the same integers, the same float steps in the same order, so the same
- * bits (issue 40). Rows of x past the last whole tile of 16 go to the VNNI kernels.
+ * bits (issue 40). Fewer than 16 rows of x go to the VNNI kernels; from 16 on, rows past the
+ * last whole tile are a partial tile (its rows past x's are scratch, their sums not stored).
  *
  * Operands: tdpbssd multiplies signed bytes by signed bytes. A is x's int8 rows as
  * quantized (xquant.q); B is a block of the group exactly as repack.c lays it out once its
@@ -59,10 +60,12 @@ void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]) {
     __asm__ volatile("ldtilecfg %0" : : "m"(c));
 }
 
-/* Float sums of tn tiles (16 rows of 16 each) into y's rows, nvalid of the 16 columns. */
-void amx_store(const float *acc, int tn, float *y, int ldy, int nvalid) {
+/* Float sums of tn tiles (16 rows of 16 each) into y's rows, the first `rows` of them (a last
+ * tile may be partly rows past x's: not stored), nvalid of the 16 columns. */
+void amx_store(const float *acc, int tn, int rows, float *y, int ldy, int nvalid) {
     const __mmask16 keep = nvalid >= G ? (__mmask16)0xffff : (__mmask16)((1u << nvalid) - 1);
-    for (int r = 0; r < 16 * tn; r++) _mm512_mask_storeu_ps(y + (size_t)r * ldy, keep, _mm512_load_ps(acc + 16 * r));
+    const int n = rows < 16 * tn ? rows : 16 * tn;
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + (size_t)r * ldy, keep, _mm512_load_ps(acc + 16 * r));
 }
 
 /* The 32-value types' codes: with a min (d * code + m), and as nibbles. */
@@ -132,10 +135,10 @@ static inline __attribute__((always_inline)) void q32_tile(
 #define SLICE 16   /* blocks whose B tiles (8 KB) stay in L1 while the tiles of x pass */
 #define RUN 4      /* tiles of x a run: their float sums (4 KB each) between slices */
 
-/* A group against nt tiles of x from row 0 of x32's pointers (already offset). */
+/* A group against nt tiles of x from row 0 of x32's pointers (already offset); y's first mr rows. */
 static inline __attribute__((always_inline)) void amx_q32(const int qtype, const uint8_t *gp, int nb,
                                                           const int8_t *xq, const float *dx, const float *sx, int K,
-                                                          int nt, float *y, int ldy, int nvalid) {
+                                                          int nt, int mr, float *y, int ldy, int nvalid) {
     uint8_t bt[SLICE * 512] __attribute__((aligned(64)));
     float acc[RUN][256] __attribute__((aligned(64)));
     for (int t0 = 0; t0 < nt; t0 += RUN) {
@@ -149,12 +152,13 @@ static inline __attribute__((always_inline)) void amx_q32(const int qtype, const
                 q32_tile(qtype, gp, b0, n, bt, nb, xq + m * K, dx + m * nb, sx + m * nb, K, acc[t]);
             }
         }
-        amx_store(acc[0], tn, y + (size_t)16 * t0 * ldy, ldy, nvalid);
+        amx_store(acc[0], tn, mr - 16 * t0, y + (size_t)16 * t0 * ldy, ldy, nvalid);
     }
 }
 
 #define AMX_Q32(T) static void amx_##T(const uint8_t *gp, int nb, const int8_t *xq, const float *dx, \
-        const float *sx, int K, int nt, float *y, int ldy, int nvalid) { amx_q32(T, gp, nb, xq, dx, sx, K, nt, y, ldy, nvalid); }
+        const float *sx, int K, int nt, int mr, float *y, int ldy, int nvalid) { \
+    amx_q32(T, gp, nb, xq, dx, sx, K, nt, mr, y, ldy, nvalid); }
 AMX_Q32(Q4_0)
 AMX_Q32(Q4_1)
 AMX_Q32(Q8_0)
@@ -162,18 +166,21 @@ AMX_Q32(Q5_1)
 
 int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y) {
-    const int nt = (m1 - m0) / 16, qt = pt->qtype;
+    /* rows past a last whole tile join it as a partial tile (their A rows are rows past m1 of
+     * x's scratch, allocated for it: xquant_alloc; their sums are not stored): the tiles'
+     * work does not grow with rows, the VNNI kernels' does, and each row's bits are the same */
+    const int mr = m1 - m0, nt = mr < 16 ? 0 : (mr + 15) / 16, qt = pt->qtype;
     if (!amx_state || nt < 1) return 0;
     const int nvalid = pt->n - g * G < G ? pt->n - g * G : G;
     float *yg = y + col + (size_t)g * G + (size_t)m0 * ldy;
     if (k_family(qt)) {
-        if (!amx_kq(pt, g, K, m0, nt, xk, yg, ldy, nvalid)) return 0;
+        if (!amx_kq(pt, g, K, m0, nt, mr, xk, yg, ldy, nvalid)) return 0;
     } else {
         const int nb = K / QK;
         const uint8_t *gp = pt->w + (size_t)g * nb * unit_bytes(qt);
         const int8_t *xq = x32->q + (size_t)m0 * K;
         const size_t xo = (size_t)m0 * nb;
-        void (*f)(const uint8_t *, int, const int8_t *, const float *, const float *, int, int, float *, int, int) =
+        void (*f)(const uint8_t *, int, const int8_t *, const float *, const float *, int, int, int, float *, int, int) =
             qt == Q4_0 ? amx_Q4_0 : qt == Q4_1 ? amx_Q4_1 : qt == Q5_1 ? amx_Q5_1 : amx_Q8_0;
         /* tiles 0, 1: C (16 x 16 int32); 2, 3: A (16 rows of x, a block); 4, 5: B (8 rows of 64
          * bytes). Two of each, so that one block's product runs while the other's epilogue
@@ -181,10 +188,10 @@ int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
         static const uint8_t rows[8] = {16, 16, 16, 16, 8, 8};
         static const uint16_t colsb[8] = {64, 64, QK, QK, 64, 64};
         amx_load_config(rows, colsb);
-        f(gp, nb, xq, x32->d + xo, x32->sd + xo, K, nt, yg, ldy, nvalid);
+        f(gp, nb, xq, x32->d + xo, x32->sd + xo, K, nt, mr, yg, ldy, nvalid);
     }
     _tile_release();
-    return 16 * nt;
+    return mr;
 }
 #else
 int hp_amx(int want) { (void)want; return 0; }

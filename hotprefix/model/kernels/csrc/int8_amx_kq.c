@@ -109,10 +109,10 @@ static inline __attribute__((always_inline)) void kq_finish(const int qtype, con
     for (int r = 0; r < 16; r++) _mm512_store_ps(acc + 16 * r, a[r]);
 }
 
-/* A group (gp: its nbk units) against nt tiles of x from xk's row 0 (pointers offset). */
+/* A group (gp: its nbk units) against nt tiles of x from xk's row 0 (pointers offset); y's first mr rows. */
 static inline __attribute__((always_inline)) void amx_kq_group(
         const int qtype, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk, const int16_t *bs, int K,
-        int nt, float *y, int ldy, int nvalid) {
+        int nt, int mr, float *y, int ldy, int nvalid) {
     const int ub = unit_bytes(qtype), pair = digits(qtype) == 2;  /* two tiles of x a unit's B tiles */
     uint8_t bt[4 * 4096] __attribute__((aligned(64)));
     int32_t c[4][256] __attribute__((aligned(64)));
@@ -132,18 +132,18 @@ static inline __attribute__((always_inline)) void amx_kq_group(
                 if (two) kq_finish(qtype, u, b, nbk, c + 2, dk + (m + 16) * nbk, bs + (m + 16) * nbk * KBS, acc[t + 1]);
             }
         }
-        amx_store(acc[0], tn, y + (size_t)16 * t0 * ldy, ldy, nvalid);
+        amx_store(acc[0], tn, mr - 16 * t0, y + (size_t)16 * t0 * ldy, ldy, nvalid);
     }
 }
 
 #define AMX_KQ(T) static void amx_##T(const uint8_t *gp, int nbk, const int8_t *xq, const float *dk, \
-        const int16_t *bs, int K, int nt, float *y, int ldy, int nvalid) { \
-    amx_kq_group(T, gp, nbk, xq, dk, bs, K, nt, y, ldy, nvalid); }
+        const int16_t *bs, int K, int nt, int mr, float *y, int ldy, int nvalid) { \
+    amx_kq_group(T, gp, nbk, xq, dk, bs, K, nt, mr, y, ldy, nvalid); }
 AMX_KQ(Q4_K)
 AMX_KQ(Q5_K)
 AMX_KQ(Q6_K)
 
-int amx_kq(const hp_part *pt, int g, int K, int m0, int nt, const xquant *xk, float *y, int ldy, int nvalid) {
+int amx_kq(const hp_part *pt, int g, int K, int m0, int nt, int mr, const xquant *xk, float *y, int ldy, int nvalid) {
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
     const int qt = pt->qtype, nbk = K / QKK;
@@ -152,9 +152,9 @@ int amx_kq(const hp_part *pt, int g, int K, int m0, int nt, const xquant *xk, fl
     const float *dk = xk->d + (size_t)m0 * nbk;
     const int16_t *bs = xk->bs + (size_t)m0 * nbk * KBS;
     amx_load_config(rows, colsb);
-    if (qt == Q4_K) amx_Q4_K(gp, nbk, xq, dk, bs, K, nt, y, ldy, nvalid);
-    else if (qt == Q5_K) amx_Q5_K(gp, nbk, xq, dk, bs, K, nt, y, ldy, nvalid);
-    else if (qt == Q6_K) amx_Q6_K(gp, nbk, xq, dk, bs, K, nt, y, ldy, nvalid);
+    if (qt == Q4_K) amx_Q4_K(gp, nbk, xq, dk, bs, K, nt, mr, y, ldy, nvalid);
+    else if (qt == Q5_K) amx_Q5_K(gp, nbk, xq, dk, bs, K, nt, mr, y, ldy, nvalid);
+    else if (qt == Q6_K) amx_Q6_K(gp, nbk, xq, dk, bs, K, nt, mr, y, ldy, nvalid);
     else return 0;
     return 1;
 }
