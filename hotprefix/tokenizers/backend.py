@@ -10,7 +10,7 @@ pre-tokenizer, post-processor and decoder; then each added token, special ones b
 add_special_tokens, as tokenizer.json lists them), from the vocabulary parsed by Python;
 anything else (another model, padding or truncation set) is read by
 `Tokenizer.from_str`. Both give the same tokenizer: the same `to_str()`, byte for byte
-(tests/model/test_fast_tokenizer.py checks it).
+(tests/model/test_tokenizer_backend.py checks it).
 
 `Tokenizer(model)` shares the model (an Arc in the Rust binding) rather than copying
 it, so the splitting twin costs the added tokens' tables, not a second vocabulary (+72
