@@ -59,9 +59,11 @@ TINY_GEMMA3 = dict(num_hidden_layers=7, head_dim=32, query_pre_attn_scalar=24, s
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
 
-def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overrides):
+def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, dtype=None, **overrides):
     """Save a tiny random model of `family` (llama, mistral, qwen2, qwen3, gemma3, qwen3moe) with
-    its tokenizer into folder; return the transformers model (fp32, eager)."""
+    its tokenizer into folder; return the transformers model (fp32, eager). dtype (a torch
+    dtype): the model made and saved in it instead, never as a float32 copy (a large shape's
+    bfloat16 folder where float32 would not fit in memory)."""
     import torch
     import transformers
 
@@ -84,7 +86,15 @@ def build_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overr
     shard = kw.pop("max_shard_size", None)
     cfg = cls_cfg(**kw)
     torch.manual_seed(seed)
-    model = cls_model(cfg).float().eval()
+    if dtype is None:
+        model = cls_model(cfg).float().eval()
+    else:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls_model(cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
     if family in ("qwen2",):  # give the qkv biases non-zero values
         with torch.no_grad():
             for layer in model.model.layers:
