@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from hotprefix.errors import ModelLoadError as ModelLoadError  # its home is errors.py; re-exported for model/
@@ -84,8 +85,9 @@ class ModelArch:
             return None
         return self.sliding_window
 
-    @property
+    @cached_property
     def layer_windows(self) -> tuple[int | None, ...]:
+        """window_of of every layer (computed once: read every step)."""
         return tuple(self.window_of(i) for i in range(self.num_layers))
 
     def validate(self) -> None:

@@ -49,16 +49,22 @@ def slots_of(span: SeqSpan, block_size: int, start: int) -> np.ndarray:
     return np.asarray(span.block_ids, dtype=np.int64)[p // block_size] * block_size + p % block_size
 
 
-def decode_slots(spans: list[SeqSpan], block_size: int, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_slots(spans: list[SeqSpan], block_size: int, bases: list[int]) -> tuple[np.ndarray, list[int]]:
     """Pool slots of positions [bases[i], ctx_len) of each sequence, laid end to end, and
-    where each sequence's slots start: slots_of for a whole step in a few array operations."""
-    b = len(spans)
-    n = np.fromiter((s.ctx_len for s in spans), np.int64, b) - bases
-    starts = np.cumsum(n) - n
-    lens = np.fromiter((len(s.block_ids) for s in spans), np.int64, b)
-    table = np.fromiter(chain.from_iterable(s.block_ids for s in spans), np.int64, int(lens.sum()))
-    pos = np.arange(int(n.sum())) + np.repeat(bases - starts, n)
-    return table[np.repeat(np.cumsum(lens) - lens, n) + pos // block_size] * block_size + pos % block_size, starts
+    where each sequence's slots start: slots_of for a whole step in a few array operations
+    (every slot of the blocks covering those positions, then each sequence's run of them)."""
+    bs = block_size
+    firsts = [b // bs for b in bases]
+    lasts = [(s.ctx_len + bs - 1) // bs for s in spans]
+    table = np.fromiter(chain.from_iterable(s.block_ids[f:e] for s, f, e in zip(spans, firsts, lasts)), np.int64)
+    every = (table[:, None] * bs + np.arange(bs)).reshape(-1)  # [blocks * bs]
+    runs, starts, done, total = [], [], 0, 0
+    for s, b, f, e in zip(spans, bases, firsts, lasts):
+        runs.append(every[done + b - f * bs:done + s.ctx_len - f * bs])
+        starts.append(total)
+        done += (e - f) * bs
+        total += s.ctx_len - b
+    return (runs[0] if len(runs) == 1 else np.concatenate(runs)), starts
 
 
 def cascades(batch: StepBatch, min_blocks: int = CASCADE_MIN_BLOCKS) -> list[Cascade]:
@@ -117,22 +123,22 @@ class _Builder:
                                     np.full_like(row0, flags)], -1).reshape(-1, 6))
         self.n_rows += kvh * span.q_len * g
 
-    def add_decodes(self, spans: list[SeqSpan], block_size: int, bases: np.ndarray, flags: np.ndarray) -> None:
+    def add_decodes(self, spans: list[SeqSpan], block_size: int, bases: list[int], flags: list[int]) -> None:
         """Sequences of one query each over positions [bases[i], their own + 1) (within the
         window): what add_sequence adds for each, built for all at once."""
-        h, kvh, g = self.shape.heads, self.shape.kv_heads, self.shape.heads // self.shape.kv_heads
-        b = len(spans)
+        h, kvh, g, w = self.shape.heads, self.shape.kv_heads, self.shape.heads // self.shape.kv_heads, self.shape.window
         slots, starts = decode_slots(spans, block_size, bases)
         slot0 = self.add_slots(slots)
-        pos = np.fromiter((s.start_pos for s in spans), np.int64, b)
-        lo = bases if not self.shape.window else np.maximum(bases, pos - self.shape.window + 1)
-        qs = np.fromiter((s.q_start for s in spans), np.int64, b)
-        self.rows.append(((qs * h)[:, None] + np.arange(h)[None, :]).reshape(-1))  # kv head j: its g query heads
-        self.lims.append(np.repeat(np.stack([lo, pos + 1], 1), h, axis=0))
-        self.tasks.append(np.stack([self.n_rows + np.arange(b * kvh) * g, np.full(b * kvh, g),
-                                    np.repeat(slot0 + starts, kvh), np.repeat(bases, kvh),
-                                    np.tile(np.arange(kvh), b), np.repeat(flags, kvh)], -1))
-        self.n_rows += b * h
+        pos = [s.start_pos for s in spans]
+        lims = np.array([(max(b, p - w + 1) if w else b, p + 1) for b, p in zip(bases, pos)], np.int64)  # [B, 2]
+        qs = np.array([s.q_start * h for s in spans], np.int64)
+        self.rows.append((qs[:, None] + np.arange(h)).reshape(-1))  # kv head j: its g query heads
+        self.lims.append(np.repeat(lims, h, axis=0))
+        # each sequence's task fields for KV head 0, plus each head's offsets: [B, KVH, 6]
+        first = np.array([(self.n_rows + i * h, g, slot0 + st, b, 0, f)
+                          for i, (st, b, f) in enumerate(zip(starts, bases, flags))], np.int64)
+        self.tasks.append((first[:, None, :] + _head_offsets(kvh, g)).reshape(-1, 6))
+        self.n_rows += len(spans) * h
 
     def add_shared(self, c: Cascade, batch: StepBatch) -> None:
         """A cascade's shared prefix, attended once for every member's query heads (state saved)."""
@@ -153,9 +159,19 @@ class _Builder:
 
     def plan(self) -> AttPlan:
         def cat(parts: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(shape,
-                                                                                                   dtype=torch.int64)
+            if not parts:
+                return torch.zeros(shape, dtype=torch.int64)
+            one = parts[0] if len(parts) == 1 and parts[0].flags.writeable else None  # (a broadcast view: copied)
+            return torch.from_numpy(one if one is not None else np.concatenate(parts))
         return AttPlan(cat(self.tasks, (0, 6)), cat(self.rows, (0,)), cat(self.lims, (0, 2)), cat(self.slots, (0,)))
+
+
+def _head_offsets(kvh: int, g: int) -> np.ndarray:
+    """[KVH, 6]: what each KV head adds to a decode's task fields (its first row, its head)."""
+    out = np.zeros((kvh, 6), np.int64)
+    out[:, 0] = np.arange(kvh) * g
+    out[:, 4] = np.arange(kvh)
+    return out
 
 
 def _segments(pos: np.ndarray, max_len: int) -> np.ndarray:
@@ -188,7 +204,7 @@ def step_plans(batch: StepBatch, shape: Shape, with_cascades: bool) -> tuple[Att
             own.add_sequence(span, slots_of(span, batch.block_size, b), b, flags)
     if decodes:
         spans, bases, flags = zip(*decodes)
-        own.add_decodes(list(spans), batch.block_size, np.array(bases, dtype=np.int64), np.array(flags, np.int64))
+        own.add_decodes(list(spans), batch.block_size, list(bases), list(flags))
     if not groups:
         return own.plan(), None, []
     shared = _Builder(shape)

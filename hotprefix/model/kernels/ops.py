@@ -193,8 +193,8 @@ class AttPlan:
     def __init__(self, task: torch.Tensor, rows: torch.Tensor, lims: torch.Tensor, slots: torch.Tensor) -> None:
         self.task, self.rows, self.lims, self.slots = (t.to(torch.int64).contiguous()
                                                        for t in (task, rows, lims, slots))
-        if self.task.numel() and (self.task[:, 1].max() > MAX_TASK_ROWS or self.task.shape[1] != TASK_FIELDS):
-            raise ValueError(f"attention tasks hold at most {MAX_TASK_ROWS} rows of {TASK_FIELDS} fields")
+        if self.task.dim() != 2 or self.task.shape[1] != TASK_FIELDS:  # (rows per task, heads, ranges: C's check)
+            raise ValueError(f"attention tasks hold {TASK_FIELDS} fields, got {tuple(self.task.shape)}")
         self.c = HpPlan(self.rows.data_ptr(), self.lims.data_ptr(), self.task.data_ptr(), self.slots.data_ptr(),
                         self.task.shape[0])
 
