@@ -108,7 +108,7 @@ def collector_paused() -> Iterator[Callable[[], None]]:
     """Python's cycle collector off while the server starts, ended by the callable it
     yields (`serve` calls it once the engine is ready) or by leaving the block (a start
     that failed). Importing torch and the server and building the model make ~0.35 M
-    tracked objects, which the collector scanned again and again (~0.2 s CPU of a 1B
+    tracked objects, which the collector scanned again and again (~0.3 s CPU of a 1B
     file's start); at the end they are frozen (gc.freeze: never scanned again) as they
     are, with the start's few garbage cycles (~0.7 MB, import-time functions and tuples):
     a full pass to free those would cost 0.13-0.19 s."""
