@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -64,13 +65,16 @@ def _exit_when_dead(engine: AsyncEngine, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-def serve(engine_cfg: EngineConfig, cfg: ServerConfig) -> int:
+def serve(engine_cfg: EngineConfig, cfg: ServerConfig, started: Callable[[], None] = lambda: None) -> int:
     """Run until SIGINT/SIGTERM: then stop accepting, let running requests
     finish for up to cfg.shutdown_timeout seconds, and exit; or until the engine dies (a
-    lost tensor-parallel rank). Returns the exit status: 1 when the engine died, else 0."""
+    lost tensor-parallel rank). `started` is called once the engine is warm and the
+    server built, before it listens (cli.collector_paused's end). Returns the exit status:
+    1 when the engine died, else 0."""
     server = make_server(engine_cfg, cfg)
     engine = server.config.app.state.engine
     server.config.load()  # uvicorn's own imports (run() does not load it again), then the renderer's beside it
+    started()
     threading.Thread(target=_preload_renderer, name="hotprefix-renderer-import", daemon=True).start()
     threading.Thread(target=_exit_when_dead, args=(engine, server), name="hotprefix-engine-watch", daemon=True).start()
     server.run()
