@@ -13,9 +13,10 @@ KV blocks of the rejected tail (KVCacheManager.trim).
 
 Adaptive, per request: the draft length follows acceptance (a draft taken whole lets
 the next be one longer, up to k; one taken in part proposes one more than was taken
-next time); a draft of which nothing is taken makes the next one a single token, after
-the request waits 1, 2, 4 ... up to MAX_BACKOFF steps, and a request that has taken nothing after
-GIVE_UP drafts stops proposing.
+next time); a draft of which nothing is taken leaves a request that has kept at least
+PAYING of its draft tokens as it was (its drafts pay for their misses), and otherwise
+makes the next one a single token, after the request waits 1, 2, 4 ... up to MAX_BACKOFF
+steps; a request that has taken nothing after GIVE_UP drafts stops proposing.
 
 A request with an output constraint (a grammar) drafts first the tokens its grammar forces
 next (llguidance's fast-forward tokens: a schema's keys and punctuation), then the n-gram
@@ -45,6 +46,8 @@ from hotprefix.core.suffix_table import WORD, SuffixTable, decode, encode
 
 MAX_BACKOFF = 64  # the most steps a request that took nothing waits before it proposes again
 GIVE_UP = 8  # drafts after which a request that never took a token stops proposing
+PAYING = 0.125  # a request that kept at least this share of its draft tokens does not back off: a
+# draft token costs ~0.15 of a decode step and a kept one saves a step (docs/benchmarks.md, spec_oracle)
 
 class GrammarDrafts(Protocol):
     """What the Speculator asks of a constrained request's grammar, its matcher not moved
@@ -111,6 +114,7 @@ class _Draft:
     wait: int = 0  # steps to skip before the next proposal
     backoff: int = 1
     drafts: int = 0
+    proposed: int = 0
     accepted: int = 0
     forced: int = 0  # the last draft's first tokens that its grammar forced, outside the adaptive rules
     trust_forced: bool = True  # False once a forced token was rejected: they count as n-gram tokens
@@ -190,6 +194,7 @@ class Speculator:
             if proposed == 0:
                 return
         st.drafts += 1
+        st.proposed += proposed
         st.accepted += accepted
         if accepted == proposed:
             st.k = min(self.config.num_speculative_tokens, st.k + 1)
@@ -198,6 +203,8 @@ class Speculator:
         if accepted > 0:
             st.backoff = 1
             return
+        if st.accepted >= PAYING * st.proposed:
+            return  # its drafts pay for their misses: the next one at once, as long
         st.k = 1  # a rejected draft costs about its rows: the next tries one token
         st.wait, st.backoff = st.backoff, min(MAX_BACKOFF, st.backoff * 2)
         if st.accepted == 0 and st.drafts >= GIVE_UP:

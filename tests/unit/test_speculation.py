@@ -97,8 +97,13 @@ def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_wa
     assert spec.propose(req) == [3, 4]  # one more than was taken
     spec.observe("r", 2, 2)
     assert (d := spec.propose(req)) == [3, 4, 5]  # taken whole: one longer, up to k
+    lengths = []
+    for _ in range(6):  # 3 kept of 8, 11 ... 23 draft tokens: at least PAYING (1/8), its drafts pay for misses
+        spec.observe("r", len(d), 0)
+        lengths.append(len(d := spec.propose(req)))
+    assert lengths == [3] * 6  # no wait, the same length
     waits, lengths = [], []
-    for _ in range(GIVE_UP - 2):
+    for _ in range(GIVE_UP - 2):  # 3 of 26: under PAYING
         spec.observe("r", len(d), 0)
         skipped = 0
         while not (d := spec.propose(req)):
@@ -110,7 +115,7 @@ def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_wa
     assert spec.propose(req) == [3, 4]
     stats = spec.make_stats()
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
-        (GIVE_UP + 1, 3 + 2 + 3 + 1 * (GIVE_UP - 2), 4, [3, 1, 0])
+        (GIVE_UP + 7, 3 + 2 + 3 * 7 + 1 * (GIVE_UP - 2), 4, [3, 1, 0])
     assert spec.make_stats().num_drafts == 0  # reset on read
 
 
@@ -169,11 +174,14 @@ def test_a_grammars_forced_tokens_are_drafted_first_outside_the_adaptive_rules()
     assert spec.propose(req) == [7, 8, 9]
     spec.observe("r", 3, 1)  # a forced token rejected: from now on they are n-gram tokens
     assert spec.propose(req) == [7, 8]  # one more than was taken
-    spec.observe("r", 2, 0)
+    for _ in (6, 8):  # 1 kept of 6, of 8 draft tokens: at least PAYING, no wait
+        spec.observe("r", 2, 0)
+        assert spec.propose(req) == [7, 8]
+    spec.observe("r", 2, 0)  # 1 of 10: under PAYING
     assert spec.propose(req) == []  # the back-off's wait applies to them now
     assert spec.propose(req) == [7]
     stats = spec.make_stats()
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 10, 5)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (6, 14, 5)
     capped = Speculator(SPEC, Forcing([7, 8]))
     assert capped.propose(decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json, max_tokens=4)) == [7]
     assert capped.propose(decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json, max_tokens=3)) == []
