@@ -144,9 +144,10 @@ class Speculator:
         if st is None:
             st = self._states[req.request_id] = _Draft(self.config.num_speculative_tokens)
         idle = st.wait > 0 or st.k == 0
-        st.wait = max(0, st.wait - 1)
-        if idle and not (constrained and st.trust_forced):
-            return []
+        if idle:
+            st.wait = max(0, st.wait - 1)
+            if not (constrained and st.trust_forced):
+                return []
         room = self.config.num_speculative_tokens
         if req.sampling_params.max_tokens is not None:
             room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
