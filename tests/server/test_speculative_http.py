@@ -89,22 +89,23 @@ EXTRACT = [{"role": "user", "content": f"{DOCUMENT}\n\nExtract the lighthouse's 
             "every fuel its lamp burned, as JSON."}]
 
 
+def constrained(server, messages: list, schema: dict, max_tokens: int, **kw) -> list:
+    """Each choice's (text, finish reason, logprobs) of an answer under a JSON schema."""
+    client = openai.OpenAI(base_url=server.v1, api_key="unused")
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, logprobs=True,
+                                       top_logprobs=3, response_format=fmt, **kw)
+    return [(c.message.content, c.finish_reason, _lps(c.logprobs.content)) for c in r.choices]
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, seed=5)], ids=["greedy", "seeded"])
 def test_a_json_schema_answer_drafts_and_is_the_same_as_without_speculation(servers, kw):
     """Drafts under a grammar: cut where the grammar stops taking them, each position
     sampled under its mask; the answer is token for token the constrained one."""
     plain, spec = servers
     drafts, accepted = spec.metric("spec_decode_num_drafts_total"), spec.metric("spec_decode_num_accepted_tokens_total")
-    fmt = {"type": "json_schema", "json_schema": {"name": "lighthouse", "schema": SCHEMA}}
-
-    def extract(server) -> list:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused")
-        r = client.chat.completions.create(model="tiny", messages=EXTRACT, max_tokens=60, logprobs=True,
-                                           top_logprobs=3, response_format=fmt, **kw)
-        return [(c.message.content, c.finish_reason, _lps(c.logprobs.content)) for c in r.choices]
-
-    want = extract(plain)
-    assert extract(spec) == want
+    want = constrained(plain, EXTRACT, SCHEMA, 60, **kw)
+    assert constrained(spec, EXTRACT, SCHEMA, 60, **kw) == want
     assert spec.metric("spec_decode_num_drafts_total") > drafts
     if kw["temperature"] == 0.0:
         assert '"lighthouse": "Carrow Point"' in want[0][0]  # copied from the prompt: drafts are taken
@@ -128,15 +129,7 @@ def test_the_grammars_forced_tokens_drafted_give_the_answer_without_speculation(
     logprobs, finish reason) is token for token the constrained one, and drafts are kept."""
     plain, spec = servers
     accepted = spec.metric("spec_decode_num_accepted_tokens_total")
-    fmt = {"type": "json_schema", "json_schema": {"name": "keepers", "schema": ROWS_SCHEMA}}
-
-    def rows(server) -> list:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused")
-        r = client.chat.completions.create(model="tiny", messages=KEEPERS, max_tokens=80, logprobs=True,
-                                           top_logprobs=3, response_format=fmt, **kw)
-        return [(c.message.content, c.finish_reason, _lps(c.logprobs.content)) for c in r.choices]
-
-    want = rows(plain)
-    assert rows(spec) == want
+    want = constrained(plain, KEEPERS, ROWS_SCHEMA, 80, **kw)
+    assert constrained(spec, KEEPERS, ROWS_SCHEMA, 80, **kw) == want
     assert '"from_year": ' in want[0][0]  # the keys the grammar forces were said
     assert spec.metric("spec_decode_num_accepted_tokens_total") >= accepted + 10
