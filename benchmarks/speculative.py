@@ -79,21 +79,28 @@ def step_cost(llm: LLM, context: int, k: int, reps: int) -> tuple[float, float]:
     sequence at `context` tokens, and of the same step verifying a draft of k (k + 1 rows
     of the fused step, and their logits): the least is what contention on a shared
     machine disturbs least."""
+    best = step_costs(llm, context, [0, k], reps)
+    return best[0], best[k]
+
+
+def step_costs(llm: LLM, context: int, drafts: list[int], reps: int) -> dict[int, float]:
+    """The least wall seconds (over reps, interleaved) of a step of one sequence at
+    `context` tokens verifying a draft of d tokens (d + 1 rows), for each d in drafts."""
     runner = llm.engine.runner
     bs = runner.block_size
-    blocks = list(range(-(-(context + k + 1) // bs)))  # a fresh pool: no request holds these
+    blocks = list(range(-(-(context + max(drafts) + 1) // bs)))  # a fresh pool: no request holds these
     prompt = [100 + i % 1000 for i in range(context)]
     runner.forward(SchedulerOutput([ScheduledRequest("c", prompt, 0, blocks, False, SamplingParams(), prompt, [])]))
-    best = {0: float("inf"), k: float("inf")}
+    best = dict.fromkeys(drafts, float("inf"))
     for _ in range(reps):
-        for d in (0, k):
+        for d in drafts:
             sr = ScheduledRequest("c", [7] * (d + 1), context, blocks, False, SamplingParams(), prompt, [],
                                   draft_token_ids=[7] * d)
             t = time.perf_counter()
             hidden = runner.forward(SchedulerOutput([sr]))
             runner.model.compute_logits(hidden)
             best[d] = min(best[d], time.perf_counter() - t)
-    return best[0], best[k]
+    return best
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ from hotprefix.core.kv_cache_manager import KVCacheManager, PinError
 from hotprefix.core.kv_tiers import Source, TierStats
 from hotprefix.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hotprefix.core.request import Request, RequestStatus
-from hotprefix.core.speculation import GrammarPrefix, Speculator
+from hotprefix.core.speculation import GrammarDrafts, Speculator
 from hotprefix.core.stats import SchedulerStats
 from hotprefix.core.swap import SwapSpace
 from hotprefix.sizing import blocks_for_tokens
@@ -94,9 +94,9 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_host_blocks: int = 0,
-                 grammar_prefix: GrammarPrefix | None = None) -> None:
-        """grammar_prefix: how much of a draft a constrained request's grammar accepts (the
-        runner's matchers; None: constrained requests do not draft)."""
+                 grammar: GrammarDrafts | None = None) -> None:
+        """grammar: what a constrained request's grammar forces next and how much of a draft
+        it accepts (the runner's matchers; None: constrained requests do not draft)."""
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -112,7 +112,7 @@ class Scheduler:
         self._device_hit_blocks = 0  # since the last make_stats
         self.shares = FairShares(dict(config.tenant_weights))
         spec = config.speculative_config
-        self.spec = Speculator(spec, grammar_prefix) if spec is not None else None  # core/speculation.py; None: off
+        self.spec = Speculator(spec, grammar) if spec is not None else None  # core/speculation.py; None: off
         self._drafts: dict[str, list[int]] = {}  # this step's, by request id
 
     # -- queue management -------------------------------------------------

@@ -13,14 +13,22 @@ KV blocks of the rejected tail (KVCacheManager.trim).
 
 Adaptive, per request: the draft length follows acceptance (a draft taken whole lets
 the next be one longer, up to k; one taken in part proposes one more than was taken
-next time); a draft of which nothing is taken makes the next one a single token, after
-the request waits 1, 2, 4 ... up to MAX_BACKOFF steps, and a request that has taken nothing after
-GIVE_UP drafts stops proposing.
+next time); a draft of which nothing is taken leaves a request that has kept at least
+PAYING of its draft tokens as it was (its drafts pay for their misses), and otherwise
+makes the next one a single token, after the request waits 1, 2, 4 ... up to MAX_BACKOFF
+steps; a request that has taken nothing after GIVE_UP drafts stops proposing.
 
-A request with an output constraint (a grammar) drafts as any other, its draft cut before
-the first token its grammar would reject next (`GrammarPrefix`: the runner's matchers, not
-moved); the runner samples each drafted position under the grammar's mask there
-(model/drafts.py), so the tokens are those constrained decoding gives one at a time.
+A request with an output constraint (a grammar) drafts first the tokens its grammar forces
+next (llguidance's fast-forward tokens: a schema's keys and punctuation), then the n-gram
+draft of its tokens followed by those, cut before the first token its grammar would reject
+next (`GrammarDrafts`: the runner's matchers, not moved); the runner samples each drafted
+position under the grammar's mask there (model/drafts.py), so the tokens are those
+constrained decoding gives one at a time. The forced tokens are the forced bytes in the
+tokenizer's canonical tokenization, so they are drafts like any other (the model may say
+the same bytes in other tokens), but they are proposed whatever the adaptive state (the
+back-off waits, the length, giving up: those follow the n-gram tokens alone), until a
+forced token of the request is rejected: from then on its forced tokens count as n-gram
+tokens.
 
 Tokens are kept per request as 4-byte words in a bytearray (suffix_table.encode: a
 marked first byte, so whole words match only on word boundaries), so a search is one
@@ -29,8 +37,8 @@ bytes.rfind (C speed).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hotprefix.config import SpecMethod, SpeculativeConfig
 from hotprefix.core.request import Request
@@ -38,10 +46,18 @@ from hotprefix.core.suffix_table import WORD, SuffixTable, decode, encode
 
 MAX_BACKOFF = 64  # the most steps a request that took nothing waits before it proposes again
 GIVE_UP = 8  # drafts after which a request that never took a token stops proposing
+PAYING = 0.125  # a request that kept at least this share of its draft tokens does not back off: a
+# draft token costs ~0.15 of a decode step and a kept one saves a step (docs/benchmarks.md, spec_oracle)
 
-GrammarPrefix = Callable[[str, list[int]], int]
-"""(request id, draft) -> how many of the draft's first tokens the request's grammar
-accepts next, its matcher not moved (model/structured.GrammarMatchers.accepted_prefix)."""
+class GrammarDrafts(Protocol):
+    """What the Speculator asks of a constrained request's grammar, its matcher not moved
+    (model/structured.GrammarMatchers)."""
+
+    def forced_tokens(self, request_id: str) -> list[int]:
+        """The tokens the request's grammar forces next ([] for none)."""
+
+    def accepted_prefix(self, request_id: str, tokens: list[int]) -> int:
+        """How many of `tokens`' first tokens the request's grammar accepts next."""
 
 
 def latest(haystack: bytes | bytearray, pattern: bytes, end: int) -> int:
@@ -98,16 +114,19 @@ class _Draft:
     wait: int = 0  # steps to skip before the next proposal
     backoff: int = 1
     drafts: int = 0
+    proposed: int = 0
     accepted: int = 0
+    forced: int = 0  # the last draft's first tokens that its grammar forced, outside the adaptive rules
+    trust_forced: bool = True  # False once a forced token was rejected: they count as n-gram tokens
 
 
 class Speculator:
     """Proposes drafts (`propose`) and learns from their verification (`observe`).
     Mutates only its own per-request state, counters and suffix table; `finished` drops a request's state."""
 
-    def __init__(self, config: SpeculativeConfig, grammar_prefix: GrammarPrefix | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, grammar: GrammarDrafts | None = None) -> None:
         self.config = config
-        self.grammar_prefix = grammar_prefix  # None: requests with an output constraint do not draft
+        self.grammar = grammar  # None: requests with an output constraint do not draft
         self._states: dict[str, _Draft] = {}
         self.table = SuffixTable(config.suffix_decoding_max_cached_requests) \
             if config.method is SpecMethod.SUFFIX else None  # earlier requests' tokens, per cache scope
@@ -116,28 +135,35 @@ class Speculator:
     def propose(self, req: Request) -> list[int]:
         """The draft for a running request that decodes next (its last token is its only
         uncomputed one), within its max_tokens and max_model_len, and within what its
-        grammar accepts: [] when it may not or need not propose."""
+        grammar accepts (the tokens it forces first): [] when it may not or need not propose."""
         constrained = req.sampling_params.structured is not None
-        if (constrained and self.grammar_prefix is None) or req.num_output_tokens == 0 \
+        if (constrained and self.grammar is None) or req.num_output_tokens == 0 \
                 or req.num_computed_tokens != req.num_tokens - 1:
             return []
         st = self._states.get(req.request_id)
         if st is None:
             st = self._states[req.request_id] = _Draft(self.config.num_speculative_tokens)
-        if st.wait > 0 or st.k == 0:
+        idle = st.wait > 0 or st.k == 0
+        if idle:
             st.wait = max(0, st.wait - 1)
-            return []
-        k = st.k
+            if not (constrained and st.trust_forced):
+                return []
+        room = self.config.num_speculative_tokens
         if req.sampling_params.max_tokens is not None:
-            k = min(k, req.sampling_params.max_tokens - req.num_output_tokens - 1)
+            room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
         if req.max_model_len is not None:
-            k = min(k, req.max_model_len - req.num_tokens - 1)
-        if k <= 0:
-            return []
-        self._extend(st, req)
-        table = self.table.words(req.cache_scope.salt) if self.table is not None else b""
-        draft = find_draft(st.words, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k, table)
-        return draft[:self.grammar_prefix(req.request_id, draft)] if constrained and draft else draft
+            room = min(room, req.max_model_len - req.num_tokens - 1)
+        forced = self.grammar.forced_tokens(req.request_id)[:room] if constrained and room > 0 else []
+        st.forced = len(forced) if st.trust_forced else 0
+        k = st.forced if idle else min(room, st.forced + st.k)
+        draft = forced[:k]
+        if len(draft) < k:
+            self._extend(st, req)
+            table = self.table.words(req.cache_scope.salt) if self.table is not None else b""
+            words = st.words + encode(draft) if draft else st.words
+            draft += find_draft(words, self.config.prompt_lookup_min, self.config.prompt_lookup_max,
+                                k - len(draft), table)
+        return draft[:self.grammar.accepted_prefix(req.request_id, draft)] if constrained and draft else draft
 
     @staticmethod
     def _extend(st: _Draft, req: Request) -> None:
@@ -161,7 +187,15 @@ class Speculator:
         st = self._states.get(request_id)
         if st is None:
             return
+        forced, st.forced = min(st.forced, proposed), 0
+        if accepted < forced:
+            st.trust_forced = False  # the model says the forced bytes in other tokens
+        elif forced:  # the n-gram tokens after the forced ones (the adaptive rules' own)
+            proposed, accepted = proposed - forced, accepted - forced
+            if proposed == 0:
+                return
         st.drafts += 1
+        st.proposed += proposed
         st.accepted += accepted
         if accepted == proposed:
             st.k = min(self.config.num_speculative_tokens, st.k + 1)
@@ -170,6 +204,8 @@ class Speculator:
         if accepted > 0:
             st.backoff = 1
             return
+        if st.accepted >= PAYING * st.proposed:
+            return  # its drafts pay for their misses: the next one at once, as long
         st.k = 1  # a rejected draft costs about its rows: the next tries one token
         st.wait, st.backoff = st.backoff, min(MAX_BACKOFF, st.backoff * 2)
         if st.accepted == 0 and st.drafts >= GIVE_UP:

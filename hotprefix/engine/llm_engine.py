@@ -69,8 +69,8 @@ class LLMEngine:
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, cc.enable_prefix_caching,
                                  cc.prefix_caching_hash_algo, cc.max_pinned_fraction, self._tiers(),
                                  cc.kv_disk_write is DiskWritePolicy.REUSED, plan.windows, cc.kv_window_retain_interval)
-        m = self.runner.matchers  # (a constrained request's draft is cut where its grammar stops taking it)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks, m and m.accepted_prefix)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.runner.num_host_blocks,
+                                   self.runner.matchers)  # (a constrained request drafts what its grammar allows)
         self.kv_events = self._kv_events()  # --kv-events-config; None when off
         self.publish_kv_events()  # (the first batch: AllBlocksCleared)
         self.preparer = RequestPreparer(self.encoder, self.grammars, self.arch.vocab_size, self.max_model_len,

@@ -134,6 +134,15 @@ class GrammarMatchers:
                 return f"the grammar rejected token {token}: {m.get_error()}"
         return None
 
+    def forced_tokens(self, request_id: str) -> list[int]:
+        """The tokens the sequence's grammar forces next, the matcher unmoved ([] without a
+        matcher, or one in an error state): llguidance's fast-forward tokens, the bytes the
+        grammar forces (a schema's keys and punctuation) in the tokenizer's canonical
+        tokenization, so a draft (the model may say the same bytes in other tokens) that the
+        scheduler proposes before the n-gram's."""
+        m = self._matchers.get(request_id)
+        return [] if m is None or m.is_error() else m.compute_ff_tokens()
+
     def accepted_prefix(self, request_id: str, tokens: list[int]) -> int:
         """How many of `tokens`' first tokens the sequence's grammar accepts next, the
         matcher unmoved (0 without a matcher, or one in an error state): where the

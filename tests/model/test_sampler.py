@@ -70,6 +70,27 @@ def test_sampling_never_emits_an_excluded_token(params, allowed):
     assert len(seen) > 1  # it does sample, not just take the argmax
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5, logit_bias={9: 100.0, 2: -100.0}),
+    SamplingParams(temperature=0.7, logprobs=3),
+    SamplingParams(temperature=2.0, top_k=2, top_p=0.3, min_p=0.9),
+    SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0, logit_bias={8: 100.0, 2: -100.0}),
+])
+def test_a_mask_that_allows_one_token_is_sampled_as_that_token(params):
+    """Why a grammar's forced token, drafted, is kept when its mask allows it alone: greedy
+    and every sampling path take the one allowed token, however unlikely the model and the
+    biases make it (the grammar's mask comes first: no bias or filter brings another back)."""
+    base = torch.arange(V, dtype=torch.float32) * 3.0  # token 2 among the least likely
+    forbidden = torch.ones(V, dtype=torch.bool)
+    forbidden[2] = False
+    for seed in range(50):
+        gen = torch.Generator().manual_seed(seed)
+        toks, lps = Sampler(seed=seed)(base.clone()[None], [SampleRow(params, [2, 9], [2, 8], (), gen, forbidden)])
+        assert toks == [2]
+        assert params.logprobs is None or lps[0].sampled.token_id == 2
+
+
 def test_same_seed_same_tokens_different_seed_differs():
     base = torch.zeros(1, 1000)
 

@@ -135,18 +135,54 @@ def test_drafts_under_a_grammar_give_the_tokens_of_constrained_decoding(loaded, 
     rejects, or one it takes that the model does not say) under a JSON schema: each drafted
     position is sampled under its grammar's mask, so greedy and seeded answers are the
     constrained ones token for token, logprobs included. The scheduler cuts a draft where
-    the grammar stops taking it; with that cut off, the runner's masks cut it alike."""
+    the grammar stops taking it; with that cut off, the runner's masks cut it alike. (The
+    grammar's forced tokens are left out here, so that every draft is the oracle's.)"""
     want = outputs(run(make_engine(loaded, "int8", caching=True), JSON_REQUESTS))
     reference = {tuple(p): [o[0] for o in want[i]] for i, (p, _) in enumerate(JSON_REQUESTS)}
     calls: list[int] = []
     monkeypatch.setattr(speculation, "find_draft", oracle(reference, calls))
     engine = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
+    monkeypatch.setattr(engine.runner.matchers, "forced_tokens", lambda rid: [])
     if cut_by == "runner":
-        monkeypatch.setattr(engine.scheduler.spec, "grammar_prefix", lambda rid, draft: len(draft))
+        monkeypatch.setattr(engine.runner.matchers, "accepted_prefix", lambda rid, draft: len(draft))
     assert outputs(run(engine, JSON_REQUESTS)) == want
     stats = engine.scheduler.make_stats().spec
     assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_per_pos[3] > 0  # some drafts were kept whole
     cut = sum(calls) - stats.num_draft_tokens  # draft tokens the grammar took off before the step
     assert cut > 0 if cut_by == "scheduler" else cut == 0
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+
+
+FORCED_SCHEMA = json.dumps({"type": "object", "properties": {
+    "lighthouse": {"type": "string", "maxLength": 8}, "built": {"type": "integer"}, "electrified": {"type": "boolean"},
+    "fuels": {"type": "array", "items": {"enum": ["whale oil", "kerosene"]}, "maxItems": 2}},
+    "required": ["lighthouse", "built", "electrified", "fuels"], "additionalProperties": False})
+
+
+def _forced(**kw) -> SamplingParams:
+    so = StructuredOutput(StructuredKind.JSON_SCHEMA, FORCED_SCHEMA)
+    return SamplingParams(**{"logprobs": 5, "structured": so, **kw})
+
+
+FORCED_REQUESTS = [
+    ([11, 12, 13, 14] * 5, _forced(temperature=0.0, max_tokens=60)),
+    (list(range(40, 63)), _forced(temperature=0.9, seed=3, max_tokens=60)),
+    (list(range(90, 110)), _forced(temperature=1.0, seed=11, n=2, top_p=0.9, max_tokens=50)),
+]
+
+
+def test_a_grammars_forced_tokens_as_drafts_give_the_tokens_of_constrained_decoding(loaded, monkeypatch):  # noqa: F811
+    """The real proposer under a schema that fixes its keys and punctuation: the tokens the
+    grammar forces are drafted first (then the n-gram's), each position sampled under its
+    mask; greedy and seeded answers are the constrained ones token for token, logprobs
+    included, and forced drafts were kept. (No ignore_eos: a structured output refuses it.)"""
+    want = outputs(run(make_engine(loaded, "int8", caching=True), FORCED_REQUESTS))
+    engine = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
+    forced: list[list[int]] = []
+    real = engine.runner.matchers.forced_tokens
+    monkeypatch.setattr(engine.runner.matchers, "forced_tokens", lambda rid: forced.append(real(rid)) or forced[-1])
+    assert outputs(run(engine, FORCED_REQUESTS)) == want
+    stats = engine.scheduler.make_stats().spec
+    assert sum(len(f) > 1 for f in forced) > 8 and stats.num_accepted_tokens > 8
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks

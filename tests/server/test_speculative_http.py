@@ -89,23 +89,47 @@ EXTRACT = [{"role": "user", "content": f"{DOCUMENT}\n\nExtract the lighthouse's 
             "every fuel its lamp burned, as JSON."}]
 
 
+def constrained(server, messages: list, schema: dict, max_tokens: int, **kw) -> list:
+    """Each choice's (text, finish reason, logprobs) of an answer under a JSON schema."""
+    client = openai.OpenAI(base_url=server.v1, api_key="unused")
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, logprobs=True,
+                                       top_logprobs=3, response_format=fmt, **kw)
+    return [(c.message.content, c.finish_reason, _lps(c.logprobs.content)) for c in r.choices]
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, seed=5)], ids=["greedy", "seeded"])
 def test_a_json_schema_answer_drafts_and_is_the_same_as_without_speculation(servers, kw):
     """Drafts under a grammar: cut where the grammar stops taking them, each position
     sampled under its mask; the answer is token for token the constrained one."""
     plain, spec = servers
     drafts, accepted = spec.metric("spec_decode_num_drafts_total"), spec.metric("spec_decode_num_accepted_tokens_total")
-    fmt = {"type": "json_schema", "json_schema": {"name": "lighthouse", "schema": SCHEMA}}
-
-    def extract(server) -> list:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused")
-        r = client.chat.completions.create(model="tiny", messages=EXTRACT, max_tokens=60, logprobs=True,
-                                           top_logprobs=3, response_format=fmt, **kw)
-        return [(c.message.content, c.finish_reason, _lps(c.logprobs.content)) for c in r.choices]
-
-    want = extract(plain)
-    assert extract(spec) == want
+    want = constrained(plain, EXTRACT, SCHEMA, 60, **kw)
+    assert constrained(spec, EXTRACT, SCHEMA, 60, **kw) == want
     assert spec.metric("spec_decode_num_drafts_total") > drafts
     if kw["temperature"] == 0.0:
         assert '"lighthouse": "Carrow Point"' in want[0][0]  # copied from the prompt: drafts are taken
         assert spec.metric("spec_decode_num_accepted_tokens_total") > accepted
+
+
+ROWS_SCHEMA = {"type": "object", "properties": {"keepers": {"type": "array", "maxItems": 3, "items": {
+    "type": "object", "properties": {"lighthouse": {"type": "string"}, "from_year": {"type": "integer"},
+                                     "to_year": {"type": "integer"}},
+    "required": ["lighthouse", "from_year", "to_year"], "additionalProperties": False}}},
+    "required": ["keepers"], "additionalProperties": False}
+KEEPERS = [{"role": "user", "content": "Keepers: Ann Reid kept Carrow Point from 1871 to 1890, Tom Hale kept "
+            "Dunmore Head from 1889 to 1901, May Lund kept Skerry Rock from 1902 to 1930. List them as JSON."}]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.9, seed=11, top_p=0.95)],
+                         ids=["greedy", "seeded"])
+def test_the_grammars_forced_tokens_drafted_give_the_answer_without_speculation(servers, kw):
+    """A schema whose keys and punctuation the grammar fixes: those tokens are drafted
+    first (llguidance's fast-forward tokens) and verified as any draft; the answer (text,
+    logprobs, finish reason) is token for token the constrained one, and drafts are kept."""
+    plain, spec = servers
+    accepted = spec.metric("spec_decode_num_accepted_tokens_total")
+    want = constrained(plain, KEEPERS, ROWS_SCHEMA, 80, **kw)
+    assert constrained(spec, KEEPERS, ROWS_SCHEMA, 80, **kw) == want
+    assert '"from_year": ' in want[0][0]  # the keys the grammar forces were said
+    assert spec.metric("spec_decode_num_accepted_tokens_total") >= accepted + 10

@@ -97,8 +97,13 @@ def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_wa
     assert spec.propose(req) == [3, 4]  # one more than was taken
     spec.observe("r", 2, 2)
     assert (d := spec.propose(req)) == [3, 4, 5]  # taken whole: one longer, up to k
+    lengths = []
+    for _ in range(6):  # 3 kept of 8, 11 ... 23 draft tokens: at least PAYING (1/8), its drafts pay for misses
+        spec.observe("r", len(d), 0)
+        lengths.append(len(d := spec.propose(req)))
+    assert lengths == [3] * 6  # no wait, the same length
     waits, lengths = [], []
-    for _ in range(GIVE_UP - 2):
+    for _ in range(GIVE_UP - 2):  # 3 of 26: under PAYING
         spec.observe("r", len(d), 0)
         skipped = 0
         while not (d := spec.propose(req)):
@@ -110,7 +115,7 @@ def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_wa
     assert spec.propose(req) == [3, 4]
     stats = spec.make_stats()
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
-        (GIVE_UP + 1, 3 + 2 + 3 + 1 * (GIVE_UP - 2), 4, [3, 1, 0])
+        (GIVE_UP + 7, 3 + 2 + 3 * 7 + 1 * (GIVE_UP - 2), 4, [3, 1, 0])
     assert spec.make_stats().num_drafts == 0  # reset on read
 
 
@@ -137,6 +142,63 @@ def test_no_draft_past_max_tokens_or_max_model_len_nor_under_a_grammar():
     assert spec.propose(decoding([1, 2], prompt, structured=json)) == []
     prefill = decoding([], prompt)
     assert spec.propose(prefill) == []  # its first token is sampled by the prompt's step
+
+
+class Forcing:
+    """A grammar (GrammarDrafts) that forces `forced` next and takes a draft's first
+    `takes` tokens (None: all); `seen` records the drafts it was asked about."""
+
+    def __init__(self, forced: list[int], takes: int | None = None) -> None:
+        self.forced, self.takes = forced, takes
+        self.seen: list[tuple[str, list[int]]] = []
+
+    def forced_tokens(self, request_id: str) -> list[int]:
+        return list(self.forced)
+
+    def accepted_prefix(self, request_id: str, tokens: list[int]) -> int:
+        self.seen.append((request_id, tokens))
+        return len(tokens) if self.takes is None else self.takes
+
+
+def test_a_grammars_forced_tokens_are_drafted_first_outside_the_adaptive_rules():
+    """The forced tokens, then the n-gram draft of the tokens followed by them; the
+    back-off waits and the length follow the n-gram tokens alone, until a forced token is
+    rejected (the model says those bytes in other tokens): then they count as n-gram tokens."""
+    json = StructuredOutput(StructuredKind.JSON_OBJECT)
+    spec = Speculator(SPEC, Forcing([7, 8]))
+    req = decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json)
+    assert spec.propose(req) == [7, 8, 9]  # [7, 8] forced, then [9] after the earlier [7, 8]: k = 3 in all
+    spec.observe("r", 3, 2)  # the n-gram's token rejected: its back-off starts (wait 1, then one token)
+    assert spec.propose(req) == [7, 8]  # waiting: the forced tokens alone
+    spec.observe("r", 2, 2)  # nothing of the n-gram's: the adaptive state does not move
+    assert spec.propose(req) == [7, 8, 9]
+    spec.observe("r", 3, 1)  # a forced token rejected: from now on they are n-gram tokens
+    assert spec.propose(req) == [7, 8]  # one more than was taken
+    for _ in (6, 8):  # 1 kept of 6, of 8 draft tokens: at least PAYING, no wait
+        spec.observe("r", 2, 0)
+        assert spec.propose(req) == [7, 8]
+    spec.observe("r", 2, 0)  # 1 of 10: under PAYING
+    assert spec.propose(req) == []  # the back-off's wait applies to them now
+    assert spec.propose(req) == [7]
+    stats = spec.make_stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (6, 14, 5)
+    capped = Speculator(SPEC, Forcing([7, 8]))
+    assert capped.propose(decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json, max_tokens=4)) == [7]
+    assert capped.propose(decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json, max_tokens=3)) == []
+
+
+def test_forced_tokens_are_drafted_after_the_ngram_gave_up_and_never_without_a_grammar():
+    json = StructuredOutput(StructuredKind.JSON_OBJECT)
+    spec = Speculator(SPEC, Forcing([7]))
+    req = decoding([4, 5], [1, 2, 7, 6, 9], structured=json)
+    proposals = 0
+    for _ in range(10_000):
+        d = spec.propose(req)
+        assert d[:1] == [7]
+        proposals += len(d) > 1
+        spec.observe("r", len(d), 1)  # the forced token taken, never the n-gram's
+    assert proposals == GIVE_UP  # the n-gram gave up; the forced token is still drafted
+    assert Speculator(SPEC, Forcing([7])).propose(decoding([6, 9], [1, 6, 9, 2])) == [2, 6, 9]  # no constraint
 
 
 def test_the_speculative_config_is_vllms_json():
@@ -341,10 +403,10 @@ def test_the_scheduler_feeds_finished_requests_to_their_scopes_suffix_table():
 
 
 def test_a_constrained_requests_draft_is_cut_where_its_grammar_stops_taking_it():
-    seen = []
-    spec = Speculator(SPEC, lambda rid, draft: seen.append((rid, draft)) or 1)  # the grammar takes one token
+    grammar = Forcing([], takes=1)
+    spec = Speculator(SPEC, grammar)
     json = StructuredOutput(StructuredKind.JSON_OBJECT)
     assert spec.propose(decoding([1, 2], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5], structured=json)) == [3]
-    assert seen == [("r", [3, 4, 5])]
+    assert grammar.seen == [("r", [3, 4, 5])]
     assert spec.propose(decoding([1, 2], [1, 2, 3, 4, 5, 1, 2, 3, 4, 5])) == [3, 4, 5]  # unconstrained: whole
-    assert seen == [("r", [3, 4, 5])]
+    assert grammar.seen == [("r", [3, 4, 5])]
