@@ -204,7 +204,8 @@ def run(targets: list[Target], loads: dict[str, tuple[list[dict], dict | None]],
     """A warm-up request per workload on every target, then `rounds` rounds: each workload
     on every target in turn, the targets' order rotated each round. Every Sample, in order."""
     samples: list[Sample] = []
-    with httpx.Client(timeout=600) as client:
+    # a fresh connection each request: a kept-alive one the server has just closed fails the next request
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for t in targets:
             for messages, schema in loads.values():
                 stream_request(client, t.url, body(messages, schema, t.model))
