@@ -4,7 +4,7 @@ the scheduler's Speculator), one request at a time, greedy.
 
     .venv/bin/python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--workloads quote,edit,json,unique]
 
-Workloads on the bundled model (real weights):
+Workloads on the bundled model (real weights; prompts from spec_prompts.py):
   quote   a ~1,500-token document (docs/engine.md's opening) and "repeat the paragraph about ..."
   edit    a 122-line Python file (hotprefix/core/fairness.py) and "rename X to Y, output the file"
   json    a schema-constrained extraction (a grammar: drafts cut where it stops taking them)
@@ -21,48 +21,21 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
+
+from spec_prompts import prompts
 
 from hotprefix import LLM, SamplingParams
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
 
-ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = {"type": "object", "properties": {
-    "lighthouses": {"type": "array", "items": {"type": "object", "properties": {
-        "name": {"type": "string"}, "built": {"type": "integer"}, "fuel": {"type": "string"}},
-        "required": ["name", "built", "fuel"]}}}, "required": ["lighthouses"]}
-LIGHTHOUSES = " ".join(
-    f"The lighthouse at {name} was built in {year} and burned {fuel}." for name, year, fuel in [
-        ("Carrow Point", 1871, "whale oil"), ("Dunmore Head", 1889, "kerosene"), ("Skerry Rock", 1902, "acetylene"),
-        ("Hollin Bay", 1911, "kerosene"), ("Marram Ness", 1923, "electricity"), ("Gull Island", 1930, "diesel")])
-
-
-def document(tokens: int, llm: LLM) -> str:
-    """docs/engine.md's opening paragraphs, up to about `tokens` tokens."""
-    out = ""
-    for para in (ROOT / "docs" / "engine.md").read_text().split("\n\n"):
-        if len(llm.engine.tokenize(out + para)) > tokens:
-            break
-        out += para + "\n\n"
-    return out
-
 
 def workloads(llm: LLM, tokens: int) -> dict[str, tuple[list[dict], SamplingParams]]:
-    doc = document(1500, llm)
-    code = (ROOT / "hotprefix" / "core" / "fairness.py").read_text()
-    greedy = dict(temperature=0.0, max_tokens=tokens)
-    schema = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(SCHEMA))
-    return {
-        "quote": ([{"role": "user", "content": f"{doc}\nRepeat, word for word, the paragraph of this document "
-                    "about converting a GGUF file's tokenizer."}], SamplingParams(**greedy)),
-        "edit": ([{"role": "user", "content": f"```python\n{code}```\n\nRename the function `water_fill` to "
-                   "`fair_split` everywhere in this file. Output the whole file."}], SamplingParams(**greedy)),
-        "json": ([{"role": "user", "content": f"{LIGHTHOUSES}\n\nExtract every lighthouse as JSON: its name, the "
-                   "year it was built, its fuel."}], SamplingParams(**greedy, structured=schema)),
-        "unique": ([{"role": "user", "content": "Write a short story about a fox who learns to sail."}],
-                   SamplingParams(**greedy)),
-    }
+    """spec_prompts' workloads as greedy SamplingParams of `tokens` tokens (json's schema a grammar)."""
+    out = {}
+    for name, (messages, schema) in prompts(llm.engine.tokenize).items():
+        structured = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema)) if schema else None
+        out[name] = (messages, SamplingParams(temperature=0.0, max_tokens=tokens, structured=structured))
+    return out
 
 
 def decode_rate(llm: LLM, messages: list[dict], params: SamplingParams) -> tuple[float, float, int]:
