@@ -240,8 +240,11 @@ void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
  * type and there are at least 16 rows; returns the rows it did (0 when off, uncovered or
  * fewer than 16) */
 int amx_on(void);
+/* leaves the calling thread's tiles configured (for its next group); a thread releases
+ * them with amx_release after its last group (each loop of groups does) */
 int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y);
+void amx_release(void);  /* the calling thread's tiles released, if configured */
 #if defined(HP_AMX)
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);  /* tile t: rows[t] x colsb[t] bytes */
 void amx_store(const float *acc, int tn, int rows, float *y, int ldy, int nvalid);
