@@ -81,7 +81,8 @@ class CpuAttention:
                             seqs=[build_seq_attn(span, batch.block_size, window, s.device) for span in batch.seqs])
         if full is not None and not full.cascades and all(span.ctx_len <= window for span in batch.seqs):
             return full  # no query reaches past the window: the same rows, ranges and slots
-        own, shared, groups = step_plans(batch, Shape(s.num_heads, s.num_kv_heads, window), paths.cascade)
+        shape = Shape(s.num_heads, s.num_kv_heads, window, torch.get_num_threads())
+        own, shared, groups = step_plans(batch, shape, paths.cascade)
         return CpuPlans(batch.slot_mapping, own, shared, groups)
 
     def prepare(self, batch: StepBatch, paths: AttentionPaths) -> CpuMeta:

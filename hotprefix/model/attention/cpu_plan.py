@@ -2,8 +2,10 @@
 read by every layer.
 
 Every query row of the step is in a task with the other query heads of its KV head and
-the positions of its tile of 16 (prefill chunks) or alone with them (decodes); each row
-sees positions [lo, pos + 1) of its sequence (lo: 0, the window's start, or a cascade's
+the positions of its tile of 16 (prefill chunks), of its share of a short chunk (at most
+SHORT_CHUNK queries: each KV head's rows in as many equal tasks as the plan has threads,
+so that the threads finish together), or alone with them (decodes); each row sees
+positions [lo, pos + 1) of its sequence (lo: 0, the window's start, or a cascade's
 shared length). Decodes that share at least CASCADE_MIN_BLOCKS leading blocks form a
 cascade: the shared prefix (rounded down to whole tiles) is attended once for all members
 (a shared plan whose tasks save the rows' state), and each member's own plan continues
@@ -23,6 +25,7 @@ from hotprefix.model.kernels.ops import ATT_FINAL, ATT_INIT, MAX_TASK_ROWS, TILE
 
 CASCADE_MIN_BLOCKS = 2  # shared full blocks before a group of decodes attends to them once
 SHARED_ROWS_PER_TASK = 12  # a cascade's query rows per task: the threads share a group's prefix
+SHORT_CHUNK = 64  # a chunk of at most this many queries: its tasks split evenly, not by tile
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,13 @@ class Cascade:
 
 @dataclass(frozen=True)
 class Shape:
-    """The attention shape the plans are for."""
+    """The attention shape the plans are for, and the threads that run them (a short
+    chunk's tasks: see the module's docstring)."""
 
     heads: int
     kv_heads: int
     window: int | None
+    threads: int = 1
 
 
 def slots_of(span: SeqSpan, block_size: int, start: int) -> np.ndarray:
@@ -115,7 +120,8 @@ class _Builder:
         self.rows.append(rows.reshape(-1))
         self.lims.append(np.broadcast_to(np.stack([lo, pos + 1], 1)[None, :, None, :],
                                           (kvh, span.q_len, g, 2)).reshape(-1, 2))
-        seg = _segments(pos, max(1, MAX_TASK_ROWS // g))  # [S, 2] query index ranges
+        most = max(1, MAX_TASK_ROWS // g)
+        seg = _segments(pos, most) if span.q_len > SHORT_CHUNK else _shares(span.q_len, self.shape.threads, most)
         row0 = self.n_rows + np.arange(kvh)[:, None] * (span.q_len * g) + seg[None, :, 0] * g  # [KVH, S]
         n = np.broadcast_to((seg[:, 1] - seg[:, 0]) * g, row0.shape)
         head = np.broadcast_to(np.arange(kvh)[:, None], row0.shape)
@@ -180,6 +186,14 @@ def _segments(pos: np.ndarray, max_len: int) -> np.ndarray:
     starts, ends = np.r_[0, cuts], np.r_[cuts, len(pos)]
     out = [(s, min(s + max_len, e)) for s0, e in zip(starts, ends) for s in range(s0, e, max_len)]
     return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _shares(n: int, parts: int, max_len: int) -> np.ndarray:
+    """[S, 2]: queries 0..n-1 in `parts` ranges (fewer when n is smaller, more when a range
+    would pass max_len) whose lengths differ by at most one."""
+    s = min(n, max(parts, -(-n // max_len)))
+    cuts = np.arange(s + 1) * n // s
+    return np.stack([cuts[:-1], cuts[1:]], 1).astype(np.int64)
 
 
 def window_start(span: SeqSpan, window: int | None) -> int:

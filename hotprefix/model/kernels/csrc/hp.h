@@ -227,8 +227,7 @@ int xquant_alloc(xquant *x, int M, int K);
 void xquant_free(xquant *x);
 void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x32, xquant *xk);
 void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk);
-void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K, float *y,
-                 xquant *x32, xquant *xk);
+void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K, float *y, xquant *x32, xquant *xk);
 int parts_valid(const hp_part *parts, int nparts, int K);
 /* one group (16 rows of a part, its columns from col on in y's rows of ldy) against rows
  * m0..m1-1 of quantized x */
@@ -239,9 +238,10 @@ void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
  * rows m0..m1-1 in tiles of 16 (the last one partial) by AMX where it covers the group's
  * type and there are at least 16 rows; returns the rows it did (0 when off, uncovered or
  * fewer than 16) */
-int amx_on(void);
+int amx_on(void);  /* amx_group_rows leaves the thread's tiles configured: amx_release after its loop */
 int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y);
+void amx_release(void);  /* the calling thread's tiles released, if configured */
 #if defined(HP_AMX)
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);  /* tile t: rows[t] x colsb[t] bytes */
 void amx_store(const float *acc, int tn, int rows, float *y, int ldy, int nvalid);

@@ -207,6 +207,7 @@ void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K,
         const int m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
         i8_group_rows(parts + p, gg - gstart[p], col[p], ldy, K, c * M_CHUNK, m_end, x32, xk, y);
     }
+    amx_release();
 }
 
 /* y[M, sum of n] = x[M, K] @ [W_0; W_1; ...]^T with x quantized to int8; each part

@@ -50,8 +50,22 @@ int hp_amx(int want) {
 
 int amx_on(void) { return amx_state; }
 
-/* The tiles' shapes: tile t has rows[t] rows of colsb[t] bytes (0: unused). */
+/* The shapes this thread's tiles have now (the `rows` array they were loaded from; NULL:
+ * none, the tiles released). ldtilecfg costs hundreds of cycles (it also zeroes the tiles):
+ * loaded once for a thread's run of groups of one shape, not once a group. */
+static __thread const uint8_t *amx_cfg;
+
+void amx_release(void) {
+    if (!amx_cfg) return;
+    _tile_release();
+    amx_cfg = NULL;
+}
+
+/* The tiles' shapes: tile t has rows[t] rows of colsb[t] bytes (0: unused); nothing when
+ * this thread's tiles already have them (rows: a static array, named by its address). */
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]) {
+    if (amx_cfg == rows) return;
+    amx_cfg = rows;
     struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -190,13 +204,14 @@ int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
         amx_load_config(rows, colsb);
         f(gp, nb, xq, x32->d + xo, x32->sd + xo, K, nt, mr, yg, ldy, nvalid);
     }
-    _tile_release();
-    return mr;
+    return mr;  /* (the tiles stay configured for the thread's next group: amx_release) */
 }
 #else
 int hp_amx(int want) { (void)want; return 0; }
 
 int amx_on(void) { return 0; }
+
+void amx_release(void) {}
 
 int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
                    const xquant *xk, float *y) {

@@ -156,6 +156,7 @@ static void wave_products(const hp_moe *m, const moe_plan *pl, int w, const hp_p
             reads[e] += bytes;
         }
     }
+    amx_release();
 }
 
 /* One wave for a thread of the region (every thread runs it: its loops end in barriers). */
