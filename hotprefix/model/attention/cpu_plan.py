@@ -167,8 +167,9 @@ class _Builder:
         def cat(parts: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
             if not parts:
                 return torch.zeros(shape, dtype=torch.int64)
-            one = parts[0] if len(parts) == 1 and parts[0].flags.writeable else None  # (a broadcast view: copied)
-            return torch.from_numpy(one if one is not None else np.concatenate(parts))
+            if len(parts) == 1 and parts[0].flags.writeable:  # (a read-only broadcast view is copied)
+                return torch.from_numpy(parts[0])
+            return torch.from_numpy(np.concatenate(parts))
         return AttPlan(cat(self.tasks, (0, 6)), cat(self.rows, (0,)), cat(self.lims, (0, 2)), cat(self.slots, (0,)))
 
 
