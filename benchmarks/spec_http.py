@@ -2,7 +2,7 @@
 `--spec-type` modes (issue 45's goal: on quote, edit and json, decode tokens/s with
 speculation >= llama-server with its best spec type on the same prompts).
 
-The workloads are speculative.py's (spec_prompts.py: quote, edit, json, unique), sent as
+The workloads are speculative.py's (spec_prompts.py: quote, edit, json, unique, chat), sent as
 chat messages to /v1/chat/completions (each server applies the model's chat template),
 streamed, greedy (temperature 0), `max_tokens` 96; `ignore_eos` on all but json, whose
 `response_format` is the json_schema (hotprefix refuses ignore_eos under a structured

@@ -6,6 +6,7 @@ JSON schema for `json`, whichever server or engine runs them.
   edit    a 122-line Python file (hotprefix/core/fairness.py) and "rename X to Y, output the file"
   json    a schema-constrained extraction (SCHEMA)
   unique  a story, nothing to copy
+  chat    a multi-turn chat: a system prompt, two earlier turns, a new question (little to copy)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ("quote", "edit", "json", "unique")
+WORKLOADS = ("quote", "edit", "json", "unique", "chat")
 SCHEMA = {"type": "object", "properties": {
     "lighthouses": {"type": "array", "items": {"type": "object", "properties": {
         "name": {"type": "string"}, "built": {"type": "integer"}, "fuel": {"type": "string"}},
@@ -23,6 +24,17 @@ LIGHTHOUSES = " ".join(
     f"The lighthouse at {name} was built in {year} and burned {fuel}." for name, year, fuel in [
         ("Carrow Point", 1871, "whale oil"), ("Dunmore Head", 1889, "kerosene"), ("Skerry Rock", 1902, "acetylene"),
         ("Hollin Bay", 1911, "kerosene"), ("Marram Ness", 1923, "electricity"), ("Gull Island", 1930, "diesel")])
+
+CHAT = [
+    {"role": "system", "content": "You are a friendly assistant who gives practical advice."},
+    {"role": "user", "content": "I want to start running. How far should I go in my first week?"},
+    {"role": "assistant", "content": "Start small: three runs of 15 to 20 minutes, mixing a minute of easy "
+     "running with a minute of walking. Rest a day between runs, and keep the pace easy enough to talk."},
+    {"role": "user", "content": "Thanks. What should I eat before a morning run?"},
+    {"role": "assistant", "content": "Something light an hour before: a banana, a slice of toast with honey, "
+     "or a small bowl of oats, and a glass of water. Skip heavy, fatty or very fibrous food."},
+    {"role": "user", "content": "And how do I keep going when it rains all week?"},
+]
 
 
 def document(tokens: int, tokenize: Callable[[str], list[int]], text: str | None = None) -> str:
@@ -48,4 +60,5 @@ def prompts(tokenize: Callable[[str], list[int]]) -> dict[str, tuple[list[dict],
         "json": ([{"role": "user", "content": f"{LIGHTHOUSES}\n\nExtract every lighthouse as JSON: its name, the "
                    "year it was built, its fuel."}], SCHEMA),
         "unique": ([{"role": "user", "content": "Write a short story about a fox who learns to sail."}], None),
+        "chat": (CHAT, None),
     }

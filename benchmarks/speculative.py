@@ -2,13 +2,17 @@
 process on the same weights and engine, the two alternating (speculation switched by
 the scheduler's Speculator), one request at a time, greedy.
 
-    .venv/bin/python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--workloads quote,edit,json,unique]
+    .venv/bin/python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--workloads quote,...]
+        [--model PATH]
 
 Workloads on the bundled model (real weights; prompts from spec_prompts.py):
   quote   a ~1,500-token document (docs/engine.md's opening) and "repeat the paragraph about ..."
   edit    a 122-line Python file (hotprefix/core/fairness.py) and "rename X to Y, output the file"
   json    a schema-constrained extraction (a grammar: drafts cut where it stops taking them)
   unique  a story, nothing to copy
+  chat    a multi-turn chat (system prompt, two earlier turns, a new question): little to copy
+--model runs another model (e.g. a random-weight GGUF of the 1B shape, benchmarks/make_gguf.py):
+its answers are noise, so on it every workload is one with nothing to accept.
 Each workload runs once first (untimed), so every timed run finds its prompt cached. Prints,
 per workload and mode, the median decode tokens/s over rounds (tokens after the first over
 the time from the first token to the last) and the median process CPU seconds per token
@@ -22,7 +26,7 @@ import json
 import statistics
 import time
 
-from spec_prompts import prompts
+from spec_prompts import WORKLOADS, prompts
 
 from hotprefix import LLM, SamplingParams
 from hotprefix.core.outputs import ScheduledRequest, SchedulerOutput
@@ -82,10 +86,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--step-cost-only", action="store_true", help="only the cost of a step with and without a draft")
-    ap.add_argument("--workloads", default="quote,edit,json,unique")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--model", default=None, help="a model path (default: the bundled model)")
     a = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    llm = LLM(speculative_config=spec, kv_cache_memory="512MiB")
+    llm = LLM(a.model, speculative_config=spec, kv_cache_memory="512MiB")
     sched = llm.engine.scheduler
     for context in (300, 1500):
         plain, draft = step_cost(llm, context, a.k, 40)
