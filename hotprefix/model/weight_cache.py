@@ -11,20 +11,26 @@ Format: b"HPRG" | version u32 | index length u64 | index (JSON: name -> [offset,
 qtype, n, k], a mixture's experts with their count after) | each weight at a 4096-aligned
 offset (a mixture's experts one after another inside it). A file that does not parse or whose
 index differs from the weights asked for is rebuilt. It is written under a temporary
-name, synced and renamed into place, so a process killed mid-write leaves nothing that
-reads as complete; the next start removes such leftovers. The directory is private
-(0700): what is in it becomes weights, as the built kernels beside it become code.
+name (its space allocated first), synced and renamed into place, so a process killed
+mid-write leaves nothing that reads as complete; the next start removes such leftovers.
+The start that writes it serves from the temporary file's pages at once: the sync to disk
+and the rename run on a thread of their own (`settle` waits for them; the interpreter's
+exit does too), since writing an 8B model's ~5 GB back to disk takes seconds the weights
+do not need (the page cache holds them either way). The directory is private (0700): what
+is in it becomes weights, as the built kernels beside it become code.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 
 MAGIC, VERSION, ALIGN = b"HPRG", 1, 4096
 _HEAD = struct.Struct("<4sIQ")
+_syncing: dict[Path, threading.Thread] = {}  # files written by this process, being synced and renamed into place
 
 
 def _entry(w: PackedWeight | ExpertBlocks, off: int, size: int) -> list[int]:
@@ -95,15 +102,22 @@ def _read(path: Path, spec: dict[str, list[int]]) -> dict[str, PackedWeight] | N
     return {name: _mapped(data, entry) for name, entry in spec.items()}
 
 
-def _write(path: Path, packed: dict[str, PackedWeight], spec: dict[str, list[int]], lib: ctypes.CDLL) -> None:
-    """Regroup every weight of `spec` straight into a new cache file at `path`.
-    Raises OSError (disk full, read-only cache)."""
+def _write(path: Path, packed: dict[str, PackedWeight], spec: dict[str, list[int]], lib: ctypes.CDLL) -> Path:
+    """Regroup every weight of `spec` straight into a new temporary file beside `path`
+    (its blocks allocated first, so a full disk fails here, not at write-back) and return
+    its name; nothing is synced yet (`_finish`). Raises OSError (disk full, read-only
+    cache); a failed write leaves no file."""
     total = max(off + size for off, size, *_ in spec.values())
     index = json.dumps(spec).encode()
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb+") as f:
             f.truncate(total)
+            try:
+                os.posix_fallocate(f.fileno(), 0, total)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise  # (a file system without it: the size check before is all there is)
         out = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(total,))  # closed when the last view goes
         head = _HEAD.pack(MAGIC, VERSION, len(index)) + index
         if len(head) > min(off for off, *_ in spec.values()):
@@ -111,13 +125,29 @@ def _write(path: Path, packed: dict[str, PackedWeight], spec: dict[str, list[int
         out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         for name, (off, size, *_) in spec.items():
             packed[name].regrouped(lib, out=torch.from_numpy(out[off:off + size]))
-        out.flush()
         del out
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _finish(tmp: Path, path: Path) -> None:
+    """Sync a written temporary file to disk and rename it into place (its pages may be in
+    use: a rename leaves maps alone); on an OSError, warn and remove it."""
+    try:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
+    except OSError as e:
+        log.warning("int8 weights: could not keep %s (%s); the next start regroups again", path, e)
         tmp.unlink(missing_ok=True)
+
+
+def settle() -> None:
+    """Wait until the cache files written at this start are synced and in place."""
+    while _syncing:
+        _syncing.pop(next(iter(_syncing))).join()
 
 
 def _tidy(folder: Path, keep: Path) -> None:
@@ -154,6 +184,8 @@ def regrouped_weights(source: Path, packed: dict[str, PackedWeight], names: list
     spec = _spec(packed, names, lib)
     path = cache_path(source, spec, part)
     t0 = time.perf_counter()
+    if path in _syncing:  # this process wrote it: its temporary name is the one a rewrite would take
+        _syncing.pop(path).join()
     got = _read(path, spec)
     if got is not None:
         log.info("int8 weights: mapped %s (%.2f GB, regrouped at an earlier start) in %.2fs", path,
@@ -167,14 +199,18 @@ def regrouped_weights(source: Path, packed: dict[str, PackedWeight], names: list
         free = shutil.disk_usage(path.parent).free
         if free < total + (256 << 20):
             raise OSError(f"{total / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free")
-        _write(path, packed, spec, lib)
+        tmp = _write(path, packed, spec, lib)
     except OSError as e:
         log.warning("int8 weights: cannot keep them in %s (%s): regrouped in memory for this start",
                     path.parent, e)
         return {n: packed[n].regrouped(lib) for n in names}
-    got = _read(path, spec)
+    got = _read(tmp, spec)
     if got is None:
-        raise RuntimeError(f"the regrouped weights just written to {path} do not read back")
-    log.info("int8 weights: regrouped %d weights (%.2f GB) into %s in %.2fs; later starts map it",
-             len(names), total / 1e9, path, time.perf_counter() - t0)
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"the regrouped weights just written to {tmp} do not read back")
+    sync = threading.Thread(target=_finish, args=(tmp, path), name="hotprefix-weight-sync")
+    sync.start()
+    _syncing[path] = sync
+    log.info("int8 weights: regrouped %d weights (%.2f GB) into %s in %.2fs (synced to disk in the background); "
+             "later starts map it", len(names), total / 1e9, path, time.perf_counter() - t0)
     return got

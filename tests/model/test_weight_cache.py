@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -39,9 +40,13 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "regrouped"
 
 
-def runner(path) -> ModelRunner:
-    return ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
-                       CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig())
+def runner(path, settle: bool = True) -> ModelRunner:
+    """A runner of the file in int8 mode; with `settle`, once its cache file is synced and in place."""
+    r = ModelRunner(load_model(str(path)), ModelConfig(device="cpu", quantized_matmul="int8"),
+                    CacheConfig(block_size=8, num_blocks_override=16), SchedulerConfig())
+    if settle:
+        weight_cache.settle()
+    return r
 
 
 def logits(r: ModelRunner) -> torch.Tensor:
@@ -87,6 +92,37 @@ def test_first_start_writes_the_cache_and_later_starts_map_it(gguf_path, cache, 
     assert all(p.int8 and p.raw.numel() == index[n][1] for n, p in named.items())
     types = {p.type_name for p in int8_weights(second)}
     assert types == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}  # Q4_K_M with fallbacks (rows of 384)
+
+
+def test_the_first_start_serves_before_its_cache_file_is_synced(gguf_path, cache, monkeypatch):
+    reference = logits(runner(gguf_path))
+    for f in cache.iterdir():
+        f.unlink()
+    release, real = threading.Event(), weight_cache._finish
+    monkeypatch.setattr(weight_cache, "_finish", lambda tmp, path: (release.wait(), real(tmp, path)))
+    first = runner(gguf_path, settle=False)
+    try:
+        (tmp,) = cache.iterdir()  # the sync waits: only the temporary file, its pages served
+        assert tmp.name.endswith(f".bin.tmp.{os.getpid()}")
+        assert logits(first).equal(reference)
+    finally:
+        threading.Timer(0.2, release.set).start()  # (a failure above must not leave the sync waiting)
+    second = runner(gguf_path, settle=False)  # the same file: waits for the first's sync, then maps it
+    (path,) = cache.iterdir()
+    assert path.suffix == ".bin" and path.name == tmp.name.split(".tmp.")[0]
+    assert logits(second).equal(reference) and logits(first).equal(reference)
+
+
+def test_a_sync_that_fails_warns_and_leaves_no_file(gguf_path, cache, monkeypatch, caplog):
+    def no_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(weight_cache.os, "fsync", no_fsync)
+    with caplog.at_level(logging.WARNING, logger="hotprefix.model.weight_cache"):
+        r = runner(gguf_path)
+    assert "could not keep" in caplog.text and "Input/output error" in caplog.text
+    assert not list(cache.iterdir())
+    assert torch.isfinite(logits(r)).all()  # its pages stay mapped: the file's inode lives while they do
 
 
 class NoRoom:
