@@ -190,6 +190,17 @@ class VocabEmbedding(Embedding):
         return self.parallel.all_reduce(x)
 
 
+def block_logits(hidden: torch.Tensor, blocks: Blocks | None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+    """Logits [N, n] float32 of hidden [N, E] on an output head's blocks (this rank's rows),
+    into `out` where it has that shape; None where the blocks do not serve them (no blocks,
+    hidden not float32): the caller multiplies by its float weight."""
+    if blocks is None or hidden.dtype != torch.float32:
+        return None
+    fits = out is not None and out.shape == (hidden.shape[0], blocks.n)
+    return ops.qmatmul(hidden, blocks, out=out if fits else None)  # [N, n]
+
+
 def take_embedding(ws: WeightSet, name: str, table: torch.Tensor | None) -> Embedding:
     """The embedding of `table` or of its GGUF rows (the rank's rows over several ranks:
     VocabEmbedding). Raises ModelLoadError when neither is there."""

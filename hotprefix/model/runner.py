@@ -33,7 +33,9 @@ from hotprefix.model.structured import GrammarMatchers, StepMasks
 
 __all__ = ["ALL_PATHS", "AttentionPaths", "ModelRunner"]
 log = logging.getLogger(__name__)
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([256, V] float32: 50 MB at 49k)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([256, V] float32: 50 MB at 49k),
+# into one buffer kept for the runner's life: a fresh tensor that size is mapped anew and faulted in
+# page by page each time (as much kernel time as the head's product on the default model)
 
 
 class ModelRunner:
@@ -72,6 +74,7 @@ class ModelRunner:
                                 groups=self.kv_groups)
         self.max_model_len = model_cfg.context_length(self.arch.max_position_embeddings)
         self.steps = self._step_runners(model_cfg, sched_cfg, int8)
+        self._score_logits: torch.Tensor | None = None  # [PROMPT_LOGPROB_ROWS, V]: made when first asked for
         self._host_copies(cache_cfg, sched_cfg)
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
@@ -198,12 +201,14 @@ class ModelRunner:
         """Logits of every token in the batch, [T, V] (tests compare them with a reference)."""
         return self._logits(self.forward(sched, paths), slice(None))
 
-    def _logits(self, hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
-        """Logits [n, V] of hidden's `rows` (over several ranks: each rank computes its
-        vocabulary rows of them, gathered on rank 0, which says which rows)."""
+    def _logits(self, hidden: torch.Tensor, rows: slice | list[int], out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits [n, V] of hidden's `rows`, into `out` where the model's head can write them
+        there (over several ranks: each rank computes its vocabulary rows of them, gathered
+        on rank 0, which says which rows)."""
         self.parallel.send(RunLogits(rows))
         picked = hidden[rows] if isinstance(rows, slice) else hidden[torch.tensor(rows, device=self.device)]
-        return self.model.compute_logits(picked)
+        return self.model.compute_logits(picked, out)
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -352,10 +357,20 @@ class ModelRunner:
             entries = []
             for a in range(0, rows, PROMPT_LOGPROB_ROWS):
                 b = min(rows, a + PROMPT_LOGPROB_ROWS)
-                logits = self._logits(hidden, slice(start + a, start + b)).float()  # [b-a, V]
+                logits = self._logits(hidden, slice(start + a, start + b), self._score_buffer(b - a)).float()
                 entries += score_rows(logits, r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b], k)
             self.num_prompt_logprob_rows_total += rows
             out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
+
+    def _score_buffer(self, rows: int) -> torch.Tensor | None:
+        """The first `rows` rows of the runner's buffer for prompt logprobs' logits, where the
+        head is C blocks (its width: this rank's vocabulary rows); None elsewhere."""
+        blocks = getattr(self.model, "logits_blocks", None)
+        if blocks is None:
+            return None
+        if self._score_logits is None:
+            self._score_logits = torch.empty(PROMPT_LOGPROB_ROWS, blocks.n, dtype=torch.float32)
+        return self._score_logits[:rows]
 
     def _sample_alone(self, hidden: torch.Tensor, ends: list[int], rids: list[str], rows: list[SampleRow],
                       out: ModelRunnerOutput) -> tuple[list[int | None], list]:

@@ -223,9 +223,9 @@ def test_int8_matmul_reads_every_block_type_at_every_batch_size(tmp_path, hf_pai
     calls = []
     real = ops.qmatmul
 
-    def spy(x, w, lib=None):
+    def spy(x, w, lib=None, out=None):
         calls.append((x.shape[0], w.int8))
-        return real(x, w, lib)
+        return real(x, w, lib, out)
 
     monkeypatch.setattr(ops, "qmatmul", spy)
     ours = ours_logits(path, ids, "int8", AttentionPaths(fused_decode=False))  # layer by layer: each product a call

@@ -79,3 +79,31 @@ def test_prompt_logprobs_are_the_same_bits_chunked_cached_or_in_a_batch(tiny_lla
         assert got[0] == want
         if caching:
             assert outs[2].num_cached_tokens == 56
+
+
+def test_prompt_logprobs_through_the_reused_logits_buffer_are_the_same_bits(monkeypatch):
+    """The default model's head is C blocks: its prompt-logprob slices are written into one
+    buffer the runner keeps (no fresh pages each slice); the results are those of fresh tensors."""
+    from hotprefix.engine.llm import LLM
+    from hotprefix.model import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "PROMPT_LOGPROB_ROWS", 16)  # 50- and 23-token prompts: several slices
+    llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    prompts = [[(31 * i) % 40000 + 100 for i in range(50)], [(17 * i) % 30000 + 200 for i in range(23)]]
+    p = SamplingParams(max_tokens=0, prompt_logprobs=3)
+
+    def scored() -> list:
+        return [[(e.sampled.token_id, e.sampled.logprob, e.sampled.rank, [(a.token_id, a.logprob) for a in e.top])
+                 for e in o.prompt_logprobs[1:]] for o in llm.generate(prompts, [p, p])]
+
+    outs, real = [], ops.qmatmul
+    monkeypatch.setattr(ops, "qmatmul", lambda x, w, lib=None, out=None: outs.append(out) or real(x, w, lib, out))
+    through_buffer = scored()
+    monkeypatch.setattr(ops, "qmatmul", real)
+    buf = llm.engine.runner._score_logits
+    assert buf is not None and tuple(buf.shape) == (16, llm.engine.runner.model.logits_blocks.n)
+    # every slice's head product wrote into the buffer: 4 slices of the first prompt, 2 of the second
+    assert sum(o is not None and o.data_ptr() == buf.data_ptr() for o in outs) == 6
+    assert [len(rows) for rows in through_buffer] == [49, 22]
+    monkeypatch.setattr(runner_mod.ModelRunner, "_score_buffer", lambda self, rows: None)
+    assert scored() == through_buffer

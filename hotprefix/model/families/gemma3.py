@@ -25,13 +25,13 @@ from torch import nn
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.attention.base import AttentionBackend
 from hotprefix.model.families.llama import MLP, Attention
-from hotprefix.model.kernels import ops
 from hotprefix.model.kv_cache import KVCache
 from hotprefix.model.layers import (
     Embedding,
     LayerOps,
     RMSNorm,
     Rotary,
+    block_logits,
     check_served,
     rope_inv_freq,
     take_embedding,
@@ -147,12 +147,10 @@ class Gemma3ForCausalLM(nn.Module):
             x = layer(x, ropes, kv, meta)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] float32 of hidden [N, E]: on the embedding's blocks where there are
-        (over several ranks: gathered on rank 0, as LlamaForCausalLM's)."""
-        p = self.logits_blocks
-        if p is not None and hidden.dtype == torch.float32:
-            logits = ops.qmatmul(hidden, p)  # [N, V]
-        else:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] float32 of hidden [N, E]: on the embedding's blocks where there are,
+        into `out` where it fits (over several ranks: gathered on rank 0, as LlamaForCausalLM's)."""
+        logits = block_logits(hidden, self.logits_blocks, out)  # [N, V]
+        if logits is None:
             logits = (hidden @ self.model.embed_tokens.weight.t()).float()  # [N, V]
         return self.parallel.gather_vocab(logits, self.arch.vocab_size)

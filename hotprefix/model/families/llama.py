@@ -27,6 +27,7 @@ from hotprefix.model.layers import (
     Linear,
     RMSNorm,
     Rotary,
+    block_logits,
     check_served,
     rope_inv_freq,
     take_embedding,
@@ -194,13 +195,12 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary(positions, dtype)
         return {w: rope for w in set(self.arch.layer_windows)}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] float32 of hidden [N, E]: on the head's blocks where there are (over
-        several ranks: each rank's vocabulary rows, gathered on rank 0; the others get theirs)."""
-        p = self.logits_blocks
-        if p is not None and hidden.dtype == torch.float32:
-            logits = ops.qmatmul(hidden, p)  # [N, V]
-        else:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] float32 of hidden [N, E]: on the head's blocks where there are, into
+        `out` where it fits (layers.block_logits); over several ranks each rank's vocabulary
+        rows, gathered on rank 0 (the others get theirs)."""
+        logits = block_logits(hidden, self.logits_blocks, out)  # [N, V]
+        if logits is None:
             w = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
             logits = (hidden @ w.t()).float()  # [N, V]
         return self.parallel.gather_vocab(logits, self.arch.vocab_size)

@@ -38,19 +38,19 @@ def _f32_cpu(name: str, *ts: torch.Tensor) -> None:
             raise ValueError(f"{name}: float32 CPU tensors only, got {t.dtype} on {t.device}")
 
 
-def qmatmul(x: torch.Tensor, w: Blocks, lib: Lib = None) -> torch.Tensor:
-    """x [M, K] float32 (CPU) @ W^T -> [M, N] float32, with int8 activations when w.int8.
-    Raises RuntimeError without the library or when the kernel refuses the weight."""
-    lib = need(lib)
+def qmatmul(x: torch.Tensor, w: Blocks, lib: Lib = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 (CPU) @ W^T -> [M, N] float32 (into `out`: a reused buffer), int8 activations
+    when w.int8. Raises RuntimeError without the library or a refused weight, ValueError for a wrong out."""
+    lib, x, m = need(lib), x.contiguous(), x.shape[0]
     _f32_cpu("qmatmul", x)
-    x = x.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, w.n, dtype=torch.float32)
+    y = torch.empty(m, w.n, dtype=torch.float32) if out is None else out
+    if y.shape != (m, w.n) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"qmatmul: out must be a contiguous [{m}, {w.n}] float32 tensor")
     threads = torch.get_num_threads()
     if w.int8:
         rc = lib.hp_qmatmul_i8_parts(w.part_table, len(w.parts), x.data_ptr(), m, w.k, y.data_ptr(), threads)
     elif isinstance(w, FusedWeight):
-        return torch.cat([qmatmul(x, p, lib) for p in w.parts], dim=1)
+        return torch.cat([qmatmul(x, p, lib) for p in w.parts], dim=1, out=y)
     else:
         rc = lib.hp_qmatmul(w.qtype, x.data_ptr(), m, w.k, w.raw.data_ptr(), w.n, y.data_ptr(), threads)
     if rc:
