@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void q32_epilogue(const int qtype, 
     _tile_loadd(bt_, bt + 512 * (s), 64); _tile_dpbssd(ct, at, bt_); } while (0)
 
 /* A tile of 16 rows of x (xq, dx, sx at its first row) against a slice of n blocks from
- * b0 (q32_slice), into acc (16 rows of 16 floats). */
+ * b0 (q32_slice), added into acc (16 rows of 16 floats; the first slice, b0 = 0, sets it). */
 static inline __attribute__((always_inline)) void q32_tile(
         const int qtype, const uint8_t *gp, int b0, int n, const uint8_t *bt, int nb, const int8_t *xq,
         const float *dx, const float *sx, int K, float *acc) {
@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void q32_tile(
     int32_t c[256] __attribute__((aligned(64)));
     __m512 a[16];
     #pragma GCC unroll 16
-    for (int r = 0; r < 16; r++) a[r] = _mm512_load_ps(acc + 16 * r);
+    for (int r = 0; r < 16; r++) a[r] = b0 ? _mm512_load_ps(acc + 16 * r) : _mm512_setzero_ps();
     Q32_DOT(0, 2, 4, 0);
     for (int s = 0; s < n; s += 2) {
         if (s + 1 < n) Q32_DOT(1, 3, 5, s + 1);
@@ -157,7 +157,6 @@ static inline __attribute__((always_inline)) void amx_q32(const int qtype, const
     float acc[RUN][256] __attribute__((aligned(64)));
     for (int t0 = 0; t0 < nt; t0 += RUN) {
         const int tn = nt - t0 < RUN ? nt - t0 : RUN;
-        memset(acc, 0, sizeof acc);
         for (int b0 = 0; b0 < nb; b0 += SLICE) {
             const int n = nb - b0 < SLICE ? nb - b0 : SLICE;
             q32_slice(qtype, gp, b0, n, bt);

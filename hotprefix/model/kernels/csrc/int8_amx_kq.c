@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void kq_finish(const int qtype, con
     for (int r = 0; r < 16; r++) {
         T[r] = _mm512_load_si512(c[0] + 16 * r);
         for (int i = 1; i < nd; i++) T[r] = _mm512_add_epi32(T[r], _mm512_slli_epi32(_mm512_load_si512(c[i] + 16 * r), db * i));
-        a[r] = _mm512_load_ps(acc + 16 * r);
+        a[r] = b ? _mm512_load_ps(acc + 16 * r) : _mm512_setzero_ps();  /* (unit 0: no sums yet) */
     }
     kq_scale_vnni(qtype, 16, u, T, dk, bs + (size_t)b * KBS, nbk, b, a);
     #pragma GCC unroll 16
@@ -119,7 +119,6 @@ static inline __attribute__((always_inline)) void amx_kq_group(
     float acc[KQ_RUN][256] __attribute__((aligned(64)));
     for (int t0 = 0; t0 < nt; t0 += KQ_RUN) {
         const int tn = nt - t0 < KQ_RUN ? nt - t0 : KQ_RUN;
-        memset(acc, 0, sizeof acc);
         for (int b = 0; b < nbk; b++) {
             const uint8_t *u = gp + (size_t)b * ub;
             kq_unit(qtype, u, bt);
