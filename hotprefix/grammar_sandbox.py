@@ -33,7 +33,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 from hotprefix.errors import InvalidRequestError
 from hotprefix.sampling_params import StructuredKind
@@ -133,11 +132,11 @@ def _kill_live() -> None:
 
 
 def _worker_env() -> dict[str, str]:
-    """The environment with this hotprefix's folder first on PYTHONPATH: the worker imports
-    the package its parent runs, wherever it was imported from."""
-    root = str(Path(__file__).resolve().parent.parent)
+    """The environment with PYTHONPATH the parent's sys.path, in its order: the worker
+    imports what its parent would (this hotprefix, wherever it came from), as
+    multiprocessing's spawn gave its children the parent's sys.path."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     return env
 
 
