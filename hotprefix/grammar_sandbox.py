@@ -201,7 +201,12 @@ class CompileSandbox:
                 start = self._count < self.cfg.workers
                 self._count += start
             if start:
-                return _Worker(self.cfg, self.tokenizer_json())
+                try:
+                    return _Worker(self.cfg, self.tokenizer_json())
+                except BaseException:  # (no process to wait for: its place is free again)
+                    with self._lock:
+                        self._count -= 1
+                    raise
 
     def _discard(self, w: _Worker) -> None:
         """A worker over its budget (or broken): killed; the next call starts another."""

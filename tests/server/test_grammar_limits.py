@@ -174,6 +174,23 @@ def test_a_worker_that_cannot_start_is_a_clear_error_at_once(tokenizer):
         sandbox.close()
 
 
+def test_a_worker_that_cannot_be_made_frees_its_place(tokenizer):
+    """The tokenizer's JSON cannot be made: the call raises that, and the sandbox's one
+    place is free again for the next call (else every later call would wait for it)."""
+    def broken() -> str:
+        raise OSError("no tokenizer")
+
+    sandbox = CompileSandbox(SandboxConfig(320, (tokenizer.eos_token_id,), 5.0, workers=1), broken)
+    try:
+        with pytest.raises(OSError, match="no tokenizer"):
+            sandbox.grammar(StructuredKind.REGEX, "a")
+        assert sandbox._count == 0
+        sandbox.tokenizer_json = tokenizer.backend_tokenizer.to_str
+        assert sandbox.grammar(StructuredKind.REGEX, "a")
+    finally:
+        sandbox.close()
+
+
 def test_a_worker_that_dies_while_starting_is_a_clear_error(tokenizer):
     """A worker killed before it is ready: the parent says so (it never waits for it)."""
     import signal
