@@ -4,9 +4,10 @@ llguidance compiles a JSON schema, regex or grammar in native code that no Pytho
 thread can interrupt, and a hostile spec (a schema of 15,000 properties, a regex of
 nested repetitions) kept a preprocessing thread for a minute after its request had
 been answered, starving every other tenant. So a spec is first compiled, and its first
-token mask built, in a worker process (spawned, so it imports neither torch nor
-transformers; about 0.5 s to start, with the model's tokenizer given as its JSON, made for
-each start and never kept: 11 MiB at a 262,144-token vocabulary). A
+token mask built, in a worker process (`python -m hotprefix.grammar_worker`: it imports
+neither torch, nor transformers, nor the parent's main module; about 0.5 s to start, with
+the model's tokenizer given as its JSON, made for each start and never kept: 11 MiB at a
+262,144-token vocabulary). A worker that fails to start is an error at once. A
 worker that spends more CPU time on one spec than the budget (--max-grammar-compile-seconds,
 measured from /proc; four times as long in wall-clock time on a machine too loaded to
 say) is killed and replaced, and the request gets a 400; one that runs out of its
@@ -17,18 +18,23 @@ compiled within its budget is then compiled again in the server's own process
 
 from __future__ import annotations
 
+import atexit
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import queue
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
 
 from hotprefix.errors import InvalidRequestError
-from hotprefix.grammar_build import build
 from hotprefix.sampling_params import StructuredKind
 
 log = logging.getLogger(__name__)
@@ -49,32 +55,6 @@ class SandboxConfig:
     max_memory: int = 4 << 30
 
 
-def _worker_main(conn: Any, cfg: SandboxConfig, tokenizer_json: str) -> None:  # in the worker process
-    if cfg.max_memory:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (cfg.max_memory, cfg.max_memory))
-    import llguidance
-
-    tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=cfg.vocab_size, eos_token=list(cfg.eos) or None)
-    conn.send(("ready", ""))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:  # the parent went away without saying so (it exited): nothing to report
-            return
-        if msg is None:
-            return
-        kind, spec = msg
-        try:
-            compiled = build(StructuredKind(kind), spec, tok, cfg.vocab_size)
-            conn.send(("ok", compiled.grammar) if compiled.error is None else ("err", compiled.error))
-        except InvalidRequestError as e:
-            conn.send(("err", str(e)))
-        except MemoryError:
-            conn.send(("err", "compiling it needed more memory than the compiler may use"))
-
-
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a process, from /proc (None where it cannot be read)."""
     try:
@@ -86,28 +66,78 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe."""
+    """One worker process (grammar_worker.py) and the parent's end of its socket pair. The
+    config and tokenizer JSON go in an unlinked file the worker reads, so starting never
+    waits on the worker; a worker still running at the parent's exit is killed."""
 
-    def __init__(self, ctx: Any, cfg: SandboxConfig, tokenizer_json: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, cfg, tokenizer_json), daemon=True,
-                                name="hotprefix-grammar")
-        self.proc.start()
-        child.close()
+    def __init__(self, cfg: SandboxConfig, tokenizer_json: str) -> None:
+        parent, child = socket.socketpair()
+        with child, tempfile.TemporaryFile() as setup:
+            pickle.dump((cfg, tokenizer_json), setup)
+            setup.flush()
+            setup.seek(0)
+            fds = (child.fileno(), setup.fileno())
+            self.proc = subprocess.Popen([sys.executable, "-m", "hotprefix.grammar_worker", *map(str, fds)],
+                                         pass_fds=fds, stdin=subprocess.DEVNULL, env=_worker_env())
+        self.conn = Connection(parent.detach())
         self.ready = False
+        _LIVE.add(self)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def wait_ready(self) -> None:
-        """Raises RuntimeError when the worker does not come up."""
-        if not self.ready:
-            if not self.conn.poll(START_TIMEOUT_S):
-                raise RuntimeError("the grammar compiler process did not start")
-            self.conn.recv()
-            self.ready = True
+        """Until the worker says it can compile. Raises RuntimeError saying why when it
+        reports a failure to start, exits, or is silent for START_TIMEOUT_S."""
+        if self.ready:
+            return
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.conn.poll(0.05):
+            if not self.alive() or time.monotonic() > deadline:
+                break
+        else:
+            try:
+                status, text = self.conn.recv()
+            except EOFError:  # it exited
+                status, text = "exited", ""
+            if status == "ready":
+                self.ready = True
+                return
+            if status == "error":
+                raise RuntimeError(f"the grammar compiler process did not start: {text}")
+        try:
+            code = self.proc.wait(5)
+            why = f"it exited with status {code}" if code >= 0 else f"it was killed by signal {-code}"
+        except subprocess.TimeoutExpired:
+            why = f"it said nothing for {START_TIMEOUT_S:g}s"
+        raise RuntimeError(f"the grammar compiler process did not start: {why}")
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.join(5)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
         self.conn.close()
+
+
+_LIVE: weakref.WeakSet[_Worker] = weakref.WeakSet()  # killed at exit, as multiprocessing's daemons were
+
+
+@atexit.register
+def _kill_live() -> None:
+    for w in list(_LIVE):
+        if w.alive():
+            w.proc.kill()
+
+
+def _worker_env() -> dict[str, str]:
+    """The environment with PYTHONPATH the parent's sys.path, in its order: the worker
+    imports what its parent would (this hotprefix, wherever it came from), as
+    multiprocessing's spawn gave its children the parent's sys.path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+    return env
 
 
 class CompileSandbox:
@@ -118,7 +148,6 @@ class CompileSandbox:
     def __init__(self, cfg: SandboxConfig, tokenizer_json: Callable[[], str]) -> None:
         self.cfg = cfg
         self.tokenizer_json = tokenizer_json
-        self._ctx = mp.get_context("spawn")
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._count = 0
@@ -148,14 +177,14 @@ class CompileSandbox:
         while not w.conn.poll(0.02):
             cpu, wall = _cpu_seconds(w.proc.pid), time.monotonic() - t0
             over_cpu = cpu is not None and cpu0 is not None and cpu - cpu0 > budget
-            if over_cpu or wall > 4 * budget + 1 or not w.proc.is_alive():
+            if over_cpu or wall > 4 * budget + 1 or not w.alive():
                 break
         else:
             try:
                 return w.conn.recv()
             except EOFError:  # it died answering: its address space ran out
                 pass
-        why = ("exhausted the compiler's memory" if not w.proc.is_alive()
+        why = ("exhausted the compiler's memory" if not w.alive()
                else f"took more than {budget:g}s of CPU time to compile")
         raise InvalidRequestError(f"the {kind.value} constraint {why} (--max-grammar-compile-seconds); "
                                   "send a simpler one", kind.value)
@@ -172,7 +201,12 @@ class CompileSandbox:
                 start = self._count < self.cfg.workers
                 self._count += start
             if start:
-                return _Worker(self._ctx, self.cfg, self.tokenizer_json())
+                try:
+                    return _Worker(self.cfg, self.tokenizer_json())
+                except BaseException:  # (no process to wait for: its place is free again)
+                    with self._lock:
+                        self._count -= 1
+                    raise
 
     def _discard(self, w: _Worker) -> None:
         """A worker over its budget (or broken): killed; the next call starts another."""
@@ -180,7 +214,7 @@ class CompileSandbox:
         self.killed += 1
         with self._lock:
             self._count -= 1
-        log.warning("killed a grammar compiler process that went over its budget")
+        log.warning("stopped a grammar compiler process (over its budget, or broken)")
 
     def close(self) -> None:
         """Stop the idle workers (a busy one finishes its spec first); a later call
@@ -194,7 +228,10 @@ class CompileSandbox:
                 w.conn.send(None)
             except OSError:
                 pass
-            w.proc.join(2)
+            try:
+                w.proc.wait(2)
+            except subprocess.TimeoutExpired:
+                pass
             w.kill()
             with self._lock:
                 self._count -= 1

@@ -120,8 +120,6 @@ class SamplingParams:
         self._validate_lists()
         if self.structured is not None:
             _check(not self.ignore_eos, "ignore_eos", True, "cannot be used with a structured output (its end is EOS)")
-            _check(self.min_tokens == 0, "min_tokens", self.min_tokens,
-                   "must be 0 with a structured output (the grammar decides where it ends)")
 
     def _validate_lists(self) -> None:
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", len(self.stop),

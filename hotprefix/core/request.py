@@ -115,7 +115,9 @@ class Request:
         sp = self.sampling_params
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
-        if n_out >= sp.min_tokens:
+        # before min_tokens the sampler lets a structured output sample a stop token only when
+        # its grammar allows nothing else (sampler.min_tokens_suppressed): the grammar wins, it stops
+        if n_out >= sp.min_tokens or sp.structured is not None:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in sp.stop_token_ids:

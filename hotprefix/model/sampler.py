@@ -1,7 +1,8 @@
 """Turn each row of logits into one token according to its SamplingParams.
 
 Order of operations (vLLM's): raw logprobs are taken first; then the structured
-output's mask, min_tokens suppression, logit bias, penalties, temperature, top-k, top-p,
+output's mask, min_tokens suppression (of the stop ids, unless they are all the grammar
+allows: the grammar wins), logit bias, penalties, temperature, top-k, top-p,
 min-p; greedy rows take the argmax of the penalised logits.
 """
 
@@ -26,6 +27,22 @@ class SampleRow:
     stop_ids_for_min_tokens: tuple[int, ...]
     generator: torch.Generator | None
     forbidden: torch.Tensor | None = None  # [V] bool: what a structured output forbids next
+
+
+def min_tokens_suppressed(r: SampleRow) -> list[int]:
+    """The stop ids min_tokens takes out of r's row: none once r has min_tokens output
+    tokens, and none where they are all that its grammar allows (the grammar wins: its output
+    ends there, shorter than min_tokens, and Request.check_token_stop stops it; masking them
+    too would leave no token to sample, and argmax would pick token 0)."""
+    if len(r.output_token_ids) >= r.params.min_tokens or not r.stop_ids_for_min_tokens:
+        return []
+    ids = list(r.stop_ids_for_min_tokens)
+    if r.forbidden is not None:
+        others = ~r.forbidden  # (a copy: the step's mask is not changed)
+        others[ids] = False
+        if not bool(others.any()):
+            return []
+    return ids
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -131,8 +148,8 @@ class Sampler:
             if r.forbidden is not None:  # first: nothing below may bring back a token the grammar forbids
                 logits[i].masked_fill_(r.forbidden, float("-inf"))
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens and r.stop_ids_for_min_tokens:
-                logits[i, list(r.stop_ids_for_min_tokens)] = float("-inf")
+            if suppressed := min_tokens_suppressed(r):
+                logits[i, suppressed] = float("-inf")
         for i, r in enumerate(rows):
             if r.params.logit_bias:
                 ids = torch.tensor([t for t, _ in r.params.logit_bias], device=logits.device)

@@ -212,3 +212,33 @@ def test_idle_keep_alive_connections_outlive_the_clients_expiry(tiny_llama):
         assert _get_twice_on_one_connection(url, 3.0) == (0, b"")  # closed by the server: the flag is honoured
     finally:
         stop_process(proc)
+
+
+GUARDLESS_SCRIPT = '''
+import json
+from hotprefix import LLM, SamplingParams
+from hotprefix.sampling_params import StructuredKind, StructuredOutput
+
+schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["n"], "additionalProperties": False}
+llm = LLM(kv_cache_memory="256MiB")
+params = SamplingParams(temperature=0, max_tokens=24,
+                        structured=StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema)))
+out = llm.generate(["A number between 0 and 99 as JSON: "], params)[0].outputs[0]
+print(json.dumps({"text": out.text, "finish_reason": out.finish_reason}))
+'''
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_gets_its_structured_output(tmp_path):
+    """A vLLM user's script builds its LLM at top level (no `if __name__ == "__main__":`):
+    the grammar compiler's worker process must not run the script again (it did under
+    multiprocessing's spawn, and the script waited for it forever)."""
+    script = tmp_path / "guardless.py"
+    script.write_text(GUARDLESS_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    value = json.loads(result["text"])
+    assert result["finish_reason"] == "stop" and list(value) == ["n"] and isinstance(value["n"], int)
+    assert 0 <= value["n"] <= 99

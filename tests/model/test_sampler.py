@@ -127,6 +127,48 @@ def test_min_tokens_suppresses_stop_ids():
     assert toks[0] == 2
 
 
+def allowing(*ids: int) -> torch.Tensor:
+    """A grammar's mask over V tokens that allows only `ids`."""
+    forbidden = torch.ones(V, dtype=torch.bool)
+    forbidden[list(ids)] = False
+    return forbidden
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, min_tokens=5),
+                                    SamplingParams(temperature=1.0, seed=3, min_tokens=5, top_k=3, logprobs=1)])
+def test_a_grammar_that_allows_only_stop_ids_wins_over_min_tokens(params):
+    """Before min_tokens, a grammar that allows only stop ids (it must end): the stop id
+    its grammar allows is sampled, greedy or seeded (before, every logit was -inf: greedy
+    took token 0, sampling the last token, neither one the grammar's)."""
+    logits = torch.arange(V, dtype=torch.float32)[None].flip(1).clone()  # token 0 the likeliest
+    r = SampleRow(params, [4], [7], (2, 3), torch.Generator().manual_seed(0), allowing(3))
+    toks, lps = Sampler()(logits, [r])
+    assert toks == [3] and torch.isfinite(logits[0, 3])
+    assert lps[0] is None if params.logprobs is None else lps[0].sampled.token_id == 3
+    assert r.forbidden.tolist() == allowing(3).tolist()  # the step's mask is left as it was
+
+
+def test_min_tokens_still_holds_back_a_stop_id_the_grammar_allows_beside_others():
+    logits = logits_of(0, 0, 9, 0, 0, 1, 0, 0, 0, 0)[None].clone()
+    row_ = SampleRow(SamplingParams(temperature=0, min_tokens=2), [], [1], (2,), None, allowing(2, 5))
+    assert Sampler()(logits, [row_])[0] == [5]
+    logits = logits_of(0, 0, 9, 0, 0, 1, 0, 0, 0, 0)[None].clone()
+    row_ = SampleRow(SamplingParams(temperature=0, min_tokens=2), [], [1, 1], (2,), None, allowing(2, 5))
+    assert Sampler()(logits, [row_])[0] == [2]  # min_tokens reached
+
+
+def test_verify_takes_a_drafted_stop_id_the_grammar_forces_before_min_tokens():
+    """Speculative verification samples each position as decoding does: a draft [5, 2]
+    whose second position the grammar allows only the stop id 2 at is kept whole."""
+    p = SamplingParams(temperature=0, min_tokens=6)
+    logits = torch.zeros(3, V)
+    logits[0, 5] = 1.0
+    rows = [SampleRow(p, [], [1], (2,), None, allowing(5, 6)), SampleRow(p, [], [1, 5], (2,), None, allowing(2)),
+            SampleRow(p, [], [1, 5, 2], (2,), None, None)]
+    tokens, _ = Sampler().verify(logits, rows, [5, 2])
+    assert tokens == [5, 2, 0]  # (the last row: min_tokens holds back 2, no grammar)
+
+
 def test_logprobs_are_raw_log_softmax_with_rank():
     logits = logits_of(1.0, 3.0, 2.0, 0.0)
     sampler = Sampler()

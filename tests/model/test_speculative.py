@@ -186,3 +186,40 @@ def test_a_grammars_forced_tokens_as_drafts_give_the_tokens_of_constrained_decod
     stats = engine.scheduler.make_stats().spec
     assert sum(len(f) > 1 for f in forced) > 8 and stats.num_accepted_tokens > 8
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+
+
+def _held(kind: StructuredKind, spec: str, **kw) -> SamplingParams:
+    return SamplingParams(**{"logprobs": 5, "structured": StructuredOutput(kind, spec), "max_tokens": 24, **kw})
+
+
+YES_NO = json.dumps(["yes", "no"])
+HELD_REQUESTS = [  # (min_tokens 10 is added below)
+    ([11, 12, 13, 14] * 5, _held(StructuredKind.CHOICE, YES_NO, temperature=0.0)),
+    (list(range(40, 63)), _held(StructuredKind.CHOICE, YES_NO, temperature=1.0, seed=3)),
+    (list(range(90, 110)), _held(StructuredKind.REGEX, "[a-z]{1,30}", temperature=0.0)),
+    ([7, 8, 9] * 6, _held(StructuredKind.REGEX, "[a-z]{1,30}", temperature=0.9, seed=5)),
+]
+
+
+def test_a_grammar_that_must_end_wins_over_min_tokens(loaded):  # noqa: F811
+    """min_tokens 10 under a choice complete after a token or two: the grammar wins, the
+    answer is the one without min_tokens token for token (its EOS, its logprobs), finished
+    by "stop", greedy and seeded; under a regex that may go on, no EOS comes before token
+    10. With drafts (the grammar's forced tokens, the n-gram's) the answers are the same."""
+    from dataclasses import replace
+
+    engine = make_engine(loaded, "int8", caching=True)
+    free = outputs(run(engine, HELD_REQUESTS))
+    held_requests = [(p, replace(sp, min_tokens=10)) for p, sp in HELD_REQUESTS]
+    held = outputs(run(engine, held_requests))
+    eos = engine.tokenizer.eos_token_id
+    for i in (0, 1):  # the choices: "yes" or "no", then EOS, as without min_tokens
+        [(tokens, reason, _)] = held[i]
+        assert held[i] == free[i] and reason == "stop" and tokens[-1] == eos
+        assert engine.tokenizer.decode(list(tokens[:-1])) in ("yes", "no")
+    for i in (2, 3):  # the regexes: no EOS before token 10 (the greedy one ended at 4 without min_tokens)
+        [(tokens, reason, _)] = held[i]
+        assert reason == "stop" and tokens[-1] == eos and eos not in tokens[:10]
+    assert len(free[2][0][0]) < 10 and held[2][0][0][:len(free[2][0][0]) - 1] == free[2][0][0][:-1]
+    spec = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
+    assert outputs(run(spec, held_requests)) == held

@@ -151,16 +151,67 @@ def test_a_tenant_holds_at_most_half_of_the_preprocessing_workers(tiny_llama):
 def test_a_worker_whose_parent_went_away_exits_quietly(tokenizer):
     """A process that exits without closing its sandbox (a script's LLM) leaves its workers a
     pipe at its end: they exit with status 0 and no traceback (they printed EOFError's)."""
-    import multiprocessing as mp
-
     from hotprefix.grammar_sandbox import _Worker
 
     cfg = SandboxConfig(320, (tokenizer.eos_token_id,), 5.0, workers=1)
-    w = _Worker(mp.get_context("spawn"), cfg, tokenizer.backend_tokenizer.to_str())
+    w = _Worker(cfg, tokenizer.backend_tokenizer.to_str())
     w.wait_ready()
     w.conn.close()  # as the parent's exit closes it
-    w.proc.join(60)
-    assert w.proc.exitcode == 0
+    assert w.proc.wait(60) == 0
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error_at_once(tokenizer):
+    """A worker that fails to start (here: a tokenizer llguidance cannot read) says why and
+    the call raises it; the sandbox starts a new worker for the next call."""
+    sandbox = CompileSandbox(SandboxConfig(320, (tokenizer.eos_token_id,), 5.0, workers=1), lambda: "not json")
+    try:
+        with pytest.raises(RuntimeError, match="^the grammar compiler process did not start: ") as e:
+            sandbox.grammar(StructuredKind.REGEX, "a")
+        assert "Error" in str(e.value) and sandbox.killed == 1
+        sandbox.tokenizer_json = tokenizer.backend_tokenizer.to_str
+        assert sandbox.grammar(StructuredKind.REGEX, "a")
+    finally:
+        sandbox.close()
+
+
+def test_a_worker_that_cannot_be_made_frees_its_place(tokenizer):
+    """The tokenizer's JSON cannot be made: the call raises that, and the sandbox's one
+    place is free again for the next call (else every later call would wait for it)."""
+    def broken() -> str:
+        raise OSError("no tokenizer")
+
+    sandbox = CompileSandbox(SandboxConfig(320, (tokenizer.eos_token_id,), 5.0, workers=1), broken)
+    try:
+        with pytest.raises(OSError, match="no tokenizer"):
+            sandbox.grammar(StructuredKind.REGEX, "a")
+        assert sandbox._count == 0
+        sandbox.tokenizer_json = tokenizer.backend_tokenizer.to_str
+        assert sandbox.grammar(StructuredKind.REGEX, "a")
+    finally:
+        sandbox.close()
+
+
+def test_a_worker_that_dies_while_starting_is_a_clear_error(tokenizer):
+    """A worker killed before it is ready: the parent says so (it never waits for it)."""
+    import signal
+
+    from hotprefix.grammar_sandbox import _Worker
+
+    w = _Worker(SandboxConfig(320, (tokenizer.eos_token_id,), 5.0, workers=1), tokenizer.backend_tokenizer.to_str())
+    w.proc.send_signal(signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="^the grammar compiler process did not start: it was killed by signal 9$"):
+        w.wait_ready()
+    w.kill()
+
+
+def test_the_worker_module_imports_neither_torch_nor_transformers():
+    """What the worker process imports: the compiler, not torch (nor transformers)."""
+    import subprocess
+    import sys
+
+    code = "import sys, hotprefix.grammar_worker; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
 def test_tokenizer_json_leaves_out_padding_and_truncation_and_changes_nothing(tmp_path):

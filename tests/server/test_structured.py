@@ -159,7 +159,6 @@ def test_regex_choice_and_grammars_hold_at_temperature_1(client, field, value, c
     ({"structured_outputs": {"regex": "a{1000000}"}}, "regex", "--max-grammar-repeat"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one output constraint"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "structured output"),
-    ({"response_format": {"type": "json_object"}, "min_tokens": 5}, "min_tokens", "structured output"),
     ({"response_format": {"type": "json_object"}, "tools": [WEATHER]}, "tool_choice", "cannot both"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not in tools"),
@@ -174,6 +173,23 @@ def test_bad_constraints_are_a_400_naming_the_problem(srv, extra, param, needle)
     err = r.json()["error"]
     assert needle in err["message"] and err["param"] == param and err["type"] == "BadRequestError", err
     srv.check_drained()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 4}])
+def test_a_grammar_that_must_end_wins_over_min_tokens(client, sampling):
+    """vLLM's rule: min_tokens holds back the stop tokens only while the grammar allows
+    something else. A choice complete after a token or two ends there, "stop", the answer
+    token for token the one without min_tokens; a regex that may go on gives min_tokens."""
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    free = chat(client, max_tokens=20, logprobs=True, extra_body=choice, **sampling)
+    held = chat(client, max_tokens=20, logprobs=True, extra_body={**choice, "min_tokens": 10}, **sampling)
+    tokens = [[t.token for t in r.choices[0].logprobs.content] for r in (free, held)]
+    assert held.choices[0].message.content in ("yes", "no") and held.choices[0].finish_reason == "stop"
+    assert tokens[1] == tokens[0] and held.usage.completion_tokens == free.usage.completion_tokens < 10
+    digits = {"structured_outputs": {"regex": "[0-9]{1,12}"}}
+    r = chat(client, max_tokens=20, extra_body={**digits, "min_tokens": 6}, **sampling)
+    text = r.choices[0].message.content
+    assert re.fullmatch("[0-9]{6,12}", text) and r.choices[0].finish_reason == "stop", text
 
 
 def test_a_grammar_compiles_once_per_spec(srv, client):

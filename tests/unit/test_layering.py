@@ -76,7 +76,8 @@ def test_no_function_over_60_lines_and_no_file_over_500():
 FLOORS = (
     ("errors", "flags", "config_json", "config", "server_config", "sampling_params", "sizing", "metric_names",
      "vllm_flags", "vllm_foreign", "vllm_foreign_model", "vllm_foreign_frontend"),
-    ("core", "grammar", "grammar_build", "grammar_limits", "grammar_sandbox", "cachecurve"),
+    ("core", "grammar", "grammar_build", "grammar_limits", "grammar_sandbox", "grammar_worker",
+     "cachecurve"),
     ("tokenizers",),
     ("model",),
     ("engine",),
