@@ -68,7 +68,8 @@ class GrammarMatchers:
         made or is in an error state, or whose first mask takes more than MASK_BUDGET_S of
         CPU time or allows nothing, lands in the result's `failed`; such a mask at a
         draft's later position cuts the draft there instead (decoding fails, or not, when
-        it gets there)."""
+        it gets there), as does a draft token the grammar rejects (the scheduler's drafts
+        are already cut to what the grammar takes: core/speculation.py owns that check)."""
         import llguidance.torch as lt
 
         masks, live = StepMasks(), []
@@ -81,7 +82,7 @@ class GrammarMatchers:
             if m.is_error():
                 masks.failed[rid] = f"the grammar matcher failed: {m.get_error()}"
             else:
-                live.append((rid, m, draft[:m.validate_tokens(draft)] if draft else []))
+                live.append((rid, m, draft))
         if not live:
             return masks
         bitmask = torch.empty(sum(len(d) + 1 for _, _, d in live), -(-self.vocab_size // 32),
@@ -105,8 +106,8 @@ class GrammarMatchers:
         for rid, m, draft in live:
             walker = m.deep_copy() if draft else m
             for j in range(len(draft) + 1):
-                if j:
-                    walker.consume_token(draft[j - 1])  # (validated: it takes it)
+                if j and not walker.consume_token(draft[j - 1]):
+                    break  # (the scheduler cut the draft to what the grammar takes: a caller's that it does not)
                 t = time.thread_time()  # CPU time: waiting for the GIL or a core is not the grammar's cost
                 lt.fill_next_token_bitmask(walker, bitmask, at + j)
                 if (why := _unusable(walker, time.thread_time() - t, bitmask[at + j])) is not None:
