@@ -11,14 +11,15 @@ decode step), is it one a proposer could have drafted:
           so no proposer that copies the request's own text drafts a token this misses
   forced  (under a grammar) it is the first of llguidance's fast-forward tokens there
 With c(d) the measured cost of a decode step verifying d draft tokens (the fastest of
-`--reps`, interleaved: speculative.py's step_costs, at the workload's context length), an
-omniscient proposer drafts at each step d <= k tokens of the run of draftable tokens that
-follows, d chosen for the least total cost (a dynamic program): the step yields them and
-the sampled token, and its speed-up over no speculation is (N - 1) c(0) / sum of c(d)
-over its steps, the bound for that kind of proposer at that k. The same is printed for the
+`--reps`, interleaved: speculative.py's step_costs, at the workload's context length, d up
+to 2k under a grammar: a constrained draft is up to k forced tokens and then up to k n-gram
+tokens), an omniscient proposer drafts at each step d <= k tokens (2k for copy or forced)
+of the run of draftable tokens that follows, d chosen for the least total cost (a dynamic
+program): the step yields them and the sampled token, and its speed-up over no speculation
+is (N - 1) c(0) / sum of c(d) over its steps, the bound for that kind of proposer at that k. The same is printed for the
 real proposer's rules with no adaptive back-off (n-gram lookup prompt_lookup_min..max,
-the latest occurrence; under a grammar the forced tokens first), which shows what the
-adaptive rules and the lookup leave on the table.
+the latest occurrence; under a grammar up to k forced tokens first, then up to k n-gram
+tokens), which shows what the adaptive rules and the lookup leave on the table.
 """
 
 from __future__ import annotations
@@ -74,12 +75,12 @@ def omniscient(draftable: list[bool], k: int, cost: list[float]) -> list[tuple[i
 def rules(prompt: list[int], answer: list[int], forced: list[list[int]] | None, k: int,
           min_n: int, max_n: int) -> list[tuple[int, int]]:
     """The steps (draft length, accepted) of the real proposer's drafts with no back-off:
-    the forced tokens (under a grammar), then the n-gram's after them."""
+    up to k forced tokens (under a grammar), then k n-gram tokens after them."""
     steps, i = [], 1
     while i < len(answer):
         context = prompt + answer[:i]
         ff = forced[i][:min(k, len(answer) - 1 - i)] if forced is not None else []
-        draft = ff + find_draft(encode(context + ff), min_n, max_n, k - len(ff))
+        draft = ff + find_draft(encode(context + ff), min_n, max_n, k)
         draft = draft[:len(answer) - 1 - i]
         a = 0
         while a < len(draft) and draft[a] == answer[i + a]:
@@ -158,16 +159,18 @@ def main() -> None:
         forced = forced_runs(llm, params.structured, answer) if params.structured is not None else None
         copy = [i > 0 and copyable(prompt + answer[:i], answer[i]) for i in range(n)]
         ff = [bool(forced and forced[i] and forced[i][0] == answer[i]) for i in range(n)]
-        best = step_costs(llm, len(prompt) + n // 2, list(range(a.k + 1)), a.reps) if a.reps else {}
-        cost = [best.get(d, 1.0) for d in range(a.k + 1)]  # --reps 0: every step costs the same
+        config = llm.engine.config.scheduler.speculative_config
+        longest = config.max_draft_tokens if forced is not None else a.k  # (up to k forced, then k n-gram tokens)
+        best = step_costs(llm, len(prompt) + n // 2, list(range(longest + 1)), a.reps) if a.reps else {}
+        cost = [best.get(d, 1.0) for d in range(longest + 1)]  # --reps 0: every step costs the same
         print(f"\n{name}: {n} tokens, prompt {len(prompt)}; step cost at {len(prompt) + n // 2} tokens: "
-              f"{cost[0] * 1e3:.1f} ms, c(d)/c(0) for d = 0..{a.k}: " + " ".join(f"{c / cost[0]:.2f}" for c in cost))
+              f"{cost[0] * 1e3:.1f} ms, c(d)/c(0) for d = 0..{longest}: "
+              + " ".join(f"{c / cost[0]:.2f}" for c in cost))
         print(f"  draftable of {n - 1}: copy {sum(copy)}, forced {sum(ff)} (of {sum(1 for f in forced or [] if f)} "
               f"positions with forced tokens), either {sum(c or f for c, f in zip(copy, ff))}")
-        for label, able in (("omniscient, copy", copy), ("omniscient, forced", ff),
-                            ("omniscient, copy or forced", [c or f for c, f in zip(copy, ff)])):
-            print(report(label, omniscient(able, a.k, cost), cost, n))
-        config = llm.engine.config.scheduler.speculative_config
+        for label, able, most in (("omniscient, copy", copy, a.k), ("omniscient, forced", ff, a.k),
+                                  ("omniscient, copy or forced", [c or f for c, f in zip(copy, ff)], longest)):
+            print(report(label, omniscient(able, most, cost), cost, n))
         print(report(f"the Speculator replayed (k={a.k}, n={config.prompt_lookup_min}..{config.prompt_lookup_max})",
                      replay(llm, config, prompt, answer, params), cost, n))
         for min_n, use_ff in ((2, False), (1, False), (2, True), (1, True)):

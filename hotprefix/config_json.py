@@ -92,6 +92,13 @@ class SpeculativeConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"--speculative-config: {e}") from None
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The longest draft (and so the positions of the accepted-per-position counter):
+        a constrained request drafts its grammar's forced tokens (up to k) before its
+        n-gram tokens (up to k); an unconstrained request's drafts stay within k."""
+        return 2 * self.num_speculative_tokens
+
     def to_json(self) -> str:
         out = {"method": self.method.value, "num_speculative_tokens": self.num_speculative_tokens,
                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}

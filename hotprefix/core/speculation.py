@@ -19,9 +19,12 @@ makes the next one a single token, after the request waits 1, 2, 4 ... up to MAX
 steps; a request that has taken nothing after GIVE_UP drafts stops proposing.
 
 A request with an output constraint (a grammar) drafts first the tokens its grammar forces
-next (llguidance's fast-forward tokens: a schema's keys and punctuation), then the n-gram
-draft of its tokens followed by those, cut before the first token its grammar would reject
-next (`GrammarDrafts`: the runner's matchers, not moved); the runner samples each drafted
+next (llguidance's fast-forward tokens: a schema's keys and punctuation; up to k of them),
+then the n-gram draft of its tokens followed by those (its adaptive length, up to k: so a
+constrained draft is up to 2k tokens, SpeculativeConfig.max_draft_tokens, and the forced
+tokens, almost always kept, take nothing from the n-gram part), cut before the first token
+its grammar would reject next (`GrammarDrafts`: the runner's matchers, not moved: the one
+check of the draft against its grammar, the runner trusts it); the runner samples each drafted
 position under the grammar's mask there (model/drafts.py), so the tokens are those
 constrained decoding gives one at a time. The forced tokens are the forced bytes in the
 tokenizer's canonical tokenization, so they are drafts like any other (the model may say
@@ -130,12 +133,14 @@ class Speculator:
         self._states: dict[str, _Draft] = {}
         self.table = SuffixTable(config.suffix_decoding_max_cached_requests) \
             if config.method is SpecMethod.SUFFIX else None  # earlier requests' tokens, per cache scope
-        self._stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._stats = SpecStats(accepted_per_pos=[0] * config.max_draft_tokens)
 
     def propose(self, req: Request) -> list[int]:
         """The draft for a running request that decodes next (its last token is its only
         uncomputed one), within its max_tokens and max_model_len, and within what its
-        grammar accepts (the tokens it forces first): [] when it may not or need not propose."""
+        grammar accepts: a constrained request's forced tokens (up to k) and then its n-gram
+        tokens (up to its adaptive length), so up to 2k tokens; [] when it may not or need
+        not propose."""
         constrained = req.sampling_params.structured is not None
         if (constrained and self.grammar is None) or req.num_output_tokens == 0 \
                 or req.num_computed_tokens != req.num_tokens - 1:
@@ -148,21 +153,22 @@ class Speculator:
             st.wait = max(0, st.wait - 1)
             if not (constrained and st.trust_forced):
                 return []
-        room = self.config.num_speculative_tokens
+        room = self.config.max_draft_tokens
         if req.sampling_params.max_tokens is not None:
             room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
         if req.max_model_len is not None:
             room = min(room, req.max_model_len - req.num_tokens - 1)
-        forced = self.grammar.forced_tokens(req.request_id)[:room] if constrained and room > 0 else []
+        forced = self.grammar.forced_tokens(req.request_id)[:min(room, self.config.num_speculative_tokens)] \
+            if constrained and room > 0 else []
         st.forced = len(forced) if st.trust_forced else 0
-        k = st.forced if idle else min(room, st.forced + st.k)
-        draft = forced[:k]
-        if len(draft) < k:
+        size = min(room, st.forced + (0 if idle else st.k))  # untrusted forced tokens: within st.k
+        draft = forced[:size]
+        if len(draft) < size:
             self._extend(st, req)
             table = self.table.words(req.cache_scope.salt) if self.table is not None else b""
             words = st.words + encode(draft) if draft else st.words
             draft += find_draft(words, self.config.prompt_lookup_min, self.config.prompt_lookup_max,
-                                k - len(draft), table)
+                                size - len(draft), table)
         return draft[:self.grammar.accepted_prefix(req.request_id, draft)] if constrained and draft else draft
 
     @staticmethod
@@ -222,5 +228,5 @@ class Speculator:
 
     def make_stats(self) -> SpecStats:
         """The counters since the last call (then reset)."""
-        s, self._stats = self._stats, SpecStats(accepted_per_pos=[0] * self.config.num_speculative_tokens)
+        s, self._stats = self._stats, SpecStats(accepted_per_pos=[0] * self.config.max_draft_tokens)
         return s

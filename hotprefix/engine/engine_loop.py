@@ -68,7 +68,7 @@ class EngineLoop:
                  go: threading.Event | None = None) -> None:
         self.engine = engine
         spec = engine.config.scheduler.speculative_config
-        self.counters = EngineCounters(spec_accepted_per_pos=[0] * spec.num_speculative_tokens if spec else None)
+        self.counters = EngineCounters(spec_accepted_per_pos=[0] * spec.max_draft_tokens if spec else None)
         self.live = LiveStats()  # replaced (never mutated) by the engine thread
         self.dead: BaseException | None = None
         self.died = threading.Event()  # set with `dead` (the server exits: launcher.serve)

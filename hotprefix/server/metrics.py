@@ -97,7 +97,8 @@ class _EngineCollector(Collector):
         yield self._counter(N.SPEC_DRAFT_TOKENS, "Draft tokens verified.", c.spec_draft_tokens)
         yield self._counter(N.SPEC_ACCEPTED_TOKENS, "Draft tokens accepted.", c.spec_accepted_tokens)
         yield self._labelled(CounterMetricFamily, N.SPEC_ACCEPTED_PER_POS, "Draft tokens accepted, by their "
-                             "position in the draft.", "position",
+                             "position in the draft (0..2k-1: positions k and on only in constrained requests' "
+                             "drafts, their grammar's forced tokens before the n-gram's).", "position",
                              {str(i): n for i, n in enumerate(list(c.spec_accepted_per_pos))})
 
     def _tiers(self, c: EngineCounters, t: TierGauges | None) -> Iterator[Metric]:

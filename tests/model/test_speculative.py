@@ -223,3 +223,32 @@ def test_a_grammar_that_must_end_wins_over_min_tokens(loaded):  # noqa: F811
     assert len(free[2][0][0]) < 10 and held[2][0][0][:len(free[2][0][0]) - 1] == free[2][0][0][:-1]
     spec = make_engine(loaded, "int8", caching=True, speculative_config=NGRAM)
     assert outputs(run(spec, held_requests)) == held
+
+
+def test_forced_tokens_beyond_k_give_the_tokens_of_constrained_decoding(loaded, monkeypatch):  # noqa: F811
+    """With k = 2 the schema's forced runs are longer than k: a constrained draft is its first
+    k forced tokens and then the n-gram's (up to 2k in all), each position sampled under its
+    mask; greedy, seeded, n=2 and top_p answers are the constrained ones token for token,
+    logprobs included, and draft tokens at positions past k were kept."""
+    k = 2
+    want = outputs(run(make_engine(loaded, "int8", caching=True), FORCED_REQUESTS))
+    engine = make_engine(loaded, "int8", caching=True, speculative_config={**NGRAM, "num_speculative_tokens": k})
+    forced: list[list[int]] = []
+    real = engine.runner.matchers.forced_tokens
+    monkeypatch.setattr(engine.runner.matchers, "forced_tokens", lambda rid: forced.append(real(rid)) or forced[-1])
+    drafts: list[tuple[list[int], list[int]]] = []  # (the forced run, the draft) of each proposal under a grammar
+    propose = engine.scheduler.spec.propose
+
+    def spy(req):
+        seen = len(forced)
+        draft = propose(req)
+        if len(forced) > seen:
+            drafts.append((forced[-1], draft))
+        return draft
+    monkeypatch.setattr(engine.scheduler.spec, "propose", spy)
+    assert outputs(run(engine, FORCED_REQUESTS)) == want
+    stats = engine.scheduler.make_stats().spec
+    assert any(len(f) > k for f, _ in drafts) and all(len(d) <= 2 * k for _, d in drafts)
+    assert any(len(f) >= k and len(d) > k and d[:k] == f[:k] for f, d in drafts)  # k forced, then the n-gram's
+    assert len(stats.accepted_per_pos) == 2 * k and stats.accepted_per_pos[k] > 0  # kept past position k
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks

@@ -115,7 +115,7 @@ def test_the_draft_length_follows_acceptance_and_a_request_that_takes_nothing_wa
     assert spec.propose(req) == [3, 4]
     stats = spec.make_stats()
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
-        (GIVE_UP + 7, 3 + 2 + 3 * 7 + 1 * (GIVE_UP - 2), 4, [3, 1, 0])
+        (GIVE_UP + 7, 3 + 2 + 3 * 7 + 1 * (GIVE_UP - 2), 4, [3, 1, 0, 0, 0, 0])  # 2k positions
     assert spec.make_stats().num_drafts == 0  # reset on read
 
 
@@ -161,30 +161,46 @@ class Forcing:
 
 
 def test_a_grammars_forced_tokens_are_drafted_first_outside_the_adaptive_rules():
-    """The forced tokens, then the n-gram draft of the tokens followed by them; the
-    back-off waits and the length follow the n-gram tokens alone, until a forced token is
-    rejected (the model says those bytes in other tokens): then they count as n-gram tokens."""
+    """The forced tokens (up to k), then the n-gram draft of the tokens followed by them (up
+    to its own adaptive length, so up to 2k in all); the back-off waits and the length follow
+    the n-gram tokens alone, until a forced token is rejected (the model says those bytes in
+    other tokens): then they count as n-gram tokens, within the n-gram's length."""
     json = StructuredOutput(StructuredKind.JSON_OBJECT)
     spec = Speculator(SPEC, Forcing([7, 8]))
     req = decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json)
-    assert spec.propose(req) == [7, 8, 9]  # [7, 8] forced, then [9] after the earlier [7, 8]: k = 3 in all
-    spec.observe("r", 3, 2)  # the n-gram's token rejected: its back-off starts (wait 1, then one token)
+    assert spec.propose(req) == [7, 8, 9, 6, 5]  # [7, 8] forced, then k = 3 after the earlier [7, 8]
+    spec.observe("r", 5, 2)  # the n-gram's tokens rejected: its back-off starts (wait 1, then one token)
     assert spec.propose(req) == [7, 8]  # waiting: the forced tokens alone
     spec.observe("r", 2, 2)  # nothing of the n-gram's: the adaptive state does not move
     assert spec.propose(req) == [7, 8, 9]
     spec.observe("r", 3, 1)  # a forced token rejected: from now on they are n-gram tokens
     assert spec.propose(req) == [7, 8]  # one more than was taken
-    for _ in (6, 8):  # 1 kept of 6, of 8 draft tokens: at least PAYING, no wait
-        spec.observe("r", 2, 0)
-        assert spec.propose(req) == [7, 8]
+    spec.observe("r", 2, 0)  # 1 kept of 8 draft tokens: PAYING, no wait
+    assert spec.propose(req) == [7, 8]
     spec.observe("r", 2, 0)  # 1 of 10: under PAYING
     assert spec.propose(req) == []  # the back-off's wait applies to them now
     assert spec.propose(req) == [7]
     stats = spec.make_stats()
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (6, 14, 5)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
+        (5, 14, 5, [3, 2, 0, 0, 0, 0])
     capped = Speculator(SPEC, Forcing([7, 8]))
     assert capped.propose(decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json, max_tokens=4)) == [7]
     assert capped.propose(decoding([4, 5], [1, 2, 3, 7, 8, 9, 6, 5], structured=json, max_tokens=3)) == []
+
+
+def test_a_forced_run_beyond_k_drafts_k_of_it_then_the_ngrams_within_the_room():
+    """A forced run longer than k: its first k tokens, then the n-gram's k after them
+    (2k in all, the accepted-per-position counter's size); max_tokens cuts the n-gram's
+    part first, then the forced run."""
+    json = StructuredOutput(StructuredKind.JSON_OBJECT)
+    prompt = [1, 2, 3, 7, 8, 9, 6, 5, 4, 3]
+    spec = Speculator(SPEC, Forcing([7, 8, 9, 6]))
+    assert spec.propose(decoding([4, 5], prompt, structured=json)) == [7, 8, 9, 6, 5, 4]
+    spec.observe("r", 6, 6)
+    assert spec.make_stats().accepted_per_pos == [1] * 6
+    for max_tokens, want in ((7, [7, 8, 9, 6]), (5, [7, 8]), (3, [])):
+        capped = Speculator(SPEC, Forcing([7, 8, 9, 6]))
+        assert capped.propose(decoding([4, 5], prompt, structured=json, max_tokens=max_tokens)) == want
 
 
 def test_forced_tokens_are_drafted_after_the_ngram_gave_up_and_never_without_a_grammar():
@@ -261,7 +277,7 @@ def test_a_verified_draft_keeps_the_accepted_tokens_and_releases_the_rejected_ta
     assert req.num_computed_tokens == 21 and len(s.kv.block_ids("r")) == 6  # positions 19-21 took a sixth
     stats = s.make_stats().spec
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
-        (3, 6, 2, [2, 0, 0])
+        (3, 6, 2, [2, 0, 0, 0, 0, 0])
     s.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
     s.check_integrity()
     assert s.kv.pool.num_free_blocks == 16 and s.spec._states == {}
