@@ -23,8 +23,8 @@ next (llguidance's fast-forward tokens: a schema's keys and punctuation; up to k
 then the n-gram draft of its tokens followed by those (its adaptive length, up to k: so a
 constrained draft is up to 2k tokens, SpeculativeConfig.max_draft_tokens, and the forced
 tokens, almost always kept, take nothing from the n-gram part), cut before the first token
-its grammar would reject next (`GrammarDrafts`: the runner's matchers, not moved: the one
-check of the draft against its grammar, the runner trusts it); the runner samples each drafted
+its grammar would reject next (`GrammarDrafts`: the runner's matchers, not moved; the one
+validation of a draft against its grammar before the step); the runner samples each drafted
 position under the grammar's mask there (model/drafts.py), so the tokens are those
 constrained decoding gives one at a time. The forced tokens are the forced bytes in the
 tokenizer's canonical tokenization, so they are drafts like any other (the model may say

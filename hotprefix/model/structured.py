@@ -107,7 +107,7 @@ class GrammarMatchers:
             walker = m.deep_copy() if draft else m
             for j in range(len(draft) + 1):
                 if j and not walker.consume_token(draft[j - 1]):
-                    break  # (the scheduler cut the draft to what the grammar takes: a caller's that it does not)
+                    break  # a token the grammar rejects ends the draft (the scheduler's drafts come cut already)
                 t = time.thread_time()  # CPU time: waiting for the GIL or a core is not the grammar's cost
                 lt.fill_next_token_bitmask(walker, bitmask, at + j)
                 if (why := _unusable(walker, time.thread_time() - t, bitmask[at + j])) is not None:
