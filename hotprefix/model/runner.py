@@ -365,7 +365,7 @@ class ModelRunner:
     def _score_buffer(self, rows: int) -> torch.Tensor | None:
         """The first `rows` rows of the runner's buffer for prompt logprobs' logits, where the
         head is C blocks (its width: this rank's vocabulary rows); None elsewhere."""
-        blocks = getattr(self.model, "logits_blocks", None)
+        blocks = self.model.logits_blocks
         if blocks is None:
             return None
         if self._score_logits is None:
