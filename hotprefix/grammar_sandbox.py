@@ -112,12 +112,16 @@ class _Worker:
             why = f"it said nothing for {START_TIMEOUT_S:g}s"
         raise RuntimeError(f"the grammar compiler process did not start: {why}")
 
-    def kill(self) -> None:
-        self.proc.kill()
+    def wait(self, seconds: float) -> None:
+        """Until the process exits, for at most `seconds`."""
         try:
-            self.proc.wait(5)
+            self.proc.wait(seconds)
         except subprocess.TimeoutExpired:
             pass
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.wait(5)
         self.conn.close()
 
 
@@ -228,10 +232,7 @@ class CompileSandbox:
                 w.conn.send(None)
             except OSError:
                 pass
-            try:
-                w.proc.wait(2)
-            except subprocess.TimeoutExpired:
-                pass
+            w.wait(2)
             w.kill()
             with self._lock:
                 self._count -= 1
