@@ -34,7 +34,6 @@ from hotprefix.model.arch import HF_ARCHITECTURES
 from hotprefix.model.loader import load_dummy
 from hotprefix.model.presets import PRESETS
 from hotprefix.model.steps.cuda_graphs import DecodeGraphs
-from hotprefix.tools.bench import build
 
 
 def _sync(device: str) -> None:
@@ -233,6 +232,10 @@ def model_figures(args: argparse.Namespace, peak_tflops: float, gb_s: float) -> 
 
 def tenants(args: argparse.Namespace) -> list[dict]:
     """The `tenants` workload's texts offline through LLM.generate, prefix caching on and off."""
+    try:  # the workload builder lives with `hotprefix bench`, which needs the server's packages
+        from hotprefix.tools.bench import build
+    except ImportError as e:  # (the lent GPU's python has torch, triton, transformers, pytest only)
+        return [{"what": "tenants_offline", "error": f"{type(e).__name__}: {e}"}]
     jobs, _, _ = build("tenants", 0, args.scale)
     texts = [j.prompt for j in jobs]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -271,6 +274,8 @@ def transformers_peer(args: argparse.Namespace) -> dict:
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="paged|sdpa")
         model.eval()
+        from hotprefix.tools.bench import build
+
         tok = load_dummy(args.model, args.tokenizer).tokenizer
         jobs, _, _ = build("tenants", 0, args.scale)
         ids = [tok.encode(j.prompt) for j in jobs]

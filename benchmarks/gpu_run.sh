@@ -75,10 +75,12 @@ phase() {  # name, limit in seconds, log file, command...
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/bench.log" 2>&1
+"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/bench.log" 2>&1
 for p in $PHASES; do
     case $p in
         tp-ab)  phase tp-ab 240 "$OUT/bench.log" "$PY" benchmarks/gpu_tp_ab.py --tokenizer "$TOKENIZER" \
-                    --checkout "base=.device/base" --checkout new=. --rounds 2 --child-timeout 150 \
+                    --checkout "base=.device/base" --checkout new=. --rounds "${TP_AB_ROUNDS:-2}" --child-timeout 150 \
+                    --model ${TP_AB_MODELS:-llama-3.1-8b llama-3.2-1b} --reps "${TP_AB_REPS:-3}" \
                     --out "$OUT/figures.jsonl" ;;
         tests)  phase tests 150 "$OUT/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider $XDIST \
                     tests/model/test_gpu.py tests/model/test_triton_attention.py ;;

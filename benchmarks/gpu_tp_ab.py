@@ -6,8 +6,8 @@ alternating order (ABC, CBA, ...), on random weights of a real shape (--load-for
 bf16, the triton backend with CUDA graphs, prefix caching off so every prompt is cold):
 
 - ttft_s: one prompt of --prompt-len tokens, one output token (median of 5);
-- decode_ms: single-sequence decode, (time of 1 + D tokens - time of 1 token) / D (median of 3);
-- batch_tok_s: --batch sequences decoding D tokens each, output tokens/s (median of 2).
+- decode_ms: single-sequence decode, (time of 1 + D tokens - time of 1 token) / D (medians of --reps);
+- batch_tok_s: --batch sequences decoding D tokens each, output tokens/s (median of --reps).
 
     python benchmarks/gpu_tp_ab.py --checkout base=.device/base --checkout new=. --rounds 2
     python benchmarks/gpu_tp_ab.py --device cpu --model FOLDER --quick --checkout new=.   # smoke test
@@ -63,10 +63,10 @@ def child(args: argparse.Namespace) -> None:
         gen(llm, ids(args.batch, 128), 4)
         ttft = statistics.median(gen(llm, ids(1, args.prompt_len), 1) for _ in range(5))
         one = ids(1, 128)
-        t1 = statistics.median(gen(llm, one, 1) for _ in range(3))
-        td = statistics.median(gen(llm, one, d + 1) for _ in range(3))
+        t1 = statistics.median(gen(llm, one, 1) for _ in range(args.reps))
+        td = statistics.median(gen(llm, one, d + 1) for _ in range(args.reps))
         batch = ids(args.batch, 128)
-        tb = statistics.median(gen(llm, batch, d) for _ in range(2))
+        tb = statistics.median(gen(llm, batch, d) for _ in range(args.reps))
         print(json.dumps({"what": "tp_ab", "checkout": args.name, "shape": shape, "build_s": round(build_s, 1),
                           "ttft_s": round(ttft, 4), "decode_ms": round((td - t1) / d * 1e3, 3),
                           "batch": args.batch, "batch_tok_s": round(args.batch * d / tb, 1)}), flush=True)
@@ -130,6 +130,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke test of the script)")
     args, _ = p.parse_known_args()
     if args.quick:

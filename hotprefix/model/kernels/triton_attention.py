@@ -83,19 +83,21 @@ def _round_fp8(x, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_byte(x, FP8: tl.constexpr):
-    """float32 x as its e4m3 byte (uint8), as torch casts: to the nearest value (ties to
-    even), saturated at +-448, NaN 0x7F with x's sign. FP8 == 1: through Triton's fp8e4nv
+def _e4m3_byte(x, scale, FP8: tl.constexpr):
+    """float32 x / scale as its e4m3 byte (uint8), as torch casts: to the nearest value
+    (ties to even), saturated at +-448, NaN 0x7F with x's sign (taken before the division:
+    a GPU's division returns NaN without its sign). FP8 == 1: through Triton's fp8e4nv
     (sm_89 on); 3: in integer arithmetic, for GPUs without it (sm_80): the rounded value
     times 2^-8 is exact in fp16 (subnormals too), whose sign, exponent and top 3 mantissa
     bits are the byte's (fp16's exponent bias is e4m3's + 8)."""
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    x = x / scale
     r = _round_fp8(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
     if FP8 == 1:
         b = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         h = (r * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
         b = ((h >> 8) & 0x80) | ((h >> 7) & 0x7F)
-    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
     return tl.where(x != x, sign | 0x7F, b).to(tl.uint8)
 
 
@@ -127,8 +129,8 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
         k = _round_fp8(k.to(tl.float32) / k_scale, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
         v = _round_fp8(v.to(tl.float32) / v_scale, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
     elif FP8 != 0:  # e4m3, through Triton's type (1) or in integers (3)
-        k = _e4m3_byte(k.to(tl.float32) / k_scale, FP8)
-        v = _e4m3_byte(v.to(tl.float32) / v_scale, FP8)
+        k = _e4m3_byte(k.to(tl.float32), k_scale, FP8)
+        v = _e4m3_byte(v.to(tl.float32), v_scale, FP8)
     else:
         k = k.to(kc_ptr.dtype.element_ty)
         v = v.to(vc_ptr.dtype.element_ty)
