@@ -112,16 +112,22 @@ def reference(case: Case, q: torch.Tensor, stored, scale: float) -> torch.Tensor
     return torch.cat(out)
 
 
+def on_device(layer: LayerKV, meta: triton_attention.TritonMeta):
+    """build()'s pool and metadata (made on the CPU) on DEVICE, where the kernels read them."""
+    dev = torch.device(DEVICE)
+    return (LayerKV(0, layer.k.to(dev), layer.v.to(dev), layer.k_scale, layer.v_scale),
+            triton_attention.TritonMeta(meta.block_tables.to(dev), meta.seq_lens.to(dev),
+                                        meta.query_start_loc.to(dev), meta.max_query_len, meta.block_size,
+                                        meta.num_splits, meta.sliding_window))
+
+
 def run(case: Case, tol: float) -> None:
     q, k_new, v_new, layer, slots, meta, stored = build(case)
     expect_k, expect_v = layer.k.clone(), layer.v.clone()
     torch_layer = LayerKV(0, expect_k, expect_v, layer.k_scale, layer.v_scale)
     torch_layer.write(slots, k_new, v_new)  # what the torch path stores
     dev = torch.device(DEVICE)
-    layer = LayerKV(0, layer.k.to(dev), layer.v.to(dev), layer.k_scale, layer.v_scale)
-    meta = triton_attention.TritonMeta(meta.block_tables.to(dev), meta.seq_lens.to(dev),
-                                       meta.query_start_loc.to(dev), meta.max_query_len, meta.block_size,
-                                       meta.num_splits, meta.sliding_window)
+    layer, meta = on_device(layer, meta)
     scale = case.d ** -0.5
     out = triton_attention.paged_attention(q.to(dev), k_new.to(dev), v_new.to(dev), layer, slots.to(dev), meta,
                                            scale).cpu()
@@ -182,6 +188,8 @@ def test_padding_rows_write_nothing_and_read_nothing():
     gives 0, and the real rows are unchanged by the padding beside them."""
     case = Case(ctx=[20, 9], q_len=[1, 1], splits=2)
     q, k_new, v_new, layer, slots, meta, _ = build(case)
+    q, k_new, v_new, slots = (t.to(DEVICE) for t in (q, k_new, v_new, slots))
+    layer, meta = on_device(layer, meta)
     scale = case.d ** -0.5
     plain = LayerKV(0, layer.k.clone(), layer.v.clone())
     want = triton_attention.paged_attention(q, k_new, v_new, plain, slots, meta, scale)
@@ -246,7 +254,7 @@ def test_fp8_e4m3_write_is_torchs_cast(e4m3_path, scale):
     layer = LayerKV(0, torch.zeros(1, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE),
                     torch.zeros(1, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE), scale, scale)
     triton_attention.write_kv(layer, torch.arange(4, device=DEVICE), x.view(4, 1, 32).to(DEVICE),
-                              -x.view(4, 1, 32).to(DEVICE))
+                              (-x).view(4, 1, 32).to(DEVICE))  # (negated here: a GPU's negation drops NaN's sign)
     for stored, value in ((layer.k, x), (layer.v, -x)):
         assert torch.equal(stored.cpu().view(torch.uint8).flatten(),
                            (value / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
