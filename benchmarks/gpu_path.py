@@ -233,7 +233,7 @@ def model_figures(args: argparse.Namespace, peak_tflops: float, gb_s: float) -> 
 def tenants(args: argparse.Namespace) -> list[dict]:
     """The `tenants` workload's texts offline through LLM.generate, prefix caching on and off."""
     try:  # the workload builder lives with `hotprefix bench`, which needs the server's packages
-        from hotprefix.tools.bench import build
+        from hotprefix.tools.workloads import build
     except ImportError as e:  # (the lent GPU's python has torch, triton, transformers, pytest only)
         return [{"what": "tenants_offline", "error": f"{type(e).__name__}: {e}"}]
     jobs, _, _ = build("tenants", 0, args.scale)
@@ -274,7 +274,7 @@ def transformers_peer(args: argparse.Namespace) -> dict:
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="paged|sdpa")
         model.eval()
-        from hotprefix.tools.bench import build
+        from hotprefix.tools.workloads import build
 
         tok = load_dummy(args.model, args.tokenizer).tokenizer
         jobs, _, _ = build("tenants", 0, args.scale)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from hotprefix.model.default_model import default_model_path
-from hotprefix.tools.bench import build
+from hotprefix.tools.workloads import build
 
 
 class TokenTimes(BaseStreamer):

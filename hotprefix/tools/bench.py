@@ -25,30 +25,9 @@ import httpx
 from hotprefix.config import ConfigError
 from hotprefix.tools.logs import percentile
 from hotprefix.tools.watch import parse_metrics
+from hotprefix.tools.workloads import WORKLOADS, Job, build, words
 
-WORKLOADS = ("ttft", "tenants", "rag", "chat", "unique", "decode", "shared")
-_WORDS = ("time people year way day thing man world life hand part child eye woman place work week case point "
-          "government company number group problem fact be have do say get make go know take see come think look "
-          "want give use find tell ask seem feel try leave call good new first last long great little own other "
-          "old right big high different small large next early young important few public bad same able cache "
-          "block prefix token model server request memory compute answer question system prompt document share "
-          "tenant latency through before after under between against during without within along following "
-          "across behind beyond plus except but up out around down off above near data table index query plan "
-          "store value key page layer head batch queue store chain hash policy limit rate usage budget").split()
-
-
-@dataclass
-class Job:
-    """One request: its prompt, for chat the conversation and turn it belongs to, its
-    own output length where the workload sets one (else --max-tokens), and whether it
-    only warms the server (sent first, alone, and not measured)."""
-
-    prompt: str
-    conversation: int | None = None
-    turn: int = 0
-    max_tokens: int | None = None
-    warmup: bool = False
-
+__all__ = ["WORKLOADS", "Job", "build", "run"]
 
 @dataclass
 class Result:
@@ -62,41 +41,6 @@ class Result:
     cached_tokens: int | None = None
     text: str = ""
     error: str | None = None
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
-
-
-def build(workload: str, seed: int = 0, scale: float = 1.0) -> tuple[list[Job], int, int]:
-    """(jobs, concurrency, turns per conversation or 0). Lengths are in words
-    (about one token each for SmolLM2); scale shrinks counts and lengths."""
-    rng = random.Random(seed)
-
-    def s(n: int) -> int:
-        return max(1, round(n * scale))
-
-    if workload == "ttft":
-        prefix = _words(rng, s(1000))
-        return [Job(f"{prefix}\nQuestion {i}: {_words(rng, s(30))}?") for i in range(1 + s(5))], 1, 0
-    if workload == "tenants":
-        systems = [f"Tenant {t} policy. " + _words(rng, rng.randint(s(400), s(600))) for t in range(s(20))]
-        jobs = [Job(f"{rng.choice(systems)}\nUser: {_words(rng, rng.randint(s(20), s(40)))}?") for _ in range(s(200))]
-        return jobs, 8, 0
-    if workload == "rag":
-        doc = "Document: " + _words(rng, s(2000))
-        return [Job(f"{doc}\nQuestion {i}: {_words(rng, s(20))}?") for i in range(s(32))], 4, 0
-    if workload == "chat":
-        return [Job(f"User: {_words(rng, s(40))}", conversation=c) for c in range(s(8))], 8, 6
-    if workload == "unique":
-        return [Job(f"Item {i} {rng.random():.6f}: " + _words(rng, s(300))) for i in range(s(64))], 8, 0
-    if workload == "decode":  # one stream at a time, long outputs: the per-stream decode rate
-        return [Job(f"Story {i}: {_words(rng, 30)}", max_tokens=128) for i in range(3)], 1, 0
-    if workload == "shared":  # 8 concurrent requests on a prefix that one request before them made warm
-        prefix = _words(rng, s(1000))
-        jobs = [Job(f"{prefix}\nQuestion {i}: {_words(rng, s(30))}?", warmup=i == 0) for i in range(9)]
-        return jobs, 8, 0
-    raise ConfigError(f"unknown workload {workload!r} (one of {', '.join(WORKLOADS)})")
 
 
 async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
@@ -198,7 +142,7 @@ async def run_workload(url: str, workload: str, seed: int = 0, scale: float = 1.
             rng = random.Random(seed * 1000 + (job.conversation or 0))
             for _ in range(turns):
                 r = await one(history + "\nAssistant:")
-                history += f"\nAssistant:{r.text}\nUser: {_words(rng, max(1, round(40 * scale)))}"
+                history += f"\nAssistant:{r.text}\nUser: {words(rng, max(1, round(40 * scale)))}"
 
         t0 = time.perf_counter()
         if turns:

@@ -8,8 +8,33 @@ import sys
 
 import pytest
 
-from hotprefix.tools.bench import WORKLOADS, build
+from hotprefix.tools.workloads import WORKLOADS, build
 from tests.server.conftest import start_server
+
+NO_SERVER_PACKAGES = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):  # as on the lent GPU: torch, triton, transformers, pytest only
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client", "pydantic"}:
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, Absent())
+from hotprefix.tools.workloads import build
+jobs, conc, turns = build("tenants", 0, 1.0)
+print(len(jobs), conc, turns, len(jobs[0].prompt) > 0)
+"""
+
+
+def test_workloads_import_without_the_server_packages():
+    """benchmarks/gpu_path.py builds the tenants requests on a GPU host whose python has
+    none of the server's packages (the H200 run of 2026-11-27 could not, before
+    tools/workloads.py); bench's names are the same objects."""
+    import hotprefix.tools.bench as bench
+    import hotprefix.tools.workloads as workloads
+
+    p = subprocess.run([sys.executable, "-c", NO_SERVER_PACKAGES], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["200", "8", "0", "True"]
+    assert bench.build is workloads.build and bench.WORKLOADS is workloads.WORKLOADS
 
 
 def test_workloads_are_deterministic_and_shaped_as_specified():

@@ -20,7 +20,7 @@ from hotprefix.core.request import Request
 from hotprefix.core.scheduler import Scheduler
 from hotprefix.engine.kv_events import Announced, WireBatch
 from hotprefix.sampling_params import SamplingParams
-from hotprefix.tools.bench import build
+from hotprefix.tools.workloads import build
 from tests.kv_events_client import KV_EVENT_BATCH, ROOT_KEY, RouterIndex, router_key
 
 BS = 16
