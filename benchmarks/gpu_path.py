@@ -151,6 +151,9 @@ class StepClock:
 
 
 def make_llm(args: argparse.Namespace, prefix_caching: bool = True) -> LLM:
+    gc.collect()  # the last LLM's cycles (its release ran while its caller still held it)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     kw = {"num_blocks_override": args.num_blocks} if args.num_blocks else {}
     return LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
