@@ -151,7 +151,7 @@ class StepClock:
 
 
 def make_llm(args: argparse.Namespace, prefix_caching: bool = True) -> LLM:
-    gc.collect()  # the last LLM's cycles (its release ran while its caller still held it)
+    gc.collect()  # the last LLM's cycles
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     kw = {"num_blocks_override": args.num_blocks} if args.num_blocks else {}
@@ -235,30 +235,30 @@ def model_figures(args: argparse.Namespace, peak_tflops: float, gb_s: float) -> 
 
 def tenants(args: argparse.Namespace) -> list[dict]:
     """The `tenants` workload's texts offline through LLM.generate, prefix caching on and off."""
-    try:  # the workload builder lives with `hotprefix bench`, which needs the server's packages
-        from hotprefix.tools.workloads import build
-    except ImportError as e:  # (the lent GPU's python has torch, triton, transformers, pytest only)
-        return [{"what": "tenants_offline", "error": f"{type(e).__name__}: {e}"}]
-    jobs, _, _ = build("tenants", 0, args.scale)
-    texts = [j.prompt for j in jobs]
+    from hotprefix.tools.workloads import build  # (no server packages: the lent GPU has none)
+
+    texts = [j.prompt for j in build("tenants", 0, args.scale)[0]]
+    return [_tenants_once(args, texts, caching) for caching in (True, False)]
+
+
+def _tenants_once(args: argparse.Namespace, texts: list[str], caching: bool) -> dict:
+    """One LLM's run of the texts. Its own frame holds the LLM, so that it is gone before the
+    next is built (a loop's variable kept the first one alive while the second sized its
+    pool from the device's memory: out of memory on the H200)."""
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    out = []
-    for caching in (True, False):
-        llm = make_llm(args, prefix_caching=caching)
-        llm.generate(texts[:2], sp)  # warm-up
-        llm.reset_prefix_cache()
-        _sync(args.device)
-        t0 = time.perf_counter()
-        res = llm.generate(texts, sp)
-        _sync(args.device)
-        t = time.perf_counter() - t0
-        prompt = sum(len(r.prompt_token_ids) for r in res)
-        cached = sum(r.num_cached_tokens or 0 for r in res)
-        out.append({"what": "tenants_offline", "prefix_caching": caching, "requests": len(texts),
-                    "prompt_tokens": prompt, "wall_s": round(t, 2), "output_tok_s": round(32 * len(texts) / t),
-                    "hit_rate": round(cached / prompt, 3)})
-        release(llm, args.device)
-    return out
+    llm = make_llm(args, prefix_caching=caching)
+    llm.generate(texts[:2], sp)  # warm-up
+    llm.reset_prefix_cache()
+    _sync(args.device)
+    t0 = time.perf_counter()
+    res = llm.generate(texts, sp)
+    _sync(args.device)
+    t = time.perf_counter() - t0
+    prompt = sum(len(r.prompt_token_ids) for r in res)
+    cached = sum(r.num_cached_tokens or 0 for r in res)
+    release(llm, args.device)
+    return {"what": "tenants_offline", "prefix_caching": caching, "requests": len(texts), "prompt_tokens": prompt,
+            "wall_s": round(t, 2), "output_tok_s": round(32 * len(texts) / t), "hit_rate": round(cached / prompt, 3)}
 
 
 def transformers_peer(args: argparse.Namespace) -> dict:
