@@ -130,6 +130,22 @@ def score_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLo
                                                                                   tops)]
 
 
+def greedy_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
+    """Each greedy row's token (its first largest logit: argmax's rule, the same row by row
+    or all at once), None for the rows that sample. logits: [B, V]."""
+    out: list[int | None] = [None] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if len(greedy) == len(rows):
+        picked = torch.argmax(logits, dim=-1).tolist()
+    elif greedy:
+        picked = torch.argmax(logits[torch.tensor(greedy, device=logits.device)], dim=-1).tolist()
+    else:
+        return out
+    for i, t in zip(greedy, picked):
+        out[i] = t
+    return out
+
+
 class Sampler:
     """Stateless apart from the shared generator used by unseeded rows."""
 
@@ -155,13 +171,11 @@ class Sampler:
                 ids = torch.tensor([t for t, _ in r.params.logit_bias], device=logits.device)
                 logits[i, ids] += torch.tensor([b for _, b in r.params.logit_bias], device=logits.device)
         apply_penalties(logits, rows)
-        tokens: list[int] = []
+        tokens = greedy_tokens(logits, rows)  # every greedy row in one argmax (one sync on a GPU)
         for i, r in enumerate(rows):
-            if r.params.greedy:
-                tokens.append(int(torch.argmax(logits[i])))
-                continue
-            probs = filter_probs(logits[i], r.params)
-            tokens.append(draw(probs, r.generator or self.generator))
+            if tokens[i] is None:
+                probs = filter_probs(logits[i], r.params)
+                tokens[i] = draw(probs, r.generator or self.generator)
         lps: list[TokenLogprobs | None] = [
             top_logprobs(raw[i], tokens[i], r.params.logprobs) if raw is not None and r.params.logprobs is not None
             else None

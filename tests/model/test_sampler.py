@@ -28,6 +28,28 @@ def test_greedy_takes_argmax():
     assert toks == [1, 0]
 
 
+def test_greedy_rows_in_one_argmax_equal_row_by_row_and_leave_sampled_rows_their_draws():
+    """The greedy rows' tokens come from one argmax over their rows (one sync on a GPU, not
+    one a row): the first largest logit as argmax row by row takes it (ties, -inf rows), and
+    a sampled row between them draws from its own generator exactly as alone."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (7, V), generator=g).float()  # small integers: ties in most rows
+    logits[2] = float("-inf")
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=11)
+    params = [greedy, greedy, greedy, sampled, greedy, sampled, greedy]
+    rows = [row(p, gen=torch.Generator().manual_seed(11) if p.seed else None) for p in params]
+    toks, _ = Sampler()(logits.clone(), rows)
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert toks[i] == int(torch.argmax(logits[i]))
+            assert toks[i] == next(j for j in range(V) if logits[i, j] == logits[i].max())
+        else:
+            (alone,), _ = Sampler()(logits[i:i + 1].clone(), [row(p, gen=torch.Generator().manual_seed(11))])
+            assert toks[i] == alone
+    all_greedy, _ = Sampler()(logits.clone(), [row(greedy) for _ in params])
+    assert all_greedy == [int(torch.argmax(r)) for r in logits]
+
+
 def test_top_k_keeps_exactly_k_tokens():
     probs = filter_probs(logits_of(1, 5, 3, 4, 2), SamplingParams(top_k=2))
     assert (probs > 0).nonzero().flatten().tolist() == [1, 3]
