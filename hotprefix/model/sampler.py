@@ -64,6 +64,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
+NUCLEUS_TRIES = (256, 4096)  # the most likely tokens looked at before sorting the whole row
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p's tokens: the smallest run of the most likely tokens whose mass reaches top_p
+    (the first always), as ids. probs: [V]. The run ends at the first token whose mass
+    before it, summed in order, is >= top_p; it is looked for among the 256 most likely
+    tokens, then 4,096, then the whole row sorted (a row's sort of 49,152 values: 2.6 ms on
+    the CPU, its top 256: 0.15 ms). The sums of a prefix are the same however long the run
+    (torch's cumsum adds in order), so the answer is the whole sort's."""
+    n = probs.shape[0]
+    for k in (*(t for t in NUCLEUS_TRIES if t < n), n):
+        vals, ids = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
+        over = (torch.cumsum(vals, 0) - vals) >= top_p  # mass strictly before each token
+        over[0] = False
+        if k == n or bool(over.any()):
+            return ids[:int(torch.argmax(over.to(torch.int8)))] if bool(over.any()) else ids
+    raise AssertionError("unreachable: the last try is the whole row")
+
+
 def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities [V] after temperature, top-k, top-p and min-p (renormalised).
     Excluded tokens get probability exactly 0. logits: [V] float32."""
@@ -74,12 +94,9 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly before each token
-        drop_sorted = before >= p.top_p  # keep the smallest prefix whose mass reaches top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        keep[nucleus(probs, p.top_p)] = True
+        probs = probs.masked_fill(~keep, 0.0)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()

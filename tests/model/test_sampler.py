@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hotprefix.model.sampler import Sampler, SampleRow, apply_penalties, draw, filter_probs
+from hotprefix.model.sampler import NUCLEUS_TRIES, Sampler, SampleRow, apply_penalties, draw, filter_probs, nucleus
 from hotprefix.sampling_params import SamplingParams
 
 V = 10
@@ -65,6 +65,47 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert (probs > 0).tolist() == [True, True, True, False]
     probs = filter_probs(p.log(), SamplingParams(top_p=0.1))
     assert (probs > 0).tolist() == [True, False, False, False]  # the top token is always kept
+
+
+def whole_sort_nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    """top-p as the whole row sorted decides it (the sampler's rule before nucleus())."""
+    sorted_p, idx = torch.sort(probs, descending=True)
+    over = (torch.cumsum(sorted_p, 0) - sorted_p) >= top_p
+    over[0] = False
+    first = int(torch.nonzero(over)[0]) if over.any() else len(idx)
+    return set(idx[:first].tolist())
+
+
+@pytest.mark.parametrize("spread", [8.0, 3.0, 2.0, 0.3])  # peaked ... flat: the nucleus in each try
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_is_the_whole_sorts_whichever_try_finds_it(spread, top_p):
+    """49,152 tokens: the nucleus found among the top 256, the top 4,096 or the sorted row
+    is the same set of tokens as sorting the whole row gives (no ties: continuous values)."""
+    g = torch.Generator().manual_seed(int(spread * 10 + top_p * 1000))
+    probs = torch.softmax(torch.randn(49152, generator=g, dtype=torch.float64).float() * spread, -1)
+    got = nucleus(probs, top_p)
+    assert len(set(got.tolist())) == len(got)
+    assert set(got.tolist()) == whole_sort_nucleus(probs, top_p)
+
+
+def test_nucleus_tries_cover_each_case():
+    """The cases above reach each try: a nucleus under 256 tokens, one between 256 and
+    4,096, and one past 4,096 (the sort)."""
+    sizes = set()
+    for spread in (8.0, 3.0, 2.0):
+        g = torch.Generator().manual_seed(int(spread * 10 + 900))
+        sizes.add(len(nucleus(torch.softmax(torch.randn(49152, generator=g) * spread, -1), 0.9)))
+    lo, hi = NUCLEUS_TRIES
+    assert any(n < lo for n in sizes) and any(lo <= n < hi for n in sizes) and any(n >= hi for n in sizes), sizes
+
+
+def test_nucleus_of_tied_tokens_keeps_as_many_as_the_whole_sort():
+    """All tokens equally likely: which of them are kept is the order's (topk's or sort's),
+    how many is the rule's."""
+    probs = torch.full((49152,), 1 / 49152)
+    for top_p in (0.001, 0.05, 0.9):
+        got = nucleus(probs, top_p)
+        assert len(set(got.tolist())) == len(got) == len(whole_sort_nucleus(probs, top_p))
 
 
 def test_min_p_drops_tokens_below_fraction_of_max():
