@@ -72,8 +72,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     (the first always), as ids. probs: [V]. The run ends at the first token whose mass
     before it, summed in order, is >= top_p; it is looked for among the 256 most likely
     tokens, then 4,096, then the whole row sorted (a row's sort of 49,152 values: 2.6 ms on
-    the CPU, its top 256: 0.15 ms). The sums of a prefix are the same however long the run
-    (torch's cumsum adds in order), so the answer is the whole sort's."""
+    the CPU, its top 256: 0.15 ms). On the CPU the sums of a prefix are the same however
+    long the run (torch's cumsum adds in order), so the answer is the whole sort's; a GPU's
+    scan may round a prefix's sums differently by its length (a token at the boundary)."""
     n = probs.shape[0]
     for k in (*(t for t in NUCLEUS_TRIES if t < n), n):
         vals, ids = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
