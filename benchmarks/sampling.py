@@ -27,6 +27,7 @@ SETTINGS = {
     "top_k 40": {"temperature": 0.8, "top_k": 40},
     "min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
     "repetition 1.1": {"temperature": 0, "repetition_penalty": 1.1},
+    "llama.cpp's defaults": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
 }
 QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
              "List five fruits and describe them.", "What is the capital of France and why is it famous?"]

@@ -85,22 +85,58 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     raise AssertionError("unreachable: the last try is the whole row")
 
 
-def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] after temperature, top-k, top-p and min-p (renormalised).
-    Excluded tokens get probability exactly 0. logits: [V] float32."""
-    x = logits / p.temperature
-    k = p.effective_top_k
-    if 0 < k < x.shape[0]:
-        kth = torch.topk(x, k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The temperature-scaled logits of the tokens top-k leaves (those >= the k-th largest:
+    ties with it stay; tokens masked to -inf go) and their ids in ascending order, or the
+    whole row and None where top-k is off. logits: [V] float32."""
+    k, n = p.effective_top_k, logits.shape[0]
+    if 0 < k < n:
+        top = torch.topk(logits, k + 1).indices  # (dividing by the temperature keeps the order)
+        xs = logits[top] / p.temperature
+        if xs[k] < xs[k - 1] and xs[k - 1] != float("-inf"):  # no tie with the k-th, nothing masked
+            ids = top[:k].sort().values
+            return logits[ids] / p.temperature, ids
+        x = logits / p.temperature
+        ids = torch.nonzero((x >= xs[k - 1]) & (x != float("-inf"))).flatten()
+        if ids.numel():
+            return x[ids], ids
+    return logits / p.temperature, None
+
+
+def filtered(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities (float64, summing to about 1) of `candidates`' logits x [C] after
+    top-p and min-p; excluded tokens get exactly 0. The softmax's sum is taken in id
+    order, one term after another (torch's cumsum), so it is the same over the
+    candidates as over the whole row (whose other terms are zeros): top-k restricting the
+    work to its k tokens changes no probability."""
+    e = torch.exp(x - x.max())
+    probs = e.double() / torch.cumsum(e, 0, dtype=torch.float64)[-1]
     if p.top_p < 1.0:
         keep = torch.zeros_like(probs, dtype=torch.bool)
         keep[nucleus(probs, p.top_p)] = True
         probs = probs.masked_fill(~keep, 0.0)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] (float64) after temperature, top-k, top-p and min-p,
+    renormalised; excluded tokens get exactly 0. logits: [V] float32."""
+    x, ids = candidates(logits, p)
+    probs = filtered(x, p)
+    if ids is not None:
+        probs = torch.zeros(logits.shape[0], dtype=probs.dtype, device=probs.device).index_copy_(0, ids, probs)
     return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    """One token of a sampled row: `draw` over the candidates' filtered probabilities
+    (the same cumulative sums, so the same token, as over the whole row: its other terms
+    are zeros). logits: [V] float32."""
+    x, ids = candidates(logits, p)
+    j = draw(filtered(x, p), generator)
+    return j if ids is None else int(ids[j])
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -192,8 +228,7 @@ class Sampler:
         tokens = greedy_tokens(logits, rows)  # every greedy row in one argmax (one sync on a GPU)
         for i, r in enumerate(rows):
             if tokens[i] is None:
-                probs = filter_probs(logits[i], r.params)
-                tokens[i] = draw(probs, r.generator or self.generator)
+                tokens[i] = sample(logits[i], r.params, r.generator or self.generator)
         lps: list[TokenLogprobs | None] = [
             top_logprobs(raw[i], tokens[i], r.params.logprobs) if raw is not None and r.params.logprobs is not None
             else None

@@ -7,7 +7,18 @@ import math
 import pytest
 import torch
 
-from hotprefix.model.sampler import NUCLEUS_TRIES, Sampler, SampleRow, apply_penalties, draw, filter_probs, nucleus
+from hotprefix.model.sampler import (
+    NUCLEUS_TRIES,
+    Sampler,
+    SampleRow,
+    apply_penalties,
+    candidates,
+    draw,
+    filter_probs,
+    filtered,
+    nucleus,
+    sample,
+)
 from hotprefix.sampling_params import SamplingParams
 
 V = 10
@@ -54,6 +65,41 @@ def test_top_k_keeps_exactly_k_tokens():
     probs = filter_probs(logits_of(1, 5, 3, 4, 2), SamplingParams(top_k=2))
     assert (probs > 0).nonzero().flatten().tolist() == [1, 3]
     assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_top_k_candidates_keep_ties_with_the_kth_and_drop_masked_tokens():
+    logits = logits_of(1, 5, 3, 5, 2, 3, float("-inf"), 0)
+    for k, want in ((1, [1, 3]), (2, [1, 3]), (3, [1, 2, 3, 5]), (4, [1, 2, 3, 5])):  # ties with the k-th stay
+        x, ids = candidates(logits, SamplingParams(temperature=0.5, top_k=k))
+        assert ids.tolist() == want and torch.equal(x, logits[want] / 0.5)
+    masked = torch.full((V,), float("-inf"))
+    masked[[2, 7]] = torch.tensor([1.0, 4.0])  # a grammar allowing 2 of 10: top_k 5 keeps those 2
+    x, ids = candidates(masked, SamplingParams(temperature=1.0, top_k=5))
+    assert ids.tolist() == [2, 7] and x.tolist() == [1.0, 4.0]
+    x, ids = candidates(logits, SamplingParams(temperature=2.0))  # top_k off: the whole row
+    assert ids is None and torch.equal(x, logits / 2.0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+                                    SamplingParams(temperature=1.3, top_k=300),
+                                    SamplingParams(temperature=0.5, top_k=7, top_p=0.5)])
+def test_top_k_work_on_its_candidates_gives_the_whole_rows_probabilities_and_tokens(params):
+    """filtered() over top-k's candidates equals filtered() over the whole row with the
+    others masked (bit for bit: the softmax's sum is in id order), and sample() draws the
+    token draw() takes over that whole row with the same generator: so restricting the work
+    to the candidates changes no answer."""
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(49152, generator=g) * (1 + seed % 7)
+        x, ids = candidates(logits, params)
+        whole = torch.full_like(logits, float("-inf"))
+        whole[ids] = logits[ids] / params.temperature
+        probs = filtered(whole, params)
+        mine = filtered(x, params)
+        assert torch.equal(probs[ids], mine) and probs.count_nonzero() == mine.count_nonzero()
+        for s in range(5):
+            assert sample(logits, params, torch.Generator().manual_seed(s)) == \
+                draw(probs, torch.Generator().manual_seed(s))
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p():
