@@ -17,6 +17,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 4096
 MAX_TOP_K = 1 << 20
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 
 
 class StructuredKind(str, Enum):
@@ -45,7 +46,7 @@ class StructuredOutput:
 class SamplingParams:
     """How to choose the next tokens and when to stop.
 
-    temperature 0 means greedy. top_k 0 or -1 means no top-k cut. Penalties
+    temperature 0 (or below SAMPLING_EPS) means greedy. top_k 0 or -1 means no top-k cut. Penalties
     follow vLLM: repetition over prompt and output tokens (divide positive
     logits, multiply negative ones), presence and frequency over output tokens
     only (OpenAI's definition). `logprobs` asks for the sampled token's log
@@ -140,7 +141,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below SAMPLING_EPS (vLLM's rule): dividing logits by a smaller
+        one overflows to inf, and softmax's inf - inf is NaN (a client's 1e-40 drew the
+        vocabulary's last token every time)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def effective_top_k(self) -> int:

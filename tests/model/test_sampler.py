@@ -61,6 +61,19 @@ def test_greedy_rows_in_one_argmax_equal_row_by_row_and_leave_sampled_rows_their
     assert all_greedy == [int(torch.argmax(r)) for r in logits]
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])
+def test_a_temperature_below_sampling_eps_is_greedy(temperature):
+    """vLLM's rule: dividing the logits by a subnormal temperature overflowed to inf, and the
+    softmax's inf - inf drew the vocabulary's last token every time."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 10
+    for extra in ({}, {"top_k": 5}, {"top_p": 0.9}):
+        p = SamplingParams(temperature=temperature, seed=1, **extra)
+        assert p.greedy
+        toks, _ = Sampler()(logits.clone(), [row(p, gen=torch.Generator().manual_seed(1)) for _ in range(3)])
+        assert toks == [int(torch.argmax(r)) for r in logits]
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_top_k_keeps_exactly_k_tokens():
     probs = filter_probs(logits_of(1, 5, 3, 4, 2), SamplingParams(top_k=2))
     assert (probs > 0).nonzero().flatten().tolist() == [1, 3]

@@ -157,6 +157,9 @@ def test_sampling_parameters_are_honoured(client):
     assert len(content) == 2 and len(content[0].top_logprobs) == 3
     echo = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, echo=True)
     assert echo.choices[0].text.startswith(PROMPT)
+    tiny = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1e-40, seed=3,
+                                     extra_body={"ignore_eos": True, "top_k": 5})  # greedy, as vLLM: not NaNs
+    assert tiny.choices[0].text == full
 
 
 def test_cached_tokens_and_prefix_counters_move_as_expected(client, live):
