@@ -74,6 +74,19 @@ def test_a_temperature_below_sampling_eps_is_greedy(temperature):
     assert not SamplingParams(temperature=1e-5).greedy
 
 
+def test_infinite_logits_share_the_mass_instead_of_giving_nans():
+    """A repetition penalty near 0 divides the seen tokens' positive logits to +inf: sampling
+    takes one of those (the limit of the distribution), never a NaN's pick (the last token)."""
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)) * 5
+    seen = list(range(0, 1000, 2))
+    positive_seen = {t for t in seen if logits[0, t] > 0}
+    for extra in ({}, {"top_k": 50}, {"top_p": 0.5, "min_p": 0.1}):
+        p = SamplingParams(temperature=1.0, repetition_penalty=1e-300, **extra)
+        got = {Sampler()(logits.clone(), [row(p, prompt=seen, gen=torch.Generator().manual_seed(s))])[0][0]
+               for s in range(30)}
+        assert got <= positive_seen and len(got) > 1, (extra, got)
+
+
 def test_top_k_keeps_exactly_k_tokens():
     probs = filter_probs(logits_of(1, 5, 3, 4, 2), SamplingParams(top_k=2))
     assert (probs > 0).nonzero().flatten().tolist() == [1, 3]
