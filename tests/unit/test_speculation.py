@@ -14,7 +14,7 @@ from hotprefix.core.kv_cache_manager import KVCacheManager
 from hotprefix.core.outputs import ModelRunnerOutput
 from hotprefix.core.request import RequestStatus
 from hotprefix.core.scheduler import Scheduler
-from hotprefix.core.speculation import GIVE_UP, Speculator, find_draft
+from hotprefix.core.speculation import CONSTRAINED_LOOKUP_MIN, GIVE_UP, Speculator, find_draft
 from hotprefix.core.suffix_table import MAX_SCOPES, WORD, SuffixTable, decode, encode
 from hotprefix.sampling_params import StructuredKind, StructuredOutput
 from tests.unit.builders import make_request
@@ -215,6 +215,20 @@ def test_forced_tokens_are_drafted_after_the_ngram_gave_up_and_never_without_a_g
         spec.observe("r", len(d), 1)  # the forced token taken, never the n-gram's
     assert proposals == GIVE_UP  # the n-gram gave up; the forced token is still drafted
     assert Speculator(SPEC, Forcing([7])).propose(decoding([6, 9], [1, 6, 9, 2])) == [2, 6, 9]  # no constraint
+
+
+def test_a_constrained_request_looks_up_single_tokens_whatever_prompt_lookup_min_says():
+    """prompt_lookup_min 2: an unconstrained request whose last token alone occurs earlier
+    drafts nothing; the same tokens under a grammar draft what followed that token
+    (CONSTRAINED_LOOKUP_MIN), after its forced tokens, and a 2-gram match still wins."""
+    spec2 = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2)
+    json = StructuredOutput(StructuredKind.JSON_OBJECT)
+    prompt, out = [1, 5, 6, 7, 2, 3], [4, 5]  # 5 occurs earlier, the 2-gram (4, 5) does not
+    assert Speculator(spec2, Forcing([])).propose(decoding(out, prompt)) == []
+    assert Speculator(spec2, Forcing([])).propose(decoding(out, prompt, structured=json)) == [6, 7, 2]
+    assert Speculator(spec2, Forcing([9])).propose(decoding(out, [5, 9, 1, 2, 9, 3, 3, 7], structured=json)) \
+        == [9, 1, 2, 9]  # forced 9, then what followed (5, 9), not what followed the latest 9 alone (3, 3, 7)
+    assert CONSTRAINED_LOOKUP_MIN == 1
 
 
 def test_the_speculative_config_is_vllms_json():
