@@ -54,7 +54,7 @@ PAYING = 0.125  # a request that kept at least this share of its draft tokens do
 # draft token costs ~0.15 of a decode step and a kept one saves a step (docs/benchmarks.md, spec_oracle)
 CONSTRAINED_LOOKUP_MIN = 1  # the shortest n-gram a constrained request's draft looks up, whatever
 # prompt_lookup_min says: under a grammar a one-token match is kept often enough to pay (the json
-# workload: 1.56-1.63x -> 1.77-1.80x, docs/benchmarks.md); only the speed changes, never the tokens
+# workload: 1.56-1.63x -> 1.80-1.84x, docs/benchmarks.md); only the speed changes, never the tokens
 
 class GrammarDrafts(Protocol):
     """What the Speculator asks of a constrained request's grammar, its matcher not moved

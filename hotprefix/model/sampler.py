@@ -106,10 +106,9 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
 def filtered(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities (float64, summing to about 1) of `candidates`' logits x [C] after
     top-p and min-p; excluded tokens get exactly 0; where some logits are +inf, those share
-    the mass equally. The softmax's sum is taken in id
-    order, one term after another (torch's cumsum), so it is the same over the
-    candidates as over the whole row (whose other terms are zeros): top-k restricting the
-    work to its k tokens changes no probability."""
+    the mass equally. The softmax's sum is taken in id order, one term after another
+    (torch's cumsum), so it is the same over the candidates as over the whole row (whose
+    other terms are zeros): top-k restricting the work to its k tokens changes no probability."""
     top = x.max()
     # +inf logits (a repetition penalty near 0 divides a seen token's logit to inf): the limit,
     # their mass shared equally, not inf - inf's NaNs

@@ -29,6 +29,7 @@ from hotprefix.tools.workloads import WORKLOADS, Job, build, words
 
 __all__ = ["WORKLOADS", "Job", "build", "run"]
 
+
 @dataclass
 class Result:
     ok: bool
