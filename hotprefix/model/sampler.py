@@ -104,15 +104,19 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
 
 
 def filtered(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Probabilities (float64, summing to about 1) of `candidates`' logits x [C] after
-    top-p and min-p; excluded tokens get exactly 0; where some logits are +inf, those share
-    the mass equally. The softmax's sum is taken in id order, one term after another
-    (torch's cumsum), so it is the same over the candidates as over the whole row (whose
-    other terms are zeros): top-k restricting the work to its k tokens changes no probability."""
+    """Weights (float64) of `candidates`' logits x [C] after top-p and min-p: exp(x - max),
+    normalised to sum to about 1 only with top-p (which needs it; min-p and the draw do not);
+    excluded tokens get exactly 0; where some logits are +inf, those share the mass equally.
+    The normalising sum is taken in id order, one term after another (torch's cumsum), so it
+    is the same over the candidates as over the whole row (whose other terms are zeros):
+    top-k restricting the work to its k tokens changes no weight."""
     top = x.max()
     # +inf logits (a repetition penalty near 0 divides a seen token's logit to inf): the limit,
     # their mass shared equally, not inf - inf's NaNs
     e = torch.exp(x - top) if top != float("inf") else (x == top).to(x.dtype)
+    if p.top_p >= 1.0:  # min-p and the draw need no normalising (draw scales its uniform by the total)
+        probs = e.double()
+        return probs.masked_fill(probs < p.min_p * probs.max(), 0.0) if p.min_p > 0.0 else probs
     probs = e.double() / torch.cumsum(e, 0, dtype=torch.float64)[-1]
     if p.top_p < 1.0:
         keep = torch.zeros_like(probs, dtype=torch.bool)
