@@ -114,27 +114,15 @@ def filtered(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     # +inf logits (a repetition penalty near 0 divides a seen token's logit to inf): the limit,
     # their mass shared equally, not inf - inf's NaNs
     e = torch.exp(x - top) if top != float("inf") else (x == top).to(x.dtype)
-    if p.top_p >= 1.0:  # min-p and the draw need no normalising (draw scales its uniform by the total)
-        probs = e.double()
-        return probs.masked_fill(probs < p.min_p * probs.max(), 0.0) if p.min_p > 0.0 else probs
-    probs = e.double() / torch.cumsum(e, 0, dtype=torch.float64)[-1]
+    probs = e.double()  # min-p and the draw need no normalising (draw scales its uniform by the total)
     if p.top_p < 1.0:
+        probs = probs / torch.cumsum(e, 0, dtype=torch.float64)[-1]
         keep = torch.zeros_like(probs, dtype=torch.bool)
         keep[nucleus(probs, p.top_p)] = True
         probs = probs.masked_fill(~keep, 0.0)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs
-
-
-def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] (float64) after temperature, top-k, top-p and min-p,
-    renormalised; excluded tokens get exactly 0. logits: [V] float32."""
-    x, ids = candidates(logits, p)
-    probs = filtered(x, p)
-    if ids is not None:
-        probs = torch.zeros(logits.shape[0], dtype=probs.dtype, device=probs.device).index_copy_(0, ids, probs)
-    return probs / probs.sum()
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -14,7 +14,6 @@ from hotprefix.model.sampler import (
     apply_penalties,
     candidates,
     draw,
-    filter_probs,
     filtered,
     nucleus,
     sample,
@@ -26,6 +25,16 @@ V = 10
 
 def row(params: SamplingParams, prompt=(), output=(), stop_ids=(), gen=None) -> SampleRow:
     return SampleRow(params, list(prompt), list(output), tuple(stop_ids), gen)
+
+
+def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The row's distribution [V] (float64) as the sampler draws from it: `filtered` over
+    top-k's candidates, placed back in the whole row, renormalised; excluded tokens 0."""
+    x, ids = candidates(logits, p)
+    probs = filtered(x, p)
+    if ids is not None:
+        probs = torch.zeros(logits.shape[0], dtype=probs.dtype).index_copy_(0, ids, probs)
+    return probs / probs.sum()
 
 
 def logits_of(*vals: float) -> torch.Tensor:
