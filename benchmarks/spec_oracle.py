@@ -31,7 +31,7 @@ from speculative import step_costs, workloads  # (benchmarks/speculative.py: the
 from hotprefix import LLM, SamplingParams
 from hotprefix.config import SpeculativeConfig
 from hotprefix.core.request import Request
-from hotprefix.core.speculation import Speculator, find_draft
+from hotprefix.core.speculation import CONSTRAINED_LOOKUP_MIN, Speculator, find_draft
 from hotprefix.core.suffix_table import encode
 
 
@@ -171,7 +171,9 @@ def main() -> None:
         for label, able, most in (("omniscient, copy", copy, a.k), ("omniscient, forced", ff, a.k),
                                   ("omniscient, copy or forced", [c or f for c, f in zip(copy, ff)], longest)):
             print(report(label, omniscient(able, most, cost), cost, n))
-        print(report(f"the Speculator replayed (k={a.k}, n={config.prompt_lookup_min}..{config.prompt_lookup_max})",
+        least = min(config.prompt_lookup_min, CONSTRAINED_LOOKUP_MIN) if forced is not None \
+            else config.prompt_lookup_min  # (a constrained request's lookup: core/speculation.py)
+        print(report(f"the Speculator replayed (k={a.k}, n={least}..{config.prompt_lookup_max})",
                      replay(llm, config, prompt, answer, params), cost, n))
         for min_n, use_ff in ((2, False), (1, False), (2, True), (1, True)):
             if not use_ff or forced is not None:
