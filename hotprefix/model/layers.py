@@ -201,6 +201,16 @@ def block_logits(hidden: torch.Tensor, blocks: Blocks | None, out: torch.Tensor 
     return ops.qmatmul(hidden, blocks, out=out if fits else None)  # [N, n]
 
 
+def block_scores(hidden: torch.Tensor, blocks: Blocks | None, targets: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """sampler.score_rows' scores of block_logits(hidden, blocks) with targets [N], made
+    without the [N, n] logits (ops.score_head) where the blocks are an int8 head and hidden
+    float32 on the CPU: (lp [N], rank [N], top_ids [N, k], top_lp [N, k]); else None."""
+    if blocks is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not ops.scores_on_head(blocks):
+        return None
+    return ops.score_head(hidden, blocks, targets, k)
+
+
 def take_embedding(ws: WeightSet, name: str, table: torch.Tensor | None) -> Embedding:
     """The embedding of `table` or of its GGUF rows (the rank's rows over several ranks:
     VocabEmbedding). Raises ModelLoadError when neither is there."""

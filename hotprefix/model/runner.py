@@ -22,20 +22,25 @@ from hotprefix.model.attention import ALL_PATHS, AttentionPaths, BackendSpec, cr
 from hotprefix.model.attention.base import SeqSpan, StepBatch
 from hotprefix.model.build import build_model, kv_groups_of, log_weights, plan_kv_pool, resolve_device, resolve_dtype
 from hotprefix.model.drafts import Drafting, verify_drafts
+from hotprefix.model.kernels import ops
 from hotprefix.model.kernels.build import packable, resolve_matmul
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
+from hotprefix.model.layers import block_scores
 from hotprefix.model.loader import LoadedModel
 from hotprefix.model.lockstep import RunCopies, RunLogits, RunPersist, RunStep, Stop
 from hotprefix.model.parallel import SINGLE, Parallel, shard_arch
-from hotprefix.model.sampler import Sampler, SampleRow, score_rows
+from hotprefix.model.sampler import Sampler, SampleRow, logprob_entries, score_rows
 from hotprefix.model.structured import GrammarMatchers, StepMasks
+from hotprefix.sampling_params import TokenLogprobs
 
 __all__ = ["ALL_PATHS", "AttentionPaths", "ModelRunner"]
 log = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([256, V] float32: 50 MB at 49k),
 # into one buffer kept for the runner's life: a fresh tensor that size is mapped anew and faulted in
 # page by page each time (as much kernel time as the head's product on the default model)
+SCORE_HEAD_ROWS = 1024  # prompt positions scored at once on an int8 head (layers.block_scores: no logits made;
+# its per-segment statistics, ~12 bytes a position, segment and top-k entry, are what it holds)
 
 
 class ModelRunner:
@@ -345,9 +350,11 @@ class ModelRunner:
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """The prompt tokens' logprobs of the requests that ask for them: position p's
         logits score prompt token p + 1 (raw logprobs, as vLLM reports them): the target's
-        logprob and rank over the full vocabulary's log-sum-exp, and the top k where k > 0
-        (sampler.score_rows), in slices of PROMPT_LOGPROB_ROWS rows of one request. hidden: [T, E]."""
+        logprob and rank over the full vocabulary's log-sum-exp, and the top k where k > 0,
+        in slices of one request's rows (_score). hidden: [T, E]."""
         end = 0
+        on_head = self._scores_on_head(hidden)
+        step = SCORE_HEAD_ROWS if on_head else PROMPT_LOGPROB_ROWS
         for r in sched.requests:
             start, end = end, end + len(r.token_ids)
             k = r.sampling_params.prompt_logprobs
@@ -355,12 +362,29 @@ class ModelRunner:
             if k is None or rows <= 0:
                 continue
             entries = []
-            for a in range(0, rows, PROMPT_LOGPROB_ROWS):
-                b = min(rows, a + PROMPT_LOGPROB_ROWS)
-                logits = self._logits(hidden, slice(start + a, start + b), self._score_buffer(b - a)).float()
-                entries += score_rows(logits, r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b], k)
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                targets = r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b]
+                entries += self._score(hidden, slice(start + a, start + b), targets, k, on_head)
             self.num_prompt_logprob_rows_total += rows
             out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
+
+    def _scores_on_head(self, hidden: torch.Tensor) -> bool:
+        """Whether prompt logprobs are scored on the head's blocks without making the logits
+        (layers.block_scores: an int8 head on the CPU, one rank) rather than from logits."""
+        blocks = self.model.logits_blocks
+        return (self.parallel.size == 1 and blocks is not None and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and ops.scores_on_head(blocks))
+
+    def _score(self, hidden: torch.Tensor, rows: slice, targets: list[int], k: int, on_head: bool
+               ) -> list[TokenLogprobs]:
+        """The entries of hidden [T, E]'s `rows` scoring `targets` (sampler.score_rows): on the
+        head's blocks (on_head: _scores_on_head) or from their logits."""
+        if on_head:
+            t = torch.tensor(targets, dtype=torch.long)
+            return logprob_entries(targets, *block_scores(hidden[rows], self.model.logits_blocks, t, k))
+        logits = self._logits(hidden, rows, self._score_buffer(rows.stop - rows.start)).float()
+        return score_rows(logits, targets, k)
 
     def _score_buffer(self, rows: int) -> torch.Tensor | None:
         """The first `rows` rows of the runner's buffer for prompt logprobs' logits, where the

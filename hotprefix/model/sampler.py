@@ -166,13 +166,16 @@ def score_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLo
     logits: [R, V] float32, one row per target."""
     t = torch.tensor(targets, dtype=torch.long, device=logits.device)
     if logits.device.type == "cpu" and library() is not None:
-        lp, rank, top_ids, top_lp = ops.score_rows(logits, t, k)
-    else:
-        lse = torch.logsumexp(logits, -1, keepdim=True)  # [R, 1]
-        chosen = logits.gather(1, t[:, None])  # [R, 1]
-        lp, rank = (chosen - lse)[:, 0], (logits > chosen).sum(-1) + 1
-        top, top_ids = torch.topk(logits, k, -1)  # [R, k]
-        top_lp = top - lse
+        return logprob_entries(targets, *ops.score_rows(logits, t, k))
+    lse = torch.logsumexp(logits, -1, keepdim=True)  # [R, 1]
+    chosen = logits.gather(1, t[:, None])  # [R, 1]
+    top, top_ids = torch.topk(logits, k, -1)  # [R, k]
+    return logprob_entries(targets, (chosen - lse)[:, 0], (logits > chosen).sum(-1) + 1, top_ids, top - lse)
+
+
+def logprob_entries(targets: list[int], lp: torch.Tensor, rank: torch.Tensor, top_ids: torch.Tensor,
+                    top_lp: torch.Tensor) -> list[TokenLogprobs]:
+    """One TokenLogprobs per target from its scores: lp [R], rank [R], top_ids and top_lp [R, k]."""
     tops = [[Logprob(a, b, j + 1) for j, (a, b) in enumerate(zip(ids, vals))]
             for ids, vals in zip(top_ids.tolist(), top_lp.tolist())]
     return [TokenLogprobs(Logprob(tok, lp_, r), top) for tok, lp_, r, top in zip(targets, lp.tolist(), rank.tolist(),

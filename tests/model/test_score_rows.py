@@ -1,7 +1,8 @@
-"""The scoring kernel (csrc/score.c, ops.score_rows) and the runner's prompt logprobs:
-each row's target logprob over the full vocabulary's log-sum-exp, its rank and top k
-agree with torch's; a row's result is the same bits alone or among others, chunked or
-whole, from the cache or computed, and on every build of the kernels."""
+"""The scoring kernels (csrc/score.c: ops.score_rows on logits, ops.score_head on an int8
+head's blocks without making the logits) and the runner's prompt logprobs: each row's
+target logprob over the full vocabulary's log-sum-exp, its rank and top k agree with
+torch's; a row's result is the same bits alone or among others, chunked or whole, from
+the cache or computed, with any number of threads, and on every build of the kernels."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from hotprefix.model.kernels import abi as kernel_abi
 from hotprefix.model.kernels import build, ops
 from hotprefix.sampling_params import SamplingParams
-from tests.model.test_block_kernels import MARCHES
+from tests.model.test_block_kernels import MARCHES, TYPES, packed
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +83,14 @@ def test_prompt_logprobs_are_the_same_bits_chunked_cached_or_in_a_batch(tiny_lla
 
 
 def test_prompt_logprobs_through_the_reused_logits_buffer_are_the_same_bits(monkeypatch):
-    """The default model's head is C blocks: its prompt-logprob slices are written into one
-    buffer the runner keeps (no fresh pages each slice); the results are those of fresh tensors."""
+    """Scored from logits (as a head not scored on its blocks is), the default model's C-block
+    head writes its prompt-logprob slices into one buffer the runner keeps (no fresh pages
+    each slice); the results are those of fresh tensors."""
     from hotprefix.engine.llm import LLM
     from hotprefix.model import runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "PROMPT_LOGPROB_ROWS", 16)  # 50- and 23-token prompts: several slices
+    monkeypatch.setattr(runner_mod.ModelRunner, "_scores_on_head", lambda self, hidden: False)
     llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompts = [[(31 * i) % 40000 + 100 for i in range(50)], [(17 * i) % 30000 + 200 for i in range(23)]]
     p = SamplingParams(max_tokens=0, prompt_logprobs=3)
@@ -107,3 +110,103 @@ def test_prompt_logprobs_through_the_reused_logits_buffer_are_the_same_bits(monk
     assert [len(rows) for rows in through_buffer] == [49, 22]
     monkeypatch.setattr(runner_mod.ModelRunner, "_score_buffer", lambda self, rows: None)
     assert scored() == through_buffer
+
+
+def test_the_default_models_prompt_logprobs_on_its_head_are_those_of_its_logits(monkeypatch):
+    """The default model's int8 head scores prompt logprobs on its blocks (no logits made):
+    the ranks and top ids of the logits path, logprobs within float rounding of it; the same
+    bits chunked (a 7-token budget), in slices of 16 rows, from the cache or in a batch."""
+    from hotprefix.engine.llm import LLM
+    from hotprefix.model import runner as runner_mod
+
+    prompt = [(31 * i) % 40000 + 100 for i in range(60)]
+    p = SamplingParams(max_tokens=0, prompt_logprobs=3)
+
+    def scored(on_head: bool = True, **kw) -> list:
+        llm = LLM(kv_cache_memory="64MiB", **kw)
+        outs = llm.generate([prompt, prompt[:25], prompt], [p, p, p])
+        assert (llm.engine.runner._score_logits is None) == on_head  # no logits buffer made on the head
+        rows = [[(e.sampled.token_id, e.sampled.logprob, e.sampled.rank, [(a.token_id, a.logprob) for a in e.top])
+                 for e in o.prompt_logprobs[1:]] for o in outs]
+        llm.close()
+        return rows
+
+    on_head = scored(enable_prefix_caching=False)
+    assert on_head[0] == on_head[2] and on_head[1] == on_head[0][:24] and len(on_head[0]) == 59
+    assert scored(max_num_batched_tokens=7, block_size=4) == on_head  # chunked; the third from the cache
+    monkeypatch.setattr(runner_mod, "SCORE_HEAD_ROWS", 16)
+    assert scored(enable_prefix_caching=False) == on_head
+    monkeypatch.setattr(runner_mod.ModelRunner, "_scores_on_head", lambda self, hidden: False)
+    from_logits = scored(False, enable_prefix_caching=False)[0]
+    assert [(t, r, [a for a, _ in top]) for t, _, r, top in from_logits] == [
+        (t, r, [a for a, _ in top]) for t, _, r, top in on_head[0]]
+    assert max(abs(a[1] - b[1]) for a, b in zip(from_logits, on_head[0])) < 1e-4
+
+
+def tied_head(type_name: str, lib, v: int = 2100, k: int = 256) -> tuple:
+    """A [v, k] int8 head (v: 3 segments of 1,024 logits, the last group padded) whose rows 7
+    and 1,500 are the same blocks (their logits tie, in different segments), and its float rows."""
+    w, ref = packed(type_name, v, k, seed=3)
+    raw = w.raw.clone()
+    raw[1500] = raw[7]
+    w = type(w).from_gguf(type_name, raw, v, k)
+    ref[1500] = ref[7]
+    return w.regrouped(lib), ref
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_scores_on_the_head_are_those_of_its_logits(type_name, libs):
+    """score_head against score_rows of the same head's qmatmul logits: the same ranks and top
+    ids (ties in two segments: the lower id first), logprobs as close to float64's."""
+    lib = libs[0]
+    head, ref = tied_head(type_name, lib)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(150, 256, generator=g)  # a 128-row chunk and a 22-row one (AMX tiles where there are)
+    x[0] = ref[7] * 3.0  # row 0's largest logits (~1,500): the tied pair
+    t = torch.randint(0, 2100, (150,), generator=g)
+    t[1], t[2] = 7, 1500  # targets in the tie
+    logits = ops.qmatmul(x, head, lib)
+    lse = torch.logsumexp(logits.double(), -1)
+    chosen = logits.gather(1, t[:, None])[:, 0]
+    for k in (0, 1, 5):
+        lp, rank, top_ids, top_lp = ops.score_head(x, head, t, k, lib)
+        _, want_rank, want_ids, _ = ops.score_rows(logits, t, k, lib)
+        assert torch.equal(rank, want_rank) and torch.equal(rank, (logits > chosen[:, None]).sum(-1) + 1)
+        assert torch.equal(top_ids, want_ids)
+        tol = 2e-6 + 4 * 2**-24 * lse.abs()  # [R]: float32's rounding at the row's magnitude
+        assert bool(((lp.double() - (chosen.double() - lse)).abs() < tol).all())
+        if k:
+            assert top_ids[0, :2].tolist() == [7, 1500][:k]
+            vals = logits.gather(1, top_ids).double()
+            assert bool(((top_lp.double() - (vals - lse[:, None])).abs() < tol[:, None]).all())
+
+
+def test_a_rows_score_on_the_head_is_the_same_bits_alone_in_any_batch_threads_and_build(libs):
+    head, _ = tied_head("Q8_0", libs[0])
+    g = torch.Generator().manual_seed(2)
+    x, t = torch.randn(150, 256, generator=g), torch.randint(0, 2100, (150,), generator=g)
+    whole = ops.score_head(x, head, t, 3, libs[0])
+    for a, b in ((0, 1), (149, 150), (10, 40), (5, 150)):
+        part = ops.score_head(x[a:b], head, t[a:b], 3, libs[0])
+        assert all(torch.equal(p, w[a:b]) for p, w in zip(part, whole))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert all(torch.equal(p, w) for p, w in zip(ops.score_head(x, head, t, 3, libs[0]), whole))
+    finally:
+        torch.set_num_threads(threads)
+    for lib in libs[1:]:
+        assert all(torch.equal(p, w) for p, w in zip(ops.score_head(x, head, t, 3, lib), whole))
+
+
+def test_score_head_refuses_what_it_cannot_read(libs):
+    head, _ = tied_head("Q4_0", libs[0])
+    x, t = torch.randn(2, 256), torch.tensor([0, 1])
+    float_head, _ = packed("Q4_0", 2100, 256)  # GGUF rows, not the int8 layout
+    for args in ((x, float_head, t, 1), (x, head, torch.tensor([0, 2100]), 1), (x, head, torch.tensor([-1, 0]), 1),
+                 (x, head, t, 2101), (x, head, t, -1), (x[:, :128], head, t, 1), (x, head, t[:1], 1)):
+        with pytest.raises(ValueError):
+            ops.score_head(*args, lib=libs[0])
+    with pytest.raises(ValueError):
+        ops.score_head(x.double(), head, t, 1, libs[0])
+    assert [v.shape for v in ops.score_head(x[:0], head, t[:0], 2, libs[0])] == [(0,), (0,), (0, 2), (0, 2)]

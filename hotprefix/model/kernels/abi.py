@@ -96,6 +96,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "hp_rmsnorm": (None, [_p, _i, _i, c_int64, _p, _f, _p, _i]),
     "hp_rope": (None, [_p, _i, _i, c_int64, _i, _p, _p, _i]),
     "hp_score_rows": (None, [_p, _i, _i, _p, _i, _p, _p, _p, _p, _i]),
+    "hp_score_head": (_i, [POINTER(HpPart), _p, _i, _i, _p, _i, _p, _p, _p, _p, _i]),
     "hp_decode_layers": (_i, [POINTER(HpStack), POINTER(HpStep), _i]),
     "hp_moe_ffn": (_i, [POINTER(HpMoe), _p, _i, _p, _p, _i, _p, _p, _i]),
     "hp_struct_layout": (_i, [_i, POINTER(c_int64)]),

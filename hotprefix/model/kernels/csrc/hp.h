@@ -229,18 +229,18 @@ void xquant_row(const float *xr, int K, int m, int need32, int needk, xquant *x3
 void xquant_rows(const float *x, const int *src, int M, int K, int need32, int needk, xquant *x32, xquant *xk);
 void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K, float *y, xquant *x32, xquant *xk);
 int parts_valid(const hp_part *parts, int nparts, int K);
-/* one group (16 rows of a part, its columns from col on in y's rows of ldy) against rows
- * m0..m1-1 of quantized x */
-void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
-                   const xquant *xk, float *y);
+/* one group (16 rows of a part) against rows m0..m1-1 of quantized x, into yg (y at row m0
+ * and the group's first column; rows ldy apart) */
+void i8_group_rows(const hp_part *pt, int g, int ldy, int K, int m0, int m1, const xquant *x32, const xquant *xk,
+                   float *yg);
 
 /* int8_amx.c: whether AMX tiles are on (hp_amx); a group (as i8_group_rows) against the
  * rows m0..m1-1 in tiles of 16 (the last one partial) by AMX where it covers the group's
  * type and there are at least 16 rows; returns the rows it did (0 when off, uncovered or
  * fewer than 16) */
 int amx_on(void);  /* amx_group_rows leaves the thread's tiles configured: amx_release after its loop */
-int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
-                   const xquant *xk, float *y);
+int amx_group_rows(const hp_part *pt, int g, int ldy, int K, int m0, int m1, const xquant *x32, const xquant *xk,
+                   float *yg);
 void amx_release(void);  /* the calling thread's tiles released, if configured */
 #if defined(HP_AMX)
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);  /* tile t: rows[t] x colsb[t] bytes */

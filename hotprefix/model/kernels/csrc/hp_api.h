@@ -111,6 +111,9 @@ void hp_rope(float *x, int T, int nh, int64_t x_row, int D, const float *cos_, c
 /* prompt logprobs: each row's target logprob, rank and top k over the full vocabulary (score.c) */
 void hp_score_rows(const float *logits, int R, int V, const int64_t *targets, int k, float *lp, int64_t *rank,
                    int64_t *top_ids, float *top_lp, int nthreads);
+/* the same from hidden states x [M, K] on an int8 head (one part), its logits never written out */
+int hp_score_head(const hp_part *part, const float *x, int M, int K, const int64_t *targets, int k, float *lp,
+                  int64_t *rank, int64_t *top_ids, float *top_lp, int nthreads);
 
 /* a mixture's expert FFNs, tokens grouped by expert (moe.c) */
 int hp_moe_ffn(const hp_moe *m, const float *x, int T, const int64_t *ids, const float *w, int k, float *out,

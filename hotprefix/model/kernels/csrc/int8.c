@@ -154,19 +154,21 @@ int parts_valid(const hp_part *parts, int nparts, int K) {
 }
 
 /* One group (16 rows of one part) against rows m0..m1 of x: by AMX tiles where it is on and
- * there are at least 16 rows (amx_group_rows), else by the group kernels. */
-void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
-                       const xquant *xk, float *y) {
-    m0 += amx_group_rows(pt, g, col, ldy, K, m0, m1, x32, xk, y);
+ * there are at least 16 rows (amx_group_rows), else by the group kernels. yg: y at row m0 and
+ * the group's first column; rows ldy apart. */
+void i8_group_rows(const hp_part *pt, int g, int ldy, int K, int m0, int m1, const xquant *x32, const xquant *xk,
+                   float *yg) {
+    const int done = amx_group_rows(pt, g, ldy, K, m0, m1, x32, xk, yg);
+    yg += (size_t)done * ldy;
+    m0 += done;
     const int nvalid = pt->n - g * G < G ? pt->n - g * G : G;
-    float *yg = y + col + (size_t)g * G;
     if (k_family(pt->qtype)) {
         const int nbk = K / QKK, step = group_kq_rows();
         const uint8_t *gp = pt->w + (size_t)g * nbk * unit_bytes(pt->qtype);
         for (int m = m0; m < m1; m += step) {
             const int mt = m1 - m < step ? m1 - m : step;
             group_kq(pt->qtype, mt, gp, nbk, xk->q + (size_t)m * K, xk->d + (size_t)m * nbk,
-                     xk->bs + (size_t)m * nbk * KBS, K, yg + (size_t)m * ldy, ldy, nvalid, m == m0);
+                     xk->bs + (size_t)m * nbk * KBS, K, yg + (size_t)(m - m0) * ldy, ldy, nvalid, m == m0);
         }
     } else {
         const int nb = K / QK, step = group_q32_rows();
@@ -175,7 +177,7 @@ void i8_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, in
             const int mt = m1 - m < step ? m1 - m : step;
             const size_t xo = (size_t)m * nb;
             group_q32(pt->qtype, mt, gp, nb, x32->q + (size_t)m * K, x32->d + xo, x32->sum + xo, x32->sd + xo, K,
-                      yg + (size_t)m * ldy, ldy, nvalid);
+                      yg + (size_t)(m - m0) * ldy, ldy, nvalid);
         }
     }
 }
@@ -205,7 +207,8 @@ void qmm_i8_team(const hp_part *parts, int nparts, const float *x, int M, int K,
         int p = 0;
         while (gg >= gstart[p + 1]) p++;
         const int m_end = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
-        i8_group_rows(parts + p, gg - gstart[p], col[p], ldy, K, c * M_CHUNK, m_end, x32, xk, y);
+        i8_group_rows(parts + p, gg - gstart[p], ldy, K, c * M_CHUNK, m_end, x32, xk,
+                      y + col[p] + (size_t)(gg - gstart[p]) * G + (size_t)c * M_CHUNK * ldy);
     }
     amx_release();
 }

@@ -177,15 +177,14 @@ AMX_Q32(Q4_1)
 AMX_Q32(Q8_0)
 AMX_Q32(Q5_1)
 
-int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
-                   const xquant *xk, float *y) {
+int amx_group_rows(const hp_part *pt, int g, int ldy, int K, int m0, int m1, const xquant *x32, const xquant *xk,
+                   float *yg) {
     /* rows past a last whole tile join it as a partial tile (their A rows are rows past m1 of
      * x's scratch, allocated for it: xquant_alloc; their sums are not stored): the tiles'
      * work does not grow with rows, the VNNI kernels' does, and each row's bits are the same */
     const int mr = m1 - m0, nt = mr < 16 ? 0 : (mr + 15) / 16, qt = pt->qtype;
     if (!amx_state || nt < 1) return 0;
     const int nvalid = pt->n - g * G < G ? pt->n - g * G : G;
-    float *yg = y + col + (size_t)g * G + (size_t)m0 * ldy;
     if (k_family(qt)) {
         if (!amx_kq(pt, g, K, m0, nt, mr, xk, yg, ldy, nvalid)) return 0;
     } else {
@@ -212,9 +211,9 @@ int amx_on(void) { return 0; }
 
 void amx_release(void) {}
 
-int amx_group_rows(const hp_part *pt, int g, int col, int ldy, int K, int m0, int m1, const xquant *x32,
-                   const xquant *xk, float *y) {
-    (void)pt; (void)g; (void)col; (void)ldy; (void)K; (void)m0; (void)m1; (void)x32; (void)xk; (void)y;
+int amx_group_rows(const hp_part *pt, int g, int ldy, int K, int m0, int m1, const xquant *x32, const xquant *xk,
+                   float *yg) {
+    (void)pt; (void)g; (void)ldy; (void)K; (void)m0; (void)m1; (void)x32; (void)xk; (void)yg;
     return 0;
 }
 #endif

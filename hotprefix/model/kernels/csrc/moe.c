@@ -129,7 +129,7 @@ static long expert_group(const hp_part *p, int64_t stride, int e, int g, int col
     const hp_part pe = {p->w + (size_t)e * stride, p->qtype, p->n};
     const long unit = (long)(K / block_values(p->qtype)) * (int8 ? unit_bytes(p->qtype) : block_bytes(p->qtype));
     if (int8) {
-        i8_group_rows(&pe, g, col, ldy, K, m0, m1, &b->x32, &b->xk, y);
+        i8_group_rows(&pe, g, ldy, K, m0, m1, &b->x32, &b->xk, y + col + (size_t)g * G + (size_t)m0 * ldy);
         return unit;
     }
     const int n1 = 16 * g + 16 < p->n ? 16 * g + 16 : p->n;

@@ -4,12 +4,40 @@
  * the count of larger logits, then the top k where asked), instead of torch's separate
  * passes and temporaries. Each row is its own computation in one fixed order (lane i of 16
  * adds the terms v = i mod 16, as dot16 does), so a row's result is the same bits however
- * many rows are scored together and on every build. */
+ * many rows are scored together and on every build.
+ *
+ * hp_score_head scores rows of hidden states on the head's int8 blocks without writing their
+ * logits out: segments of SEG_COLS logits (of SEG_ROWS rows: 256 KB, in L2) are made by the
+ * head's own group kernels, each row's statistics taken per segment while they are in cache,
+ * and the segments combined in order. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ops.h"
 #include "hp_api.h"
+
+/* e^x for x <= 0 (below -87: e^-87), exp_nonpos's steps with each multiply-add one fused
+ * step: fmaf rounds once on every build (an FMA instruction, else the C library's), so the
+ * same bits everywhere, in ~16 vector operations where exp_nonpos takes ~25 (the scoring
+ * sums are most of a score's time after the head's product). */
+static inline float exp_fma(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    const float r = fmaf(-n, 1.428606765330187e-06f, fmaf(-n, 0.693145751953125f, x));
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale2n;
+    memcpy(&scale2n, &bits, 4);
+    return p * scale2n;
+}
 
 /* max over the row: exact in any order */
 static float row_max(const float *x, int V) {
@@ -27,12 +55,12 @@ static float row_sum_exp(const float *x, int V, float m, float above, int64_t *n
     for (; v + 16 <= V; v += 16) {
         #pragma omp simd
         for (int i = 0; i < 16; i++) {
-            part[i] = part[i] + exp_nonpos(x[v + i] - m);
+            part[i] = part[i] + exp_fma(x[v + i] - m);
             cnt[i] += x[v + i] > above;
         }
     }
     for (; v < V; v++) {
-        part[v % 16] = part[v % 16] + exp_nonpos(x[v] - m);
+        part[v % 16] = part[v % 16] + exp_fma(x[v] - m);
         cnt[v % 16] += x[v] > above;
     }
     for (int w = 8; w >= 1; w /= 2)
@@ -89,4 +117,160 @@ void hp_score_rows(const float *logits, int R, int V, const int64_t *targets, in
             for (int j = 0; j < k; j++) top_lp[(size_t)r * k + j] -= lse;
         }
     }
+}
+
+/* Scoring on the head's blocks: the logits of rows r0..r1 and of a segment's columns
+ * (SEG_COLS of them, 64 groups) are made into a buffer that stays in L2, and each row's
+ * statistics over the segment taken from there. Threads take whole segments; a segment's
+ * weights (~600 KB at K = 576) stay in cache while every row passes. */
+#define SEG_COLS 1024
+#define SEG_ROWS 128
+
+typedef struct {
+    float m, s;     /* the segment's largest logit; the sum of e^(x - m) over it (16 lanes) */
+    int64_t above;  /* its logits above the row's target logit */
+    int ntop;       /* entries of its top list (min(k, its columns)) */
+} seg_stat;
+
+/* one row's statistics over a segment's `cols` logits y (the segment's first token id0) */
+static void seg_row(const float *y, int cols, float t, int k, int64_t id0, seg_stat *st, int64_t *ids,
+                    float *vals) {
+    st->m = row_max(y, cols);
+    if (st->m == -INFINITY) {  /* nothing above -inf: no mass, nothing above the target */
+        st->s = 0.0f;
+        st->above = 0;
+    } else {
+        st->s = row_sum_exp(y, cols, st->m, t, &st->above);
+    }
+    st->ntop = 0;
+    if (k == 1) {  /* row_top's answer from the max: its first occurrence */
+        const float m = st->m;
+        int v = 0;
+        for (; v + 16 <= cols; v += 16) {  /* to its run of 16, a vector compare a run */
+            int hit = 0;
+            #pragma omp simd reduction(| : hit)
+            for (int i = 0; i < 16; i++) hit |= y[v + i] == m;
+            if (hit) break;
+        }
+        while (v < cols - 1 && !(y[v] == m)) v++;
+        ids[0] = id0 + v;
+        vals[0] = y[v];
+        st->ntop = 1;
+    } else if (k > 0) {
+        row_top(y, cols, k, ids, vals);
+        st->ntop = k < cols ? k : cols;
+        for (int j = 0; j < st->ntop; j++) ids[j] += id0;
+    }
+}
+
+/* (x, id) into the k largest so far (n of them, largest first; an equal value after those
+ * held: the segments come in token order, so ties keep the lower id first); the new n */
+static int top_add(float x, int64_t id, int k, int n, int64_t *ids, float *vals) {
+    if (n == k && !(x > vals[k - 1])) return n;
+    int j = n < k ? n++ : k - 1;
+    while (j > 0 && x > vals[j - 1]) {
+        vals[j] = vals[j - 1];
+        ids[j] = ids[j - 1];
+        j--;
+    }
+    vals[j] = x;
+    ids[j] = id;
+    return n;
+}
+
+/* a row's result from its nseg segments, combined in order: the log-sum-exp
+ * max + log(sum of s e^(m_seg - max)), the logits above the target, the k largest */
+static void merge_row(const seg_stat *st, int nseg, const int64_t *ids, const float *vals, int k, float t,
+                      float *lp, int64_t *rank, int64_t *top_ids, float *top_lp) {
+    float m = -INFINITY, sum = 0.0f;
+    int64_t above = 0;
+    for (int s = 0; s < nseg; s++) m = st[s].m > m ? st[s].m : m;
+    for (int s = 0; s < nseg; s++) {
+        if (st[s].m > -INFINITY) sum = sum + st[s].s * exp_fma(st[s].m - m);
+        above += st[s].above;
+    }
+    const float lse = m + logf(sum);
+    *lp = t - lse;
+    *rank = above + 1;
+    int n = 0;
+    for (int s = 0; s < nseg; s++)
+        for (int j = 0; j < st[s].ntop; j++)
+            n = top_add(vals[(size_t)s * k + j], ids[(size_t)s * k + j], k, n, top_ids, top_lp);
+    for (int j = 0; j < k; j++) top_lp[j] -= lse;
+}
+
+/* Rows m of a thread's segments: the head's logits (its group kernels: the same bits as
+ * hp_qmatmul_i8's) into buf, one row's statistics at a time. */
+static void score_segment(const hp_part *part, int s, int M, int K, const xquant *x32, const xquant *xk,
+                          const float *chosen, int k, int nseg, float *buf, seg_stat *st, int64_t *sids, float *svals) {
+    const int c0 = s * SEG_COLS, cols = part->n - c0 < SEG_COLS ? part->n - c0 : SEG_COLS;
+    const int g0 = c0 / G, ng = (cols + G - 1) / G;
+    for (int r0 = 0; r0 < M; r0 += SEG_ROWS) {
+        const int r1 = M - r0 < SEG_ROWS ? M : r0 + SEG_ROWS;
+        for (int g = 0; g < ng; g++) i8_group_rows(part, g0 + g, SEG_COLS, K, r0, r1, x32, xk, buf + (size_t)g * G);
+        for (int r = r0; r < r1; r++) {
+            const size_t at = (size_t)r * nseg + s;
+            seg_row(buf + (size_t)(r - r0) * SEG_COLS, cols, chosen[r], k, c0, st + at, sids + at * k,
+                    svals + at * k);
+        }
+    }
+}
+
+/* Per row of x [M, K] (hidden states, float32): its logits on the head `part` (one int8 part of
+ * the regrouped layout, V = part->n rows) scored as hp_score_rows scores them (the target's
+ * logprob and rank, the k largest logits' ids and logprobs), without the [M, V] logits. The
+ * target's logit is its group's product for the row alone (the VNNI kernels: the same bits as
+ * a tile's, issue 40). Each row's result is the same bits whatever M and the threads. Returns 0;
+ * -1 for an invalid part or k; -2 when out of memory. */
+int hp_score_head(const hp_part *part, const float *x, int M, int K, const int64_t *targets, int k, float *lp,
+                  int64_t *rank, int64_t *top_ids, float *top_lp, int nthreads) {
+    if (!parts_valid(part, 1, K) || k < 0) return -1;
+    if (M <= 0) return 0;
+    const int nseg = (part->n + SEG_COLS - 1) / SEG_COLS, need32 = !k_family(part->qtype), needk = !need32;
+    const size_t cells = (size_t)M * nseg, tops = cells * (size_t)(k > 0 ? k : 1);
+    xquant x32, xk;
+    const int okx = xquant_alloc(&x32, M, K) & xquant_alloc(&xk, M, K);
+    seg_stat *st = malloc(cells * sizeof *st);
+    int64_t *sids = malloc(tops * sizeof *sids);
+    float *svals = malloc(tops * sizeof *svals), *chosen = malloc((size_t)M * sizeof *chosen);
+    int fail = !(okx && st && sids && svals && chosen);
+    if (!fail) {
+        #pragma omp parallel num_threads(nthreads)
+        {
+            float *buf = aligned_alloc(64, (size_t)SEG_ROWS * SEG_COLS * sizeof(float));
+            float one[G] __attribute__((aligned(64)));
+            xquant_rows(x, NULL, M, K, need32, needk, &x32, &xk);
+            #pragma omp for schedule(static)
+            for (int m = 0; m < M; m++) {
+                i8_group_rows(part, (int)(targets[m] / G), G, K, m, m + 1, &x32, &xk, one);
+                chosen[m] = one[targets[m] % G];
+            }
+            #pragma omp for schedule(static)
+            for (int s = 0; s < nseg; s++) {
+                if (!buf) {
+                    #pragma omp atomic write
+                    fail = 1;
+                    continue;
+                }
+                score_segment(part, s, M, K, &x32, &xk, chosen, k, nseg, buf, st, sids, svals);
+            }
+            amx_release();
+            free(buf);
+            if (!fail) {
+                #pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) {
+                    const size_t at = (size_t)m * nseg;
+                    merge_row(st + at, nseg, sids + at * k, svals + at * k, k, chosen[m], lp + m, rank + m,
+                              top_ids + (size_t)m * k, top_lp + (size_t)m * k);
+                }
+            }
+        }
+    }
+    xquant_free(&x32);
+    xquant_free(&xk);
+    free(st);
+    free(sids);
+    free(svals);
+    free(chosen);
+    return fail ? -2 : 0;
 }
