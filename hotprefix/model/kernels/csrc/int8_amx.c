@@ -86,7 +86,8 @@ void amx_store(const float *acc, int tn, int rows, float *y, int ldy, int nvalid
 static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
 static inline int nibbles(int qtype) { return qtype == Q4_0 || qtype == Q4_1; }
 
-/* Blocks b0 .. b0 + n - 1 of a group: their B tiles (bt, 512 bytes each), signed codes. */
+/* Blocks b0 .. b0 + n - 1 of a nibble type's group: their B tiles (bt, 512 bytes each), signed
+ * codes (the other types' blocks are B tiles as they lie: Q32_B). */
 static inline __attribute__((always_inline)) void q32_slice(const int qtype, const uint8_t *gp, int b0, int n,
                                                             uint8_t *bt) {
     const int ub = unit_bytes(qtype), co = has_min(qtype) ? 64 : 32;
@@ -94,8 +95,7 @@ static inline __attribute__((always_inline)) void q32_slice(const int qtype, con
     for (int s = 0; s < n; s++) {
         const uint8_t *u = gp + (size_t)(b0 + s) * ub + co;
         __m512i W[8];
-        if (nibbles(qtype)) nibble_codes(u, W);
-        else for (int i = 0; i < 8; i++) W[i] = _mm512_loadu_si512(u + 64 * i);
+        nibble_codes(u, W);
         for (int i = 0; i < 8; i++)
             _mm512_store_si512(bt + 512 * s + 64 * i, qtype == Q4_0 ? _mm512_sub_epi8(W[i], eight) : W[i]);
     }
@@ -117,9 +117,12 @@ static inline __attribute__((always_inline)) void q32_epilogue(const int qtype, 
     }
 }
 
-/* One block's tile product: C(ct) = A(at) . B(bt_), block s of the slice. */
+/* One block's tile product: C(ct) = A(at) . B(bt_), block s of the slice: its B tile from the
+ * slice (bt) for nibbles, else from the group's block itself (its codes are signed bytes
+ * already: q32_slice would copy them unchanged). */
+#define Q32_B(s) (nibbles(qtype) ? bt + 512 * (s) : gp + (size_t)(b0 + (s)) * ub + (has_min(qtype) ? 64 : 32))
 #define Q32_DOT(ct, at, bt_, s) do { _tile_zero(ct); _tile_loadd(at, xq + (size_t)(b0 + (s)) * QK, K); \
-    _tile_loadd(bt_, bt + 512 * (s), 64); _tile_dpbssd(ct, at, bt_); } while (0)
+    _tile_loadd(bt_, Q32_B(s), 64); _tile_dpbssd(ct, at, bt_); } while (0)
 
 /* A tile of 16 rows of x (xq, dx, sx at its first row) against a slice of n blocks from
  * b0 (q32_slice), added into acc (16 rows of 16 floats; the first slice, b0 = 0, sets it). */
@@ -127,19 +130,20 @@ static inline __attribute__((always_inline)) void q32_tile(
         const int qtype, const uint8_t *gp, int b0, int n, const uint8_t *bt, int nb, const int8_t *xq,
         const float *dx, const float *sx, int K, float *acc) {
     const int ub = unit_bytes(qtype);
-    int32_t c[256] __attribute__((aligned(64)));
+    int32_t c[2][256] __attribute__((aligned(64)));  /* one for each C tile: a store need not wait for the
+                                                        * other tile's epilogue to have read its sums */
     __m512 a[16];
     #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) a[r] = b0 ? _mm512_load_ps(acc + 16 * r) : _mm512_setzero_ps();
     Q32_DOT(0, 2, 4, 0);
     for (int s = 0; s < n; s += 2) {
         if (s + 1 < n) Q32_DOT(1, 3, 5, s + 1);
-        _tile_stored(0, c, 64);
-        q32_epilogue(qtype, gp + (size_t)(b0 + s) * ub, c, nb, b0 + s, dx, sx, a);
+        _tile_stored(0, c[0], 64);
+        q32_epilogue(qtype, gp + (size_t)(b0 + s) * ub, c[0], nb, b0 + s, dx, sx, a);
         if (s + 1 < n) {
             if (s + 2 < n) Q32_DOT(0, 2, 4, s + 2);
-            _tile_stored(1, c, 64);
-            q32_epilogue(qtype, gp + (size_t)(b0 + s + 1) * ub, c, nb, b0 + s + 1, dx, sx, a);
+            _tile_stored(1, c[1], 64);
+            q32_epilogue(qtype, gp + (size_t)(b0 + s + 1) * ub, c[1], nb, b0 + s + 1, dx, sx, a);
         }
     }
     #pragma GCC unroll 16
@@ -159,7 +163,7 @@ static inline __attribute__((always_inline)) void amx_q32(const int qtype, const
         const int tn = nt - t0 < RUN ? nt - t0 : RUN;
         for (int b0 = 0; b0 < nb; b0 += SLICE) {
             const int n = nb - b0 < SLICE ? nb - b0 : SLICE;
-            q32_slice(qtype, gp, b0, n, bt);
+            if (nibbles(qtype)) q32_slice(qtype, gp, b0, n, bt);
             for (int t = 0; t < tn; t++) {
                 const size_t m = (size_t)16 * (t0 + t);
                 q32_tile(qtype, gp, b0, n, bt, nb, xq + m * K, dx + m * nb, sx + m * nb, K, acc[t]);

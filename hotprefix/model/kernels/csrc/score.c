@@ -17,6 +17,10 @@
 #include "ops.h"
 #include "hp_api.h"
 
+/* The loops below are written in 16 lanes; gcc's tuning for recent Xeons would split them in
+ * two 256-bit halves. Lane-wise, so the same bits at either width. */
+#pragma GCC target("prefer-vector-width=512")
+
 /* e^x for x <= 0 (below -87: e^-87), exp_nonpos's steps with each multiply-add one fused
  * step: fmaf rounds once on every build (an FMA instruction, else the C library's), so the
  * same bits everywhere, in ~16 vector operations where exp_nonpos takes ~25 (the scoring
