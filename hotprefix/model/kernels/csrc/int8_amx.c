@@ -130,19 +130,21 @@ static inline __attribute__((always_inline)) void q32_tile(
         const int qtype, const uint8_t *gp, int b0, int n, const uint8_t *bt, int nb, const int8_t *xq,
         const float *dx, const float *sx, int K, float *acc) {
     const int ub = unit_bytes(qtype);
-    int32_t c[2][256] __attribute__((aligned(64)));  /* one for each C tile: a store need not wait for the
-                                                        * other tile's epilogue to have read its sums */
+    int32_t c[2][256] __attribute__((aligned(64)));  /* each C tile's sums, read by its epilogue */
     __m512 a[16];
     #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) a[r] = b0 ? _mm512_load_ps(acc + 16 * r) : _mm512_setzero_ps();
+    /* two blocks' products in flight while an epilogue runs: a C tile's sums are stored, its
+     * tile given the block after next, then the stored sums read */
     Q32_DOT(0, 2, 4, 0);
+    if (n > 1) Q32_DOT(1, 3, 5, 1);
     for (int s = 0; s < n; s += 2) {
-        if (s + 1 < n) Q32_DOT(1, 3, 5, s + 1);
         _tile_stored(0, c[0], 64);
+        if (s + 2 < n) Q32_DOT(0, 2, 4, s + 2);
         q32_epilogue(qtype, gp + (size_t)(b0 + s) * ub, c[0], nb, b0 + s, dx, sx, a);
         if (s + 1 < n) {
-            if (s + 2 < n) Q32_DOT(0, 2, 4, s + 2);
             _tile_stored(1, c[1], 64);
+            if (s + 3 < n) Q32_DOT(1, 3, 5, s + 3);
             q32_epilogue(qtype, gp + (size_t)(b0 + s + 1) * ub, c[1], nb, b0 + s + 1, dx, sx, a);
         }
     }
@@ -159,10 +161,11 @@ static inline __attribute__((always_inline)) void amx_q32(const int qtype, const
                                                           int nt, int mr, float *y, int ldy, int nvalid) {
     uint8_t bt[SLICE * 512] __attribute__((aligned(64)));
     float acc[RUN][256] __attribute__((aligned(64)));
+    const int slice = nibbles(qtype) ? SLICE : nb;  /* B tiles read in place: every block at once */
     for (int t0 = 0; t0 < nt; t0 += RUN) {
         const int tn = nt - t0 < RUN ? nt - t0 : RUN;
-        for (int b0 = 0; b0 < nb; b0 += SLICE) {
-            const int n = nb - b0 < SLICE ? nb - b0 : SLICE;
+        for (int b0 = 0; b0 < nb; b0 += slice) {
+            const int n = nb - b0 < slice ? nb - b0 : slice;
             if (nibbles(qtype)) q32_slice(qtype, gp, b0, n, bt);
             for (int t = 0; t < tn; t++) {
                 const size_t m = (size_t)16 * (t0 + t);
