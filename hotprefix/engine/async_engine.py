@@ -53,6 +53,7 @@ class AsyncEngine:
         self._prep = Preprocessor(engine, self.limits)
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._token_texts: dict[int, str] = {}  # token_text's answers (at most the vocabulary)
 
     # -- lifecycle ----------------------------------------------------------
     @classmethod
@@ -240,8 +241,12 @@ class AsyncEngine:
         return self._engine.detokenize(ids)
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token (cheap; for logprobs), on this thread's tokenizer copy."""
-        return self._engine.detokenize([token_id])
+        """The text of one token (for logprobs: an echoed prompt asks for every one of its
+        tokens), decoded once per token id on this thread's tokenizer copy."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._engine.detokenize([token_id])
+        return text
 
     def prefix_hashes(self, ids: list[int], scope: CacheScope = UNSALTED) -> list:
         """The block hashes of a prompt's full blocks (pure: no engine state). Raises
