@@ -19,7 +19,9 @@
 
 /* The loops below are written in 16 lanes; gcc's tuning for recent Xeons would split them in
  * two 256-bit halves. Lane-wise, so the same bits at either width. */
+#if defined(__x86_64__)
 #pragma GCC target("prefer-vector-width=512")
+#endif
 
 /* e^x for x <= 0 (below -87: e^-87), exp_nonpos's steps with each multiply-add one fused
  * step: fmaf rounds once on every build (an FMA instruction, else the C library's), so the
