@@ -19,6 +19,7 @@ from torch import nn
 
 from hotprefix.model.arch import ModelArch, ModelLoadError
 from hotprefix.model.kernels import ops
+from hotprefix.model.kernels.scores import score_head, scores_on_head
 from hotprefix.model.kernels.weights import Blocks, ExpertBlocks, PackedWeight
 from hotprefix.model.parallel import Parallel
 from hotprefix.model.weight_set import WeightSet
@@ -204,11 +205,11 @@ def block_logits(hidden: torch.Tensor, blocks: Blocks | None, out: torch.Tensor 
 def block_scores(hidden: torch.Tensor, blocks: Blocks | None, targets: torch.Tensor, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """sampler.score_rows' scores of block_logits(hidden, blocks) with targets [N], made
-    without the [N, n] logits (ops.score_head) where the blocks are an int8 head and hidden
+    without the [N, n] logits (kernels.scores.score_head) where the blocks are an int8 head and hidden
     float32 on the CPU: (lp [N], rank [N], top_ids [N, k], top_lp [N, k]); else None."""
-    if blocks is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not ops.scores_on_head(blocks):
+    if blocks is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not scores_on_head(blocks):
         return None
-    return ops.score_head(hidden, blocks, targets, k)
+    return score_head(hidden, blocks, targets, k)
 
 
 def take_embedding(ws: WeightSet, name: str, table: torch.Tensor | None) -> Embedding:

@@ -22,25 +22,18 @@ from hotprefix.model.attention import ALL_PATHS, AttentionPaths, BackendSpec, cr
 from hotprefix.model.attention.base import SeqSpan, StepBatch
 from hotprefix.model.build import build_model, kv_groups_of, log_weights, plan_kv_pool, resolve_device, resolve_dtype
 from hotprefix.model.drafts import Drafting, verify_drafts
-from hotprefix.model.kernels import ops
 from hotprefix.model.kernels.build import packable, resolve_matmul
 from hotprefix.model.kv_cache import KVCache, resolve_kv_dtype
 from hotprefix.model.kv_offload import HostArena
-from hotprefix.model.layers import block_scores
 from hotprefix.model.loader import LoadedModel
 from hotprefix.model.lockstep import RunCopies, RunLogits, RunPersist, RunStep, Stop
 from hotprefix.model.parallel import SINGLE, Parallel, shard_arch
-from hotprefix.model.sampler import Sampler, SampleRow, logprob_entries, score_rows
+from hotprefix.model.sampler import Sampler, SampleRow
+from hotprefix.model.scoring import PromptScorer
 from hotprefix.model.structured import GrammarMatchers, StepMasks
-from hotprefix.sampling_params import TokenLogprobs
 
 __all__ = ["ALL_PATHS", "AttentionPaths", "ModelRunner"]
 log = logging.getLogger(__name__)
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once ([256, V] float32: 50 MB at 49k),
-# into one buffer kept for the runner's life: a fresh tensor that size is mapped anew and faulted in
-# page by page each time (as much kernel time as the head's product on the default model)
-SCORE_HEAD_ROWS = 1024  # prompt positions scored at once on an int8 head (layers.block_scores: no logits made;
-# its per-segment statistics, ~12 bytes a position, segment and top-k entry, are what it holds)
 
 
 class ModelRunner:
@@ -79,7 +72,7 @@ class ModelRunner:
                                 groups=self.kv_groups)
         self.max_model_len = model_cfg.context_length(self.arch.max_position_embeddings)
         self.steps = self._step_runners(model_cfg, sched_cfg, int8)
-        self._score_logits: torch.Tensor | None = None  # [PROMPT_LOGPROB_ROWS, V]: made when first asked for
+        self.scorer = PromptScorer(self.model, parallel, self._logits)
         self._host_copies(cache_cfg, sched_cfg)
         self.sampler = Sampler(model_cfg.seed, self.device)
         self.generators: dict[str, torch.Generator] = {}
@@ -87,7 +80,6 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.num_computed_tokens_total = 0  # tokens run through the model, for tests and stats
         self.num_swapped_blocks_total = 0  # blocks copied out to host memory
-        self.num_prompt_logprob_rows_total = 0  # prompt positions scored (prompt logprobs), for tests and stats
         self.paths = ALL_PATHS  # the paths execute() lets a step take (benchmarks compare them)
 
     def _host_copies(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig) -> None:
@@ -323,7 +315,7 @@ class ModelRunner:
         if not sched.requests:
             return out
         hidden = self.forward(sched, self.paths)
-        self._prompt_logprobs(sched, hidden, out)
+        self.scorer.score(sched, hidden, out)
         masks = self._masks(sched)
         verify_drafts(sched, masks, out, Drafting(self.sampler, self.matchers, lambda rows: self._logits(hidden, rows),
                                                   self._row))
@@ -346,55 +338,6 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
-
-    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """The prompt tokens' logprobs of the requests that ask for them: position p's
-        logits score prompt token p + 1 (raw logprobs, as vLLM reports them): the target's
-        logprob and rank over the full vocabulary's log-sum-exp, and the top k where k > 0,
-        in slices of one request's rows (_score). hidden: [T, E]."""
-        end = 0
-        on_head = self._scores_on_head(hidden)
-        step = SCORE_HEAD_ROWS if on_head else PROMPT_LOGPROB_ROWS
-        for r in sched.requests:
-            start, end = end, end + len(r.token_ids)
-            k = r.sampling_params.prompt_logprobs
-            rows = min(len(r.token_ids), len(r.prompt_token_ids) - 1 - r.start_pos)  # rows with a prompt target
-            if k is None or rows <= 0:
-                continue
-            entries = []
-            for a in range(0, rows, step):
-                b = min(rows, a + step)
-                targets = r.prompt_token_ids[r.start_pos + 1 + a:r.start_pos + 1 + b]
-                entries += self._score(hidden, slice(start + a, start + b), targets, k, on_head)
-            self.num_prompt_logprob_rows_total += rows
-            out.prompt_logprobs[r.request_id] = (r.start_pos + 1, entries)
-
-    def _scores_on_head(self, hidden: torch.Tensor) -> bool:
-        """Whether prompt logprobs are scored on the head's blocks without making the logits
-        (layers.block_scores: an int8 head on the CPU, one rank) rather than from logits."""
-        blocks = self.model.logits_blocks
-        return (self.parallel.size == 1 and blocks is not None and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and ops.scores_on_head(blocks))
-
-    def _score(self, hidden: torch.Tensor, rows: slice, targets: list[int], k: int, on_head: bool
-               ) -> list[TokenLogprobs]:
-        """The entries of hidden [T, E]'s `rows` scoring `targets` (sampler.score_rows): on the
-        head's blocks (on_head: _scores_on_head) or from their logits."""
-        if on_head:
-            t = torch.tensor(targets, dtype=torch.long)
-            return logprob_entries(targets, *block_scores(hidden[rows], self.model.logits_blocks, t, k))
-        logits = self._logits(hidden, rows, self._score_buffer(rows.stop - rows.start)).float()
-        return score_rows(logits, targets, k)
-
-    def _score_buffer(self, rows: int) -> torch.Tensor | None:
-        """The first `rows` rows of the runner's buffer for prompt logprobs' logits, where the
-        head is C blocks (its width: this rank's vocabulary rows); None elsewhere."""
-        blocks = self.model.logits_blocks
-        if blocks is None:
-            return None
-        if self._score_logits is None:
-            self._score_logits = torch.empty(PROMPT_LOGPROB_ROWS, blocks.n, dtype=torch.float32)
-        return self._score_logits[:rows]
 
     def _sample_alone(self, hidden: torch.Tensor, ends: list[int], rids: list[str], rows: list[SampleRow],
                       out: ModelRunnerOutput) -> tuple[list[int | None], list]:

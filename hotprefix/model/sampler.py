@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotprefix.model.kernels import ops
+from hotprefix.model.kernels import scores
 from hotprefix.model.kernels.build import library
 from hotprefix.sampling_params import Logprob, SamplingParams, TokenLogprobs
 
@@ -162,11 +162,11 @@ def score_rows(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLo
     """Each row's target token: its logprob (its logit less the row's log-sum-exp over the
     whole vocabulary), its rank, and the row's k most likely tokens (none for k=0), all
     rows at once. Each value depends on its own row only: on the CPU with the C library
-    (kernels/ops.score_rows, one pass per row) the same bits whatever the number of rows.
+    (kernels/scores.score_rows, one pass per row) the same bits whatever the number of rows.
     logits: [R, V] float32, one row per target."""
     t = torch.tensor(targets, dtype=torch.long, device=logits.device)
     if logits.device.type == "cpu" and library() is not None:
-        return logprob_entries(targets, *ops.score_rows(logits, t, k))
+        return logprob_entries(targets, *scores.score_rows(logits, t, k))
     lse = torch.logsumexp(logits, -1, keepdim=True)  # [R, 1]
     chosen = logits.gather(1, t[:, None])  # [R, 1]
     top, top_ids = torch.topk(logits, k, -1)  # [R, k]

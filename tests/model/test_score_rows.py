@@ -1,4 +1,4 @@
-"""The scoring kernels (csrc/score.c: ops.score_rows on logits, ops.score_head on an int8
+"""The scoring kernels (csrc/score.c: scores.score_rows on logits, scores.score_head on an int8
 head's blocks without making the logits) and the runner's prompt logprobs: each row's
 target logprob over the full vocabulary's log-sum-exp, its rank and top k agree with
 torch's; a row's result is the same bits alone or among others, chunked or whole, from
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hotprefix.model.kernels import abi as kernel_abi
-from hotprefix.model.kernels import build, ops
+from hotprefix.model.kernels import build, ops, scores
 from hotprefix.sampling_params import SamplingParams
 from tests.model.test_block_kernels import MARCHES, TYPES, packed
 
@@ -35,7 +35,7 @@ def logits_rows(r: int = 37, v: int = 1003, seed: int = 0) -> tuple[torch.Tensor
 
 def test_score_rows_agrees_with_torch(libs):
     x, t = logits_rows()
-    lp, rank, top_ids, top_lp = ops.score_rows(x, t, 5, libs[0])
+    lp, rank, top_ids, top_lp = scores.score_rows(x, t, 5, libs[0])
     lse = torch.logsumexp(x.double(), -1)
     chosen = x.gather(1, t[:, None])[:, 0]
     assert float((lp.double() - (chosen.double() - lse)).abs().max()) < 2e-6
@@ -49,18 +49,18 @@ def test_score_rows_agrees_with_torch(libs):
 
 def test_a_rows_result_is_the_same_bits_alone_and_on_every_build(libs):
     x, t = logits_rows()
-    whole = ops.score_rows(x, t, 3, libs[0])
+    whole = scores.score_rows(x, t, 3, libs[0])
     for i in (0, 5, 6, 36):
-        alone = ops.score_rows(x[i:i + 1], t[i:i + 1], 3, libs[0])
+        alone = scores.score_rows(x[i:i + 1], t[i:i + 1], 3, libs[0])
         assert all(torch.equal(a[0], w[i]) for a, w in zip(alone, whole))
     for lib in libs[1:]:
-        assert all(torch.equal(a, w) for a, w in zip(ops.score_rows(x, t, 3, lib), whole))
+        assert all(torch.equal(a, w) for a, w in zip(scores.score_rows(x, t, 3, lib), whole))
 
 
 @pytest.mark.parametrize("targets,k", [([0, 4], 1), ([0], 1), ([0, 1], 5)])
 def test_score_rows_refuses_what_it_cannot_read(targets, k, libs):
     with pytest.raises(ValueError):
-        ops.score_rows(torch.zeros(2, 4), torch.tensor(targets), k, libs[0])
+        scores.score_rows(torch.zeros(2, 4), torch.tensor(targets), k, libs[0])
 
 
 def test_prompt_logprobs_are_the_same_bits_chunked_cached_or_in_a_batch(tiny_llama):
@@ -87,10 +87,10 @@ def test_prompt_logprobs_through_the_reused_logits_buffer_are_the_same_bits(monk
     head writes its prompt-logprob slices into one buffer the runner keeps (no fresh pages
     each slice); the results are those of fresh tensors."""
     from hotprefix.engine.llm import LLM
-    from hotprefix.model import runner as runner_mod
+    from hotprefix.model import scoring
 
-    monkeypatch.setattr(runner_mod, "PROMPT_LOGPROB_ROWS", 16)  # 50- and 23-token prompts: several slices
-    monkeypatch.setattr(runner_mod.ModelRunner, "_scores_on_head", lambda self, hidden: False)
+    monkeypatch.setattr(scoring, "PROMPT_LOGPROB_ROWS", 16)  # 50- and 23-token prompts: several slices
+    monkeypatch.setattr(scoring.PromptScorer, "on_head", lambda self, hidden: False)
     llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompts = [[(31 * i) % 40000 + 100 for i in range(50)], [(17 * i) % 30000 + 200 for i in range(23)]]
     p = SamplingParams(max_tokens=0, prompt_logprobs=3)
@@ -103,12 +103,12 @@ def test_prompt_logprobs_through_the_reused_logits_buffer_are_the_same_bits(monk
     monkeypatch.setattr(ops, "qmatmul", lambda x, w, lib=None, out=None: outs.append(out) or real(x, w, lib, out))
     through_buffer = scored()
     monkeypatch.setattr(ops, "qmatmul", real)
-    buf = llm.engine.runner._score_logits
+    buf = llm.engine.runner.scorer.buffer
     assert buf is not None and tuple(buf.shape) == (16, llm.engine.runner.model.logits_blocks.n)
     # every slice's head product wrote into the buffer: 4 slices of the first prompt, 2 of the second
     assert sum(o is not None and o.data_ptr() == buf.data_ptr() for o in outs) == 6
     assert [len(rows) for rows in through_buffer] == [49, 22]
-    monkeypatch.setattr(runner_mod.ModelRunner, "_score_buffer", lambda self, rows: None)
+    monkeypatch.setattr(scoring.PromptScorer, "_buffer", lambda self, rows: None)
     assert scored() == through_buffer
 
 
@@ -117,7 +117,7 @@ def test_the_default_models_prompt_logprobs_on_its_head_are_those_of_its_logits(
     the ranks and top ids of the logits path, logprobs within float rounding of it; the same
     bits chunked (a 7-token budget), in slices of 16 rows, from the cache or in a batch."""
     from hotprefix.engine.llm import LLM
-    from hotprefix.model import runner as runner_mod
+    from hotprefix.model import scoring
 
     prompt = [(31 * i) % 40000 + 100 for i in range(60)]
     p = SamplingParams(max_tokens=0, prompt_logprobs=3)
@@ -125,7 +125,7 @@ def test_the_default_models_prompt_logprobs_on_its_head_are_those_of_its_logits(
     def scored(on_head: bool = True, **kw) -> list:
         llm = LLM(kv_cache_memory="64MiB", **kw)
         outs = llm.generate([prompt, prompt[:25], prompt], [p, p, p])
-        assert (llm.engine.runner._score_logits is None) == on_head  # no logits buffer made on the head
+        assert (llm.engine.runner.scorer.buffer is None) == on_head  # no logits buffer made on the head
         rows = [[(e.sampled.token_id, e.sampled.logprob, e.sampled.rank, [(a.token_id, a.logprob) for a in e.top])
                  for e in o.prompt_logprobs[1:]] for o in outs]
         llm.close()
@@ -134,9 +134,9 @@ def test_the_default_models_prompt_logprobs_on_its_head_are_those_of_its_logits(
     on_head = scored(enable_prefix_caching=False)
     assert on_head[0] == on_head[2] and on_head[1] == on_head[0][:24] and len(on_head[0]) == 59
     assert scored(max_num_batched_tokens=7, block_size=4) == on_head  # chunked; the third from the cache
-    monkeypatch.setattr(runner_mod, "SCORE_HEAD_ROWS", 16)
+    monkeypatch.setattr(scoring, "SCORE_HEAD_ROWS", 16)
     assert scored(enable_prefix_caching=False) == on_head
-    monkeypatch.setattr(runner_mod.ModelRunner, "_scores_on_head", lambda self, hidden: False)
+    monkeypatch.setattr(scoring.PromptScorer, "on_head", lambda self, hidden: False)
     from_logits = scored(False, enable_prefix_caching=False)[0]
     assert [(t, r, [a for a, _ in top]) for t, _, r, top in from_logits] == [
         (t, r, [a for a, _ in top]) for t, _, r, top in on_head[0]]
@@ -169,8 +169,8 @@ def test_scores_on_the_head_are_those_of_its_logits(type_name, libs):
     lse = torch.logsumexp(logits.double(), -1)
     chosen = logits.gather(1, t[:, None])[:, 0]
     for k in (0, 1, 5):
-        lp, rank, top_ids, top_lp = ops.score_head(x, head, t, k, lib)
-        _, want_rank, want_ids, _ = ops.score_rows(logits, t, k, lib)
+        lp, rank, top_ids, top_lp = scores.score_head(x, head, t, k, lib)
+        _, want_rank, want_ids, _ = scores.score_rows(logits, t, k, lib)
         assert torch.equal(rank, want_rank) and torch.equal(rank, (logits > chosen[:, None]).sum(-1) + 1)
         assert torch.equal(top_ids, want_ids)
         tol = 2e-6 + 4 * 2**-24 * lse.abs()  # [R]: float32's rounding at the row's magnitude
@@ -185,18 +185,18 @@ def test_a_rows_score_on_the_head_is_the_same_bits_alone_in_any_batch_threads_an
     head, _ = tied_head("Q8_0", libs[0])
     g = torch.Generator().manual_seed(2)
     x, t = torch.randn(150, 256, generator=g), torch.randint(0, 2100, (150,), generator=g)
-    whole = ops.score_head(x, head, t, 3, libs[0])
+    whole = scores.score_head(x, head, t, 3, libs[0])
     for a, b in ((0, 1), (149, 150), (10, 40), (5, 150)):
-        part = ops.score_head(x[a:b], head, t[a:b], 3, libs[0])
+        part = scores.score_head(x[a:b], head, t[a:b], 3, libs[0])
         assert all(torch.equal(p, w[a:b]) for p, w in zip(part, whole))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert all(torch.equal(p, w) for p, w in zip(ops.score_head(x, head, t, 3, libs[0]), whole))
+        assert all(torch.equal(p, w) for p, w in zip(scores.score_head(x, head, t, 3, libs[0]), whole))
     finally:
         torch.set_num_threads(threads)
     for lib in libs[1:]:
-        assert all(torch.equal(p, w) for p, w in zip(ops.score_head(x, head, t, 3, lib), whole))
+        assert all(torch.equal(p, w) for p, w in zip(scores.score_head(x, head, t, 3, lib), whole))
 
 
 def test_score_head_refuses_what_it_cannot_read(libs):
@@ -206,7 +206,7 @@ def test_score_head_refuses_what_it_cannot_read(libs):
     for args in ((x, float_head, t, 1), (x, head, torch.tensor([0, 2100]), 1), (x, head, torch.tensor([-1, 0]), 1),
                  (x, head, t, 2101), (x, head, t, -1), (x[:, :128], head, t, 1), (x, head, t[:1], 1)):
         with pytest.raises(ValueError):
-            ops.score_head(*args, lib=libs[0])
+            scores.score_head(*args, lib=libs[0])
     with pytest.raises(ValueError):
-        ops.score_head(x.double(), head, t, 1, libs[0])
-    assert [v.shape for v in ops.score_head(x[:0], head, t[:0], 2, libs[0])] == [(0,), (0,), (0, 2), (0, 2)]
+        scores.score_head(x.double(), head, t, 1, libs[0])
+    assert [v.shape for v in scores.score_head(x[:0], head, t[:0], 2, libs[0])] == [(0,), (0,), (0, 2), (0, 2)]

@@ -175,7 +175,7 @@ def test_the_scoring_attack_is_refused_and_a_smaller_one_is_computed_once_beside
     assert "--max-scoring-tokens 16384" in r.json()["error"]["message"]
     p, n = 600, 16
     body = dict(attack, prompt=ids(p, 8), n=n, request_id="score")
-    computed = srv.on_engine(lambda e: (e.runner.num_computed_tokens_total, e.runner.num_prompt_logprob_rows_total))
+    computed = srv.on_engine(lambda e: (e.runner.num_computed_tokens_total, e.runner.scorer.rows_total))
     by = httpx.Client(transport=BYSTANDER)
     with ThreadPoolExecutor(1) as pool:
         scoring = pool.submit(httpx.post, srv.v1 + "/completions", json=body, timeout=600)
@@ -191,7 +191,7 @@ def test_the_scoring_attack_is_refused_and_a_smaller_one_is_computed_once_beside
     choices = answer.json()["choices"]
     assert len(choices) == n and all(c["prompt_logprobs"] == choices[0]["prompt_logprobs"] for c in choices)
     assert len(choices[0]["prompt_logprobs"]) == p and choices[0]["prompt_logprobs"][0] is None
-    after = srv.on_engine(lambda e: (e.runner.num_computed_tokens_total, e.runner.num_prompt_logprob_rows_total))
+    after = srv.on_engine(lambda e: (e.runner.num_computed_tokens_total, e.runner.scorer.rows_total))
     tail = p - (p - 1) // 16 * 16  # each other sample computes only what its cached blocks leave
     assert after[1] - computed[1] == p - 1  # every prompt position scored once
     assert after[0] - computed[0] == p + (n - 1) * tail + 12  # the samples' prompt work, and the bystander's 12

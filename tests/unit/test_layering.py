@@ -200,8 +200,8 @@ def test_only_the_kernels_package_calls_the_c_library():
 # torch-free registry; its family modules sit above the layers they are made of)
 MODEL_FLOORS = [("kernels", "kv_cache", "arch", "families", "gguf_file", "presets", "default_model", "weight_set",
                  "parallel"),
-                ("attention", "layers", "gguf_loader", "weight_cache", "loader", "sampler", "structured", "drafts",
-                 "kv_offload", "lockstep"),
+                ("attention", "layers", "gguf_loader", "weight_cache", "loader", "sampler", "scoring", "structured",
+                 "drafts", "kv_offload", "lockstep"),
                 ("families.*", "steps", "dummy"),
                 ("build", "runner")]
 

@@ -205,21 +205,78 @@ static void merge_row(const seg_stat *st, int nseg, const int64_t *ids, const fl
     for (int j = 0; j < k; j++) top_lp[j] -= lse;
 }
 
-/* Rows m of a thread's segments: the head's logits (its group kernels: the same bits as
- * hp_qmatmul_i8's) into buf, one row's statistics at a time. */
-static void score_segment(const hp_part *part, int s, int M, int K, const xquant *x32, const xquant *xk,
-                          const float *chosen, int k, int nseg, float *buf, seg_stat *st, int64_t *sids, float *svals) {
-    const int c0 = s * SEG_COLS, cols = part->n - c0 < SEG_COLS ? part->n - c0 : SEG_COLS;
-    const int g0 = c0 / G, ng = (cols + G - 1) / G;
-    for (int r0 = 0; r0 < M; r0 += SEG_ROWS) {
-        const int r1 = M - r0 < SEG_ROWS ? M : r0 + SEG_ROWS;
-        for (int g = 0; g < ng; g++) i8_group_rows(part, g0 + g, SEG_COLS, K, r0, r1, x32, xk, buf + (size_t)g * G);
+/* hp_score_head's work: its head, rows and per-row, per-segment state. */
+typedef struct {
+    const hp_part *part;
+    int M, K, k, nseg;
+    const int64_t *targets;  /* [M] */
+    xquant x32, xk;          /* x quantized for the head's block family */
+    float *chosen;           /* [M] the targets' logits */
+    seg_stat *st;            /* [M, nseg] */
+    int64_t *sids;           /* [M, nseg, k] each segment's top ids, */
+    float *svals;            /* and logits */
+} score_job;
+
+static int job_alloc(score_job *j) {
+    const size_t cells = (size_t)j->M * j->nseg, tops = cells * (size_t)(j->k > 0 ? j->k : 1);
+    const int okx = xquant_alloc(&j->x32, j->M, j->K) & xquant_alloc(&j->xk, j->M, j->K);
+    j->st = malloc(cells * sizeof *j->st);
+    j->sids = malloc(tops * sizeof *j->sids);
+    j->svals = malloc(tops * sizeof *j->svals);
+    j->chosen = malloc((size_t)j->M * sizeof *j->chosen);
+    return okx && j->st && j->sids && j->svals && j->chosen;
+}
+
+static void job_free(score_job *j) {
+    xquant_free(&j->x32);
+    xquant_free(&j->xk);
+    free(j->st);
+    free(j->sids);
+    free(j->svals);
+    free(j->chosen);
+}
+
+/* Segment s for every row: the head's logits (its group kernels: the same bits as
+ * hp_qmatmul_i8's) into buf, SEG_ROWS rows at a time, then each row's statistics. */
+static void score_segment(const score_job *j, int s, float *buf) {
+    const int c0 = s * SEG_COLS, cols = j->part->n - c0 < SEG_COLS ? j->part->n - c0 : SEG_COLS;
+    const int g0 = c0 / G, ng = (cols + G - 1) / G, k = j->k;
+    for (int r0 = 0; r0 < j->M; r0 += SEG_ROWS) {
+        const int r1 = j->M - r0 < SEG_ROWS ? j->M : r0 + SEG_ROWS;
+        for (int g = 0; g < ng; g++)
+            i8_group_rows(j->part, g0 + g, SEG_COLS, j->K, r0, r1, &j->x32, &j->xk, buf + (size_t)g * G);
         for (int r = r0; r < r1; r++) {
-            const size_t at = (size_t)r * nseg + s;
-            seg_row(buf + (size_t)(r - r0) * SEG_COLS, cols, chosen[r], k, c0, st + at, sids + at * k,
-                    svals + at * k);
+            const size_t at = (size_t)r * j->nseg + s;
+            seg_row(buf + (size_t)(r - r0) * SEG_COLS, cols, j->chosen[r], k, c0, j->st + at, j->sids + at * k,
+                    j->svals + at * k);
         }
     }
+}
+
+/* A thread's part of hp_score_head (every thread of the region calls it; its loops end in
+ * barriers): x quantized, the targets' logits (a row's own group product, VNNI), then whole
+ * segments. *fail set where a thread's buffer could not be had. */
+static void score_team(score_job *j, const float *x, int *fail) {
+    float *buf = aligned_alloc(64, (size_t)SEG_ROWS * SEG_COLS * sizeof(float));
+    float one[G] __attribute__((aligned(64)));
+    const int need32 = !k_family(j->part->qtype);
+    xquant_rows(x, NULL, j->M, j->K, need32, !need32, &j->x32, &j->xk);
+    #pragma omp for schedule(static)
+    for (int m = 0; m < j->M; m++) {
+        i8_group_rows(j->part, (int)(j->targets[m] / G), G, j->K, m, m + 1, &j->x32, &j->xk, one);
+        j->chosen[m] = one[j->targets[m] % G];
+    }
+    #pragma omp for schedule(static)
+    for (int s = 0; s < j->nseg; s++) {
+        if (!buf) {
+            #pragma omp atomic write
+            *fail = 1;
+            continue;
+        }
+        score_segment(j, s, buf);
+    }
+    amx_release();
+    free(buf);
 }
 
 /* Per row of x [M, K] (hidden states, float32): its logits on the head `part` (one int8 part of
@@ -232,51 +289,23 @@ int hp_score_head(const hp_part *part, const float *x, int M, int K, const int64
                   int64_t *rank, int64_t *top_ids, float *top_lp, int nthreads) {
     if (!parts_valid(part, 1, K) || k < 0) return -1;
     if (M <= 0) return 0;
-    const int nseg = (part->n + SEG_COLS - 1) / SEG_COLS, need32 = !k_family(part->qtype), needk = !need32;
-    const size_t cells = (size_t)M * nseg, tops = cells * (size_t)(k > 0 ? k : 1);
-    xquant x32, xk;
-    const int okx = xquant_alloc(&x32, M, K) & xquant_alloc(&xk, M, K);
-    seg_stat *st = malloc(cells * sizeof *st);
-    int64_t *sids = malloc(tops * sizeof *sids);
-    float *svals = malloc(tops * sizeof *svals), *chosen = malloc((size_t)M * sizeof *chosen);
-    int fail = !(okx && st && sids && svals && chosen);
+    score_job j = {.part = part, .M = M, .K = K, .k = k, .nseg = (part->n + SEG_COLS - 1) / SEG_COLS,
+                   .targets = targets};
+    int fail = !job_alloc(&j);
     if (!fail) {
         #pragma omp parallel num_threads(nthreads)
         {
-            float *buf = aligned_alloc(64, (size_t)SEG_ROWS * SEG_COLS * sizeof(float));
-            float one[G] __attribute__((aligned(64)));
-            xquant_rows(x, NULL, M, K, need32, needk, &x32, &xk);
-            #pragma omp for schedule(static)
-            for (int m = 0; m < M; m++) {
-                i8_group_rows(part, (int)(targets[m] / G), G, K, m, m + 1, &x32, &xk, one);
-                chosen[m] = one[targets[m] % G];
-            }
-            #pragma omp for schedule(static)
-            for (int s = 0; s < nseg; s++) {
-                if (!buf) {
-                    #pragma omp atomic write
-                    fail = 1;
-                    continue;
-                }
-                score_segment(part, s, M, K, &x32, &xk, chosen, k, nseg, buf, st, sids, svals);
-            }
-            amx_release();
-            free(buf);
+            score_team(&j, x, &fail);
             if (!fail) {
                 #pragma omp for schedule(static)
                 for (int m = 0; m < M; m++) {
-                    const size_t at = (size_t)m * nseg;
-                    merge_row(st + at, nseg, sids + at * k, svals + at * k, k, chosen[m], lp + m, rank + m,
-                              top_ids + (size_t)m * k, top_lp + (size_t)m * k);
+                    const size_t at = (size_t)m * j.nseg;
+                    merge_row(j.st + at, j.nseg, j.sids + at * k, j.svals + at * k, k, j.chosen[m], lp + m,
+                              rank + m, top_ids + (size_t)m * k, top_lp + (size_t)m * k);
                 }
             }
         }
     }
-    xquant_free(&x32);
-    xquant_free(&xk);
-    free(st);
-    free(sids);
-    free(svals);
-    free(chosen);
+    job_free(&j);
     return fail ? -2 : 0;
 }
