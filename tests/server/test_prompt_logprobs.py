@@ -91,3 +91,37 @@ def test_echo_then_generated_tokens_and_prompt_logprobs_in_vllms_shape(srv, refe
 def test_what_cannot_be_honoured_is_a_400(srv, path, body, param):
     r = httpx.post(srv.v1 + path, json={"model": "tiny", **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_echo_on_the_default_models_int8_head_is_the_score_of_its_logits(monkeypatch):
+    """The default model's int8 head scores an echoed prompt without making the logits
+    (kernels/scores.score_head): over HTTP, through the openai client, the logprobs, ranks' top
+    tokens and text of the logits path (the same engine scoring from logits, in process) to
+    float rounding."""
+    from hotprefix.engine.llm import LLM
+    from hotprefix.model import scoring
+    from hotprefix.model.default_model import default_model_path
+    from hotprefix.sampling_params import SamplingParams
+
+    prompt = PROMPT * 12  # ~200 tokens: two AMX tiles of positions and more
+    with monkeypatch.context() as m:
+        m.setattr(scoring.PromptScorer, "on_head", lambda self, hidden: False)
+        llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False)
+        ids = llm.engine.tokenize(prompt)
+        (ref,) = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))
+        llm.close()
+    s = start_server(default_model_path())
+    try:
+        assert s.engine.runner.scorer.on_head(torch.zeros(1, 1))  # the server scores on its head
+        client = openai.OpenAI(base_url=s.v1, api_key="x", max_retries=0)
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == prompt and len(lp.token_logprobs) == len(ids) > 160
+        want = [e.sampled.logprob for e in ref.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-4
+        for pos, e in enumerate(ref.prompt_logprobs[1:], 1):
+            assert list(lp.top_logprobs[pos]) == [s.async_engine.token_text(a.token_id) for a in e.top]
+        assert s.engine.runner.scorer.buffer is None  # no logits were made
+        s.check_drained()
+    finally:
+        s.stop()
