@@ -210,3 +210,32 @@ def test_score_head_refuses_what_it_cannot_read(libs):
     with pytest.raises(ValueError):
         scores.score_head(x.double(), head, t, 1, libs[0])
     assert [v.shape for v in scores.score_head(x[:0], head, t[:0], 2, libs[0])] == [(0,), (0,), (0, 2), (0, 2)]
+
+
+def test_a_last_segment_narrower_than_k_and_targets_in_it(libs):
+    """V = 2,050: the last segment holds 2 logits, fewer than k = 5: its top list is short and
+    the merge takes the rest from the segments before it."""
+    w, _ = packed("Q8_0", 2050, 256, seed=5)
+    head = w.regrouped(libs[0])
+    g = torch.Generator().manual_seed(6)
+    x, t = torch.randn(40, 256, generator=g), torch.randint(0, 2050, (40,), generator=g)
+    t[:4] = torch.tensor([2048, 2049, 2047, 0])
+    logits = ops.qmatmul(x, head, libs[0])
+    lp, rank, top_ids, top_lp = scores.score_head(x, head, t, 5, libs[0])
+    _, want_rank, want_ids, want_lp = scores.score_rows(logits, t, 5, libs[0])
+    assert torch.equal(rank, want_rank) and torch.equal(top_ids, want_ids)
+    assert float((top_lp - want_lp).abs().max()) < 1e-4
+
+
+def test_the_c_side_refuses_a_target_or_k_past_the_head(libs):
+    """hp_score_head checks what its wrapper checks (a target outside the vocabulary would
+    index a group past the head): -1, nothing written."""
+    head, _ = tied_head("Q8_0", libs[0])
+    x = torch.randn(2, 256)
+    outs = [torch.full((2,), 7.0), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64),
+            torch.zeros(2, 1)]
+    for targets, k in (([0, 2100], 1), ([-1, 0], 1), ([0, 1], 2101), ([0, 1], -1)):
+        t = torch.tensor(targets, dtype=torch.int64)
+        rc = libs[0].hp_score_head(head.part_table, x.data_ptr(), 2, 256, t.data_ptr(), k,
+                                   *(o.data_ptr() for o in outs), 1)
+        assert rc == -1 and outs[0].tolist() == [7.0, 7.0]

@@ -23,12 +23,12 @@
 #pragma GCC target("prefer-vector-width=512")
 #endif
 
-/* e^x for x <= 0 (below -87: e^-87), exp_nonpos's steps with each multiply-add one fused
+/* e^x for x <= 0 (below -87, or NaN: e^-87), exp_nonpos's steps with each multiply-add one fused
  * step: fmaf rounds once on every build (an FMA instruction, else the C library's), so the
  * same bits everywhere, in ~16 vector operations where exp_nonpos takes ~25 (the scoring
  * sums are most of a score's time after the head's product). */
 static inline float exp_fma(float x) {
-    x = x < -87.0f ? -87.0f : x;
+    x = !(x >= -87.0f) ? -87.0f : x;  /* NaN too: its integer conversion below would be undefined */
     const float n = nearbyintf(x * 1.44269504088896341f);
     const float r = fmaf(-n, 1.428606765330187e-06f, fmaf(-n, 0.693145751953125f, x));
     float p = 1.0f / 5040.0f;
@@ -158,7 +158,8 @@ static void seg_row(const float *y, int cols, float t, int k, int64_t id0, seg_s
             for (int i = 0; i < 16; i++) hit |= y[v + i] == m;
             if (hit) break;
         }
-        while (v < cols - 1 && !(y[v] == m)) v++;
+        while (v < cols && !(y[v] == m)) v++;
+        if (v == cols) v = 0;  /* no logit equals the max (all NaN): row_top's first entry */
         ids[0] = id0 + v;
         vals[0] = y[v];
         st->ntop = 1;
@@ -284,10 +285,12 @@ static void score_team(score_job *j, const float *x, int *fail) {
  * logprob and rank, the k largest logits' ids and logprobs), without the [M, V] logits. The
  * target's logit is its group's product for the row alone (the VNNI kernels: the same bits as
  * a tile's, issue 40). Each row's result is the same bits whatever M and the threads. Returns 0;
- * -1 for an invalid part or k; -2 when out of memory. */
+ * -1 for an invalid part, k or target; -2 when out of memory. */
 int hp_score_head(const hp_part *part, const float *x, int M, int K, const int64_t *targets, int k, float *lp,
                   int64_t *rank, int64_t *top_ids, float *top_lp, int nthreads) {
-    if (!parts_valid(part, 1, K) || k < 0) return -1;
+    if (!parts_valid(part, 1, K) || k < 0 || k > part->n) return -1;
+    for (int m = 0; m < M; m++)
+        if (targets[m] < 0 || targets[m] >= part->n) return -1;
     if (M <= 0) return 0;
     score_job j = {.part = part, .M = M, .K = K, .k = k, .nseg = (part->n + SEG_COLS - 1) / SEG_COLS,
                    .targets = targets};
