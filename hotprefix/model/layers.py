@@ -202,14 +202,19 @@ def block_logits(hidden: torch.Tensor, blocks: Blocks | None, out: torch.Tensor 
     return ops.qmatmul(hidden, blocks, out=out if fits else None)  # [N, n]
 
 
+def blocks_score(hidden: torch.Tensor, blocks: Blocks | None) -> bool:
+    """Whether block_scores scores hidden on these blocks: an int8 head (kernels.scores.
+    scores_on_head) and hidden float32 on the CPU."""
+    return (blocks is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+            and scores_on_head(blocks))
+
+
 def block_scores(hidden: torch.Tensor, blocks: Blocks | None, targets: torch.Tensor, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """sampler.score_rows' scores of block_logits(hidden, blocks) with targets [N], made
-    without the [N, n] logits (kernels.scores.score_head) where the blocks are an int8 head and hidden
-    float32 on the CPU: (lp [N], rank [N], top_ids [N, k], top_lp [N, k]); else None."""
-    if blocks is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not scores_on_head(blocks):
-        return None
-    return score_head(hidden, blocks, targets, k)
+    without the [N, n] logits (kernels.scores.score_head) where blocks_score(hidden, blocks):
+    (lp [N], rank [N], top_ids [N, k], top_lp [N, k]); else None."""
+    return score_head(hidden, blocks, targets, k) if blocks_score(hidden, blocks) else None
 
 
 def take_embedding(ws: WeightSet, name: str, table: torch.Tensor | None) -> Embedding:

@@ -11,8 +11,7 @@ from collections.abc import Callable
 import torch
 
 from hotprefix.core.outputs import ModelRunnerOutput, SchedulerOutput
-from hotprefix.model.kernels.scores import scores_on_head
-from hotprefix.model.layers import block_scores
+from hotprefix.model.layers import block_scores, blocks_score
 from hotprefix.model.parallel import Parallel
 from hotprefix.model.sampler import logprob_entries, score_rows
 from hotprefix.sampling_params import TokenLogprobs
@@ -62,9 +61,7 @@ class PromptScorer:
     def on_head(self, hidden: torch.Tensor) -> bool:
         """Whether hidden's rows are scored on the head's blocks without making their logits
         (an int8 head on the CPU, one rank) rather than from logits."""
-        blocks = self.model.logits_blocks
-        return (self.parallel.size == 1 and blocks is not None and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and scores_on_head(blocks))
+        return self.parallel.size == 1 and blocks_score(hidden, self.model.logits_blocks)
 
     def _entries(self, hidden: torch.Tensor, rows: slice, targets: list[int], k: int, on_head: bool
                  ) -> list[TokenLogprobs]:
