@@ -7,7 +7,7 @@
  * many rows are scored together and on every build.
  *
  * hp_score_head scores rows of hidden states on the head's int8 blocks without writing their
- * logits out: segments of SEG_COLS logits (of SEG_ROWS rows: 256 KB, in L2) are made by the
+ * logits out: segments of SEG_COLS logits (of SEG_ROWS rows: 512 KB, in L2) are made by the
  * head's own group kernels, each row's statistics taken per segment while they are in cache,
  * and the segments combined in order. */
 #include <math.h>
@@ -77,20 +77,25 @@ static float row_sum_exp(const float *x, int V, float m, float above, int64_t *n
     return part[0];
 }
 
-/* logits x[v0 .. v1) into the k largest so far (n of them, largest first; ties: the
- * lower token id first); returns the new n */
-static int top_insert(const float *x, int v0, int v1, int k, int n, int64_t *ids, float *vals) {
-    for (int v = v0; v < v1; v++) {
-        if (n == k && !(x[v] > vals[k - 1])) continue;
-        int j = n < k ? n++ : k - 1;
-        while (j > 0 && x[v] > vals[j - 1]) {
-            vals[j] = vals[j - 1];
-            ids[j] = ids[j - 1];
-            j--;
-        }
-        vals[j] = x[v];
-        ids[j] = v;
+/* (x, id) into the k largest so far (n of them, largest first; an equal value after those
+ * held: callers bring equal values in ascending id order, so ties keep the lower id first);
+ * the new n */
+static int top_add(float x, int64_t id, int k, int n, int64_t *ids, float *vals) {
+    if (n == k && !(x > vals[k - 1])) return n;
+    int j = n < k ? n++ : k - 1;
+    while (j > 0 && x > vals[j - 1]) {
+        vals[j] = vals[j - 1];
+        ids[j] = ids[j - 1];
+        j--;
     }
+    vals[j] = x;
+    ids[j] = id;
+    return n;
+}
+
+/* logits x[v0 .. v1) into the k largest so far (top_add, token v's id v); returns the new n */
+static int top_insert(const float *x, int v0, int v1, int k, int n, int64_t *ids, float *vals) {
+    for (int v = v0; v < v1; v++) n = top_add(x[v], v, k, n, ids, vals);
     return n;
 }
 
@@ -168,21 +173,6 @@ static void seg_row(const float *y, int cols, float t, int k, int64_t id0, seg_s
         st->ntop = k < cols ? k : cols;
         for (int j = 0; j < st->ntop; j++) ids[j] += id0;
     }
-}
-
-/* (x, id) into the k largest so far (n of them, largest first; an equal value after those
- * held: the segments come in token order, so ties keep the lower id first); the new n */
-static int top_add(float x, int64_t id, int k, int n, int64_t *ids, float *vals) {
-    if (n == k && !(x > vals[k - 1])) return n;
-    int j = n < k ? n++ : k - 1;
-    while (j > 0 && x > vals[j - 1]) {
-        vals[j] = vals[j - 1];
-        ids[j] = ids[j - 1];
-        j--;
-    }
-    vals[j] = x;
-    ids[j] = id;
-    return n;
 }
 
 /* a row's result from its nseg segments, combined in order: the log-sum-exp
