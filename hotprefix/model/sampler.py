@@ -80,9 +80,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         vals, ids = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
         over = (torch.cumsum(vals, 0) - vals) >= top_p  # mass strictly before each token
         over[0] = False
-        if k == n or bool(over.any()):
-            return ids[:int(torch.argmax(over.to(torch.int8)))] if bool(over.any()) else ids
-    raise AssertionError("unreachable: the last try is the whole row")
+        if bool(over.any()):
+            return ids[:int(torch.argmax(over.to(torch.int8)))]
+    return ids  # the whole row's mass is short of top_p: every token
 
 
 def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
