@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void group_vnni(
     const int ub = unit_bytes(qtype), co = codes_offset(qtype);
     /* signed 8-bit codes are made unsigned (q + 128) for vpdpbusd, so subtract 128 * sum(xq) */
     const int32_t off = qtype == Q4_0 ? 8 : signed_codes(qtype) ? 128 : 0;
-    __m512 acc[MT];
+    __m512 acc[8];  /* MT <= 8 (Q32_MT): fixed sizes, not VLAs, so they live in registers, not on the stack */
     for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = gp + (size_t)b * ub;
@@ -74,14 +74,17 @@ static inline __attribute__((always_inline)) void group_vnni(
         } else {
             nibble_codes(u + co, W);
         }
-        for (int m = 0; m < MT; m++) {
-            const int8_t *xb = xq + (size_t)m * K + b * QK;
-            __m512i a = _mm512_set1_epi32(-off * xsum[m * nb + b]);
-            for (int i = 0; i < 8; i++) {
-                int32_t v; memcpy(&v, xb + 4 * i, 4);
-                a = _mm512_dpbusd_epi32(a, W[i], _mm512_set1_epi32(v));
+        /* the rows' integer sums side by side, a 4-value slice of every row in turn: MT independent
+         * vpdpbusd chains (one row's 8 in a row wait on each other's latency); exact, so any order */
+        __m512i a[8];
+        for (int m = 0; m < MT; m++) a[m] = _mm512_set1_epi32(-off * xsum[m * nb + b]);
+        for (int i = 0; i < 8; i++)
+            for (int m = 0; m < MT; m++) {
+                int32_t v; memcpy(&v, xq + (size_t)m * K + b * QK + 4 * i, 4);
+                a[m] = _mm512_dpbusd_epi32(a[m], W[i], _mm512_set1_epi32(v));
             }
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
+        for (int m = 0; m < MT; m++) {
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
             if (has_min(qtype)) {
                 const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(u + 32)));
                 acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
