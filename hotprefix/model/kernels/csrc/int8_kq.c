@@ -95,14 +95,14 @@ static inline __attribute__((always_inline)) void kq6_unit_vnni(
             const __m512i sce = e ? _mm512_srai_epi32(scp, 16) : _mm512_srai_epi32(_mm512_slli_epi32(scp, 16), 16);
             __m512i v[4];
             kq6_codes(u, sb, v);
-            for (int m = 0; m < MT; m++) {
-                const int8_t *xs = xb + (size_t)m * K + 16 * sb;
-                __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(load_i32(xs)));
-                S = _mm512_dpbusd_epi32(S, v[1], _mm512_set1_epi32(load_i32(xs + 4)));
-                S = _mm512_dpbusd_epi32(S, v[2], _mm512_set1_epi32(load_i32(xs + 8)));
-                S = _mm512_dpbusd_epi32(S, v[3], _mm512_set1_epi32(load_i32(xs + 12)));
-                T[m] = _mm512_add_epi32(T[m], _mm512_mullo_epi32(S, sce));
-            }
+            __m512i S[8];  /* the rows' sums side by side (as int8_q32.c's group_vnni): MT independent chains */
+            for (int m = 0; m < MT; m++) S[m] = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)
+                for (int m = 0; m < MT; m++) {
+                    const int32_t xv = load_i32(xb + (size_t)m * K + 16 * sb + 4 * i);
+                    S[m] = _mm512_dpbusd_epi32(S[m], v[i], _mm512_set1_epi32(xv));
+                }
+            for (int m = 0; m < MT; m++) T[m] = _mm512_add_epi32(T[m], _mm512_mullo_epi32(S[m], sce));
         }
     }
 }
@@ -120,15 +120,15 @@ static inline __attribute__((always_inline)) void kq45_unit_vnni(
             const __m512i sce = e ? _mm512_srli_epi32(scp, 16) : _mm512_and_si512(scp, lo16);
             __m512i W[8];
             kq45_codes(qtype, u, s, W);
-            for (int m = 0; m < MT; m++) {
-                const int8_t *xs = xb + (size_t)m * K + 32 * s;
-                __m512i S = _mm512_setzero_si512();
-                for (int i = 0; i < 4; i++) {
-                    S = _mm512_dpbusd_epi32(S, W[i], _mm512_set1_epi32(load_i32(xs + 4 * i)));
-                    S = _mm512_dpbusd_epi32(S, W[i + 4], _mm512_set1_epi32(load_i32(xs + 16 + 4 * i)));
-                }
-                T[m] = _mm512_add_epi32(T[m], _mm512_mullo_epi32(S, sce));
-            }
+            __m512i S[8];  /* the rows' sums side by side (as int8_q32.c's group_vnni): MT independent chains */
+            for (int m = 0; m < MT; m++) S[m] = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)
+                for (int h = 0; h < 2; h++)
+                    for (int m = 0; m < MT; m++) {
+                        const int32_t xv = load_i32(xb + (size_t)m * K + 32 * s + 16 * h + 4 * i);
+                        S[m] = _mm512_dpbusd_epi32(S[m], W[i + 4 * h], _mm512_set1_epi32(xv));
+                    }
+            for (int m = 0; m < MT; m++) T[m] = _mm512_add_epi32(T[m], _mm512_mullo_epi32(S[m], sce));
         }
     }
 }
@@ -140,13 +140,13 @@ static inline __attribute__((always_inline)) void kgroup_vnni(
         const int qtype, const int MT, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
         const int16_t *bs, int K, float *y, int N, int nvalid, const int stream) {
     const int ub = unit_bytes(qtype);
-    __m512 acc[MT];
+    __m512 acc[8];  /* MT <= 8 (KQ_MT): fixed sizes, not VLAs */
     for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < nbk; b++) {
         const uint8_t *u = gp + (size_t)b * ub;
         const int8_t *xb = xq + (size_t)b * QKK;
         const int16_t *bsb = bs + (size_t)b * KBS;
-        __m512i T[MT];
+        __m512i T[8];
         for (int m = 0; m < MT; m++) T[m] = _mm512_setzero_si512();
         if (qtype == Q6_K) kq6_unit_vnni(MT, u, ub, xb, bsb, nbk, K, stream, T);
         else kq45_unit_vnni(qtype, MT, u, ub, xb, K, stream, T);
