@@ -78,6 +78,7 @@ static inline void prefetch_part(const uint8_t *next, int i, int n, int ub) {
 }
 
 #if defined(HP_I512)
+#define KQ_MT 8  /* the most rows of x a call takes (the kernels' fixed-size arrays hold this many) */
 /* VNNI: a Q6_K unit's integer sums per row of x into T[m] (its 16 sub-block scales applied,
  * the -32 offset of its codes taken off through the block sums of x). */
 static inline __attribute__((always_inline)) void kq6_unit_vnni(
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) void kq6_unit_vnni(
             const __m512i sce = e ? _mm512_srai_epi32(scp, 16) : _mm512_srai_epi32(_mm512_slli_epi32(scp, 16), 16);
             __m512i v[4];
             kq6_codes(u, sb, v);
-            __m512i S[8];  /* the rows' sums side by side (as int8_q32.c's group_vnni): MT independent chains */
+            __m512i S[KQ_MT];  /* the rows' sums side by side (as int8_q32.c's group_vnni): MT independent chains */
             for (int m = 0; m < MT; m++) S[m] = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++)
                 for (int m = 0; m < MT; m++) {
@@ -120,7 +121,7 @@ static inline __attribute__((always_inline)) void kq45_unit_vnni(
             const __m512i sce = e ? _mm512_srli_epi32(scp, 16) : _mm512_and_si512(scp, lo16);
             __m512i W[8];
             kq45_codes(qtype, u, s, W);
-            __m512i S[8];  /* the rows' sums side by side (as int8_q32.c's group_vnni): MT independent chains */
+            __m512i S[KQ_MT];  /* the rows' sums side by side (as int8_q32.c's group_vnni): MT independent chains */
             for (int m = 0; m < MT; m++) S[m] = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++)
                 for (int h = 0; h < 2; h++)
@@ -140,13 +141,13 @@ static inline __attribute__((always_inline)) void kgroup_vnni(
         const int qtype, const int MT, const uint8_t *gp, int nbk, const int8_t *xq, const float *dk,
         const int16_t *bs, int K, float *y, int N, int nvalid, const int stream) {
     const int ub = unit_bytes(qtype);
-    __m512 acc[8];  /* MT <= 8 (KQ_MT): fixed sizes, not VLAs */
+    __m512 acc[KQ_MT];  /* MT <= KQ_MT: fixed sizes, not VLAs */
     for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < nbk; b++) {
         const uint8_t *u = gp + (size_t)b * ub;
         const int8_t *xb = xq + (size_t)b * QKK;
         const int16_t *bsb = bs + (size_t)b * KBS;
-        __m512i T[8];
+        __m512i T[KQ_MT];
         for (int m = 0; m < MT; m++) T[m] = _mm512_setzero_si512();
         if (qtype == Q6_K) kq6_unit_vnni(MT, u, ub, xb, bsb, nbk, K, stream, T);
         else kq45_unit_vnni(qtype, MT, u, ub, xb, K, stream, T);
@@ -156,7 +157,6 @@ static inline __attribute__((always_inline)) void kgroup_vnni(
     for (int m = 0; m < MT; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
 }
 
-#define KQ_MT 8
 #define KQ_KERNEL kgroup_vnni
 #elif defined(HP_I256)
 /* A lane pair (s0, s1) of int16 -> (s_e, s_e) in both halves of every 32-bit lane. */

@@ -55,6 +55,7 @@ static __attribute__((unused)) void group_c(int qtype, const uint8_t *gp, int nb
 }
 
 #if defined(HP_I512)
+#define Q32_MT 8  /* the most rows of x a call takes (the kernels' fixed-size arrays hold this many) */
 /* VNNI: the 16 rows of a group are the 16 lanes; MT rows of x share each weight vector. */
 static inline __attribute__((always_inline)) void group_vnni(
         const int qtype, const int MT, const uint8_t *gp, int nb, const int8_t *xq, const float *dx,
@@ -62,7 +63,7 @@ static inline __attribute__((always_inline)) void group_vnni(
     const int ub = unit_bytes(qtype), co = codes_offset(qtype);
     /* signed 8-bit codes are made unsigned (q + 128) for vpdpbusd, so subtract 128 * sum(xq) */
     const int32_t off = qtype == Q4_0 ? 8 : signed_codes(qtype) ? 128 : 0;
-    __m512 acc[8];  /* MT <= 8 (Q32_MT): fixed sizes, not VLAs, so they live in registers, not on the stack */
+    __m512 acc[Q32_MT];  /* MT <= Q32_MT: fixed sizes, not VLAs, so they live in registers, not on the stack */
     for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *u = gp + (size_t)b * ub;
@@ -76,7 +77,7 @@ static inline __attribute__((always_inline)) void group_vnni(
         }
         /* the rows' integer sums side by side, a 4-value slice of every row in turn: MT independent
          * vpdpbusd chains (one row's 8 in a row wait on each other's latency); exact, so any order */
-        __m512i a[8];
+        __m512i a[Q32_MT];
         for (int m = 0; m < MT; m++) a[m] = _mm512_set1_epi32(-off * xsum[m * nb + b]);
         for (int i = 0; i < 8; i++)
             for (int m = 0; m < MT; m++) {
@@ -95,7 +96,6 @@ static inline __attribute__((always_inline)) void group_vnni(
     for (int m = 0; m < MT; m++) _mm512_mask_storeu_ps(y + (size_t)m * N, keep, acc[m]);
 }
 
-#define Q32_MT 8
 #define Q32_KERNEL group_vnni
 #elif defined(HP_I256)
 /* AVX2 without VNNI: the 16 rows of a group as two halves of 8 int32 lanes. vpmaddubsw
